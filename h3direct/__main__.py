@@ -1,0 +1,3 @@
+from h3direct.cli import main
+
+raise SystemExit(main())
