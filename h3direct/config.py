@@ -48,11 +48,6 @@ class H3Config:
                 raise ConfigError(f"config field {name} must be a positive integer, got {v!r}")
         if self.token_refiner_num_layers < 0:
             raise ConfigError(f"token_refiner_num_layers must be >= 0, got {self.token_refiner_num_layers}")
-        if self.num_attention_heads * self.attention_head_dim != self.hidden_size:
-            # ComfyUI's model allows inner != hidden in principle; every H3 checkpoint has them equal
-            raise ConfigError(
-                f"num_attention_heads × attention_head_dim = {self.num_attention_heads}×{self.attention_head_dim}"
-                f" = {self.num_attention_heads * self.attention_head_dim} != hidden_size {self.hidden_size}")
         if self.rope_dim > self.attention_head_dim:
             raise ConfigError(f"rope rotates 6×rope_inv_freq_len = {self.rope_dim} dims, wider than a head "
                               f"({self.attention_head_dim})")

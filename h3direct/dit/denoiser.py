@@ -1,0 +1,88 @@
+"""The sampler-facing side of the DiT, as ComfyUI's `MiniMaxH3Model.forward` + `BaseModel._apply_model`.
+
+Sampler space: ComfyUI samples the packed (video, audio) latent on the *video* schedule and carries the
+audio stream scaled by audio_scale = shift_video / shift_audio (12 / 3 = 4). The model call:
+
+1. x is cast to the compute dtype; timestep = 1000·σ (float32);
+2. the carried audio is brought back to its own σ_a: audio · (σ_a / σ_v);
+3. the inner forward returns (−v_video, −v_audio);
+4. the audio output is mapped back to the carried variable:
+   out_a ← (1 − scale)·audio_own + (1 + (scale − 1)·σ_a)·out_a;
+5. x0 = x − out·σ (float32), per stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from h3direct.dit.attention import DEFAULT_BACKEND
+from h3direct.dit.model import Conditioning, H3DiT
+from h3direct.dit.timesteps import sigma_from_timestep, time_shift_sigma
+
+
+def audio_scale_of(model: H3DiT) -> float:
+    return model.config.sigma_shift_video / model.config.sigma_shift_audio
+
+
+def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
+                  context: torch.Tensor, cond: Conditioning, *, audio_scale: float,
+                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None):
+    """ComfyUI's MiniMaxH3Model.forward: sampler-space (carried) audio in and out."""
+    carried = audio
+    if audio_scale != 1.0:
+        c = model.config
+        sigma_v = sigma_from_timestep(timestep)
+        sigma_a = time_shift_sigma(sigma_v, c.sigma_shift_video, c.sigma_shift_audio)
+        carry = (sigma_a / sigma_v).to(audio.dtype)
+        audio = carried * carry
+    model._record("dit_inner.in.video", video)
+    model._record("dit_inner.in.audio", audio)
+    model._record("dit_inner.in.timestep", timestep)
+    model._record("dit_inner.in.context", context)
+    out_v, out_a = model.forward_inner(video, audio, timestep, context, cond, backend=backend,
+                                       mlp_chunks=mlp_chunks, layout=layout)
+    model._record("dit_inner.out.video", out_v)
+    model._record("dit_inner.out.audio", out_a)
+    if audio_scale != 1.0:
+        out_a = (1.0 - audio_scale) * (carried * carry) + (1.0 + (audio_scale - 1.0) * sigma_a).to(out_a.dtype) * out_a
+    return out_v, out_a
+
+
+@dataclass
+class Denoiser:
+    """x0 prediction of one model call, in the sampler's space: `denoiser(x_video, x_audio, sigma)`."""
+
+    model: H3DiT
+    context: torch.Tensor  # [1, L, hidden] refined text (preprocess_text output), compute dtype
+    cond: Conditioning
+    audio_scale: float
+    backend: str = DEFAULT_BACKEND
+    mlp_chunks: int = 1
+
+    def __post_init__(self):
+        self._layout = None
+
+    def __call__(self, x_video: torch.Tensor, x_audio: torch.Tensor, sigma: torch.Tensor):
+        m = self.model
+        dtype = m.compute_dtype
+        sigma = sigma.reshape(-1)[:1].float()
+        timestep = (sigma * 1000.0).float()
+        v_in, a_in = x_video.to(dtype), x_audio.to(dtype)
+        m._record("dit_forward.in.video", v_in)
+        m._record("dit_forward.in.audio", a_in)
+        m._record("dit_forward.in.timestep", timestep)
+        with torch.no_grad():
+            if self._layout is None:
+                self._layout = m.layout_for(self.context.shape[1], v_in, a_in, self.cond)
+            out_v, out_a = model_forward(m, v_in, a_in, timestep, self.context, self.cond,
+                                         audio_scale=self.audio_scale, backend=self.backend,
+                                         mlp_chunks=self.mlp_chunks, layout=self._layout)
+        m._record("dit_forward.out.video", out_v)
+        m._record("dit_forward.out.audio", out_a)
+        s = sigma.reshape(1, *([1] * (x_video.ndim - 1)))
+        x0_v = x_video - out_v.float() * s
+        x0_a = x_audio - out_a.float() * sigma.reshape(1, *([1] * (x_audio.ndim - 1)))
+        return x0_v, x0_a
+

@@ -1,0 +1,171 @@
+"""H3DiT: the MiniMax H3 audio-video DiT. Module paths are ComfyUI's checkpoint keys.
+
+`forward_inner` is ComfyUI's `MiniMaxH3Model._forward`: stream-level latents in (audio at its own σ_a),
+raw model outputs out ([−v_video, −v_audio]). The sampler-facing wrapper (audio carry, x0) is
+`h3direct.dit.denoiser`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from h3direct.config import H3Config
+from h3direct.dit.attention import DEFAULT_BACKEND
+from h3direct.dit.blocks import DiTBlock, FinalLayer, TokenRefiner
+from h3direct.dit.embed import (TimeEmbedder, condition_rows, curve_embedding, pack_audio, patchify_video,
+                                unpack_audio, unpatchify_video)
+from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
+from h3direct.dit.linear import Linear
+from h3direct.dit.rope import rope_angles, rotation_table
+from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, plan_timesteps
+
+
+@dataclass
+class Conditioning:
+    """What ComfyUI's `minimax_payload` carries into the DiT (tensors on any device).
+
+    keyframes: [{resolved_frame_index, latent [1,C,t,h,w] | None, audio_latent [1,C,2,t] | None}]
+    refs:      [{kind: image|video|video_audio|audio, latent_t, latent_h, latent_w, ref_audio_t,
+                 latent [1,C,t,h,w] (not for audio), audio_latent [1,C,2,t] | None}]
+    """
+
+    text_token_tags: torch.Tensor | None = None
+    keyframes: list[dict] = field(default_factory=list)
+    refs: list[dict] = field(default_factory=list)
+    seed: int = 0
+    visual_cond_noise_aug: float = VISUAL_COND_TIMESTEP
+    audio_cond_noise_aug: float = AUDIO_COND_TIMESTEP
+
+    def cond_video_latents(self) -> list[torch.Tensor]:
+        return ([kf["latent"] for kf in self.keyframes if kf.get("latent") is not None]
+                + [r["latent"] for r in self.refs if r.get("latent") is not None])
+
+    def cond_audio_latents(self) -> list[torch.Tensor]:
+        return ([kf["audio_latent"] for kf in self.keyframes if kf.get("audio_latent") is not None]
+                + [r["audio_latent"] for r in self.refs if r.get("audio_latent") is not None])
+
+
+class H3DiT(nn.Module):
+    def __init__(self, config: H3Config):
+        super().__init__()
+        c = self.config = config
+        curve = c.is_curve
+        self.video_patch_proj = Linear(c.video_patch_dim, c.hidden_size, island=True)
+        self.audio_patch_proj = Linear(c.audio_latents_dim, c.hidden_size, island=True)
+        self.condition_proj = Linear(c.text_dim, c.hidden_size)
+        if curve:
+            self.register_buffer("adaln_t_table", torch.empty(c.adaln_curve_grid, c.time_embed_dim))
+        else:
+            self.time_embedder = TimeEmbedder(c.timestep_input_dim, c.time_embed_hidden_size, c.time_embed_dim)
+        self.rope = nn.Module()
+        self.rope.register_buffer("inv_freq", torch.empty(c.rope_inv_freq_len))
+        self.token_refiner = TokenRefiner(c.token_refiner_num_layers, c.hidden_size, c.num_attention_heads,
+                                          c.attention_head_dim, c.ffn_hidden_size, c.norm_eps, c.qk_norm_eps,
+                                          c.final_norm_eps)
+        self.blocks = nn.ModuleList(
+            DiTBlock(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.ffn_hidden_size,
+                     c.time_embed_dim, c.norm_eps, c.qk_norm_eps, curve) for _ in range(c.num_layers))
+        self.final_layer = FinalLayer(c.hidden_size, c.time_embed_dim, c.video_patch_dim, c.audio_latents_dim,
+                                      c.final_norm_eps, curve)
+        self.compute_dtype = torch.float32  # set by the loader
+        self.tracer = None
+
+    # ---- text ------------------------------------------------------------------------------
+    def preprocess_text(self, text_states: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+        """[1, L, text_dim] Qwen3-VL layer-50 states -> [1, L, hidden] refined (once per sampling run)."""
+        if text_states.shape[-1] == self.config.hidden_size:
+            return text_states  # ComfyUI treats hidden-sized states as already refined
+        x = text_states[0].to(self.compute_dtype)
+        return self.token_refiner(self.condition_proj(x), backend=backend).unsqueeze(0)
+
+    # ---- pieces of the forward -------------------------------------------------------------
+    def layout_for(self, context_len: int, video: torch.Tensor, audio: torch.Tensor,
+                   cond: Conditioning) -> PackedLayout:
+        t, h, w = video.shape[2], video.shape[3], video.shape[4]
+        return build_layout(context_len, t, h + h % 2, w + w % 2, audio.shape[-1],
+                            keyframes=cond.keyframes, refs=cond.refs)
+
+    def time_embedding(self, values: list[float], device) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float32, device=device)
+        if self.config.is_curve:
+            return curve_embedding(self.adaln_t_table.to(device), t)
+        return self.time_embedder(t).to(self.compute_dtype)
+
+    def embed_rows(self, layout: PackedLayout, video: torch.Tensor, audio: torch.Tensor, context: torch.Tensor,
+                   cond: Conditioning) -> torch.Tensor:
+        """The packed hidden states [S, hidden] in the compute dtype."""
+        device, dtype = video.device, self.compute_dtype
+        video_rows = patchify_video(video.float(), self.config.patch_size)
+        audio_rows = pack_audio(audio.float())
+        cond_v, cond_a = condition_rows(cond.cond_video_latents(), cond.cond_audio_latents(), seed=int(cond.seed),
+                                        visual_keep=float(cond.visual_cond_noise_aug),
+                                        audio_keep=float(cond.audio_cond_noise_aug), device=device,
+                                        patch=self.config.patch_size)
+        # condition rows precede the target rows of the same modality, segment order
+        all_video = video_rows if cond_v is None else torch.cat([cond_v, video_rows])
+        all_audio = audio_rows if cond_a is None else torch.cat([cond_a, audio_rows])
+        video_embed = self.video_patch_proj(all_video).to(dtype)
+        audio_embed = self.audio_patch_proj(all_audio).to(dtype)
+
+        h = torch.empty(layout.seq_len, self.config.hidden_size, dtype=dtype, device=device)
+        vo = ao = 0
+        for seg in layout.segments:
+            if seg.kind == "text":
+                h[seg.start:seg.stop] = context[0]
+            elif seg.kind in VIDEO_KINDS:
+                h[seg.start:seg.stop] = video_embed[vo:vo + seg.rows]
+                vo += seg.rows
+            elif seg.kind in AUDIO_KINDS:
+                h[seg.start:seg.stop] = audio_embed[ao:ao + seg.rows]
+                ao += seg.rows
+        if vo != video_embed.shape[0] or ao != audio_embed.shape[0]:
+            raise ValueError(f"conditioning latents give {video_embed.shape[0]} video / {audio_embed.shape[0]} "
+                             f"audio rows, layout expects {vo} / {ao}: refs/keyframes and latents disagree")
+        return h
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward_inner(self, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
+                      context: torch.Tensor, cond: Conditioning | None = None, *,
+                      backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1,
+                      layout: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ComfyUI's `_forward`. video [1,C,T,H,W], audio [1,Ca,2,Ta] (own σ_a), timestep [1] = 1000·σ_v,
+        context [1, L, hidden] refined text -> (−v_video, −v_audio) in the inputs' dtypes."""
+        cond = cond or Conditioning()
+        c = self.config
+        orig_t, orig_h, orig_w = video.shape[2:]
+        if video.shape[0] != 1:
+            raise ValueError("H3 supports batch size 1")
+        ph, pw = c.patch_size[1], c.patch_size[2]
+        pad = (0, (pw - orig_w % pw) % pw, 0, (ph - orig_h % ph) % ph, 0, 0)
+        video_p = F.pad(video, pad, mode="circular") if any(pad) else video
+        if context.shape[-1] != c.hidden_size:
+            context = self.preprocess_text(context, backend=backend)
+        if layout is None or layout.signature != (context.shape[1], *video_p.shape[2:], audio.shape[-1]):
+            layout = self.layout_for(context.shape[1], video_p, audio, cond)
+        self._record("layout.position_ids", layout.position_ids)
+
+        plan = plan_timesteps(layout, timestep, shift_video=c.sigma_shift_video, shift_audio=c.sigma_shift_audio,
+                              text_tags=cond.text_token_tags, visual_cond_aug=cond.visual_cond_noise_aug,
+                              audio_cond_aug=cond.audio_cond_noise_aug)
+        device = video.device
+        h = self.embed_rows(layout, video_p, audio, context, cond)
+        t_emb = self.time_embedding(plan.values, device)
+        rope_table = rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)),
+                                    self.compute_dtype)
+        for block in self.blocks:
+            h = block(h, t_emb, plan.runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
+
+        vs, aseg = layout.segment("video"), layout.segment("audio")
+        v, a = self.final_layer(h, t_emb, (vs.start, vs.stop, plan.video_row), (aseg.start, aseg.stop, plan.audio_row))
+        t, hp, wp = video_p.shape[2], video_p.shape[3] // ph, video_p.shape[4] // pw
+        video_out = unpatchify_video(v, t, hp, wp, c.latents_dim, c.patch_size)[:, :, :orig_t, :orig_h, :orig_w]
+        audio_out = unpack_audio(a)
+        return -video_out.to(video.dtype), -audio_out.to(audio.dtype)
+
+    def _record(self, name, tensor):
+        if self.tracer is not None:
+            self.tracer.record(name, tensor)

@@ -1,0 +1,77 @@
+"""One denoiser evaluation from an inputs file, as the oracle traces record it.
+
+ComfyUI path reproduced (see ../shared/oracle/README.md "What one trace is"): packed sampler latent with
+the audio carried ×audio_scale (`process_latent_in`), x = σ·noise + (1 − σ)·latent_image, an optional
+denoise mask (KSamplerX0Inpaint: x·m + noise_scaling(σ, noise, latent)·(1 − m) in, out·m + latent·(1 − m)
+out), one model call, x0 = x − out·σ, and `sample_out` = x0 with the audio un-carried.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from h3direct.dit.attention import DEFAULT_BACKEND
+from h3direct.dit.denoiser import Denoiser, audio_scale_of
+from h3direct.dit.model import Conditioning, H3DiT
+from h3direct.inputs import H3Inputs
+
+
+def conditioning_of(inputs: H3Inputs) -> Conditioning:
+    tags = inputs.tensors.get(inputs.meta.get("token_tags", "token_tags"))
+    return Conditioning(text_token_tags=tags, keyframes=inputs.keyframes, refs=inputs.refs, seed=inputs.seed)
+
+
+def expand_mask(mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A [1, 1, …] mask resized to a latent's spatial size and repeated over channels (ComfyUI reshape_mask)."""
+    dims = len(shape) - 2
+    mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[dims]
+    if dims == 2:
+        mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])
+    elif dims == 3 and mask.ndim < 5:
+        mask = mask.reshape(1, 1, -1, mask.shape[-2], mask.shape[-1])
+    mask = F.interpolate(mask.float(), size=tuple(shape[2:]), mode=mode)
+    if mask.shape[1] < shape[1]:
+        mask = mask.repeat((1, shape[1]) + (1,) * dims)[:, : shape[1]]
+    return mask
+
+
+def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1,
+             device="cpu") -> dict[str, torch.Tensor]:
+    """Returns {name: tensor} for the sampler-level records; the model's tracer (if any) gets the rest."""
+    record = model._record
+    scale = audio_scale_of(model)
+    text = inputs["text_states"].to(device)
+    context = model.preprocess_text(text, backend=backend)
+    cond = conditioning_of(inputs)
+    denoiser = Denoiser(model, context, cond, scale, backend=backend, mlp_chunks=mlp_chunks)
+
+    sigma = torch.tensor([inputs.sigma], dtype=torch.float32)
+    if "sigma" in inputs.tensors:
+        sigma = inputs["sigma"].reshape(-1)[:1].float()
+    sigma = sigma.to(device)
+    lat_v = inputs["video_latent"].float().to(device)
+    lat_a = inputs["audio_latent"].float().to(device) * scale  # process_latent_in carries the audio
+    noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
+    x_v = sigma * noise_v + (1.0 - sigma) * lat_v
+    x_a = sigma * noise_a + (1.0 - sigma) * lat_a
+    record("sampler.x_in.video", x_v)
+    record("sampler.x_in.audio", x_a)
+
+    masks = None
+    if inputs.denoise_mask:
+        masks = (expand_mask(inputs.denoise_mask["video"].to(device), lat_v.shape),
+                 expand_mask(inputs.denoise_mask["audio"].to(device), lat_a.shape))
+        x_v = x_v * masks[0] + (sigma * noise_v + (1.0 - sigma) * lat_v) * (1.0 - masks[0])
+        x_a = x_a * masks[1] + (sigma * noise_a + (1.0 - sigma) * lat_a) * (1.0 - masks[1])
+    x0_v, x0_a = denoiser(x_v, x_a, sigma)
+    if masks is not None:
+        x0_v = x0_v * masks[0] + lat_v * (1.0 - masks[0])
+        x0_a = x0_a * masks[1] + lat_a * (1.0 - masks[1])
+    record("sampler.denoised.video", x0_v)
+    record("sampler.denoised.audio", x0_a)
+    out = {"sampler.denoised.video": x0_v, "sampler.denoised.audio": x0_a,
+           "sample_out.video": x0_v, "sample_out.audio": x0_a / scale}
+    record("sample_out.video", out["sample_out.video"])
+    record("sample_out.audio", out["sample_out.audio"])
+    return out

@@ -1,0 +1,58 @@
+"""`h3direct trace`: one denoiser evaluation from an inputs file, recorded under the oracle's names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="H3 DiT safetensors (ComfyUI layout; bf16 or NVFP4)")
+    p.add_argument("--inputs", required=True, help="self-describing inputs file (h3_inputs metadata)")
+    p.add_argument("--compute-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--attention", default="sdpa", help="attention backend (see h3direct.dit.attention)")
+    p.add_argument("--nvfp4-mode", default="w4a4", choices=["w4a4", "w4a16"],
+                   help="NVFP4 compute: w4a4 = ComfyUI on CPU / FP4 GPUs (default), w4a16 = Hopper and older")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--mlp-chunks", type=int, default=1)
+    p.add_argument("--out", required=True, help="trace .safetensors (a .json manifest is written beside it)")
+
+
+def run(args) -> int:
+    import torch
+
+    from h3direct.dit.attention import check_backend
+    from h3direct.dit.loader import load_dit
+    from h3direct.dit.tracing import Tracer
+    from h3direct.errors import H3Error
+    from h3direct.evaluate import one_step
+    from h3direct.inputs import load_inputs
+    from h3direct.trace_io import write_trace
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise H3Error(f"--device {args.device}: no CUDA device is available")
+    probe = torch.empty(0, device=args.device)
+    check_backend(args.attention, probe)
+    inputs = load_inputs(args.inputs)
+    model = load_dit(args.checkpoint, compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode,
+                     device=args.device)
+    with Tracer(model) as tracer:
+        one_step(model, inputs, backend=args.attention, mlp_chunks=args.mlp_chunks, device=args.device)
+    manifest = {
+        "producer": "h3direct",
+        "checkpoint": str(args.checkpoint),
+        "inputs": str(args.inputs),
+        "task": inputs.task,
+        "variant": inputs.variant,
+        "sigma": inputs.sigma,
+        "seed": inputs.seed,
+        "compute_dtype_requested": args.compute_dtype,
+        "nvfp4_mode": args.nvfp4_mode,
+        "attention": args.attention,
+        "device": args.device,
+        "config": model.config.comfy_dict(),
+    }
+    summary = write_trace(args.out, tracer.tensors, tracer.dtypes, manifest)
+    print(json.dumps(summary), file=sys.stdout)
+    return 0
