@@ -23,12 +23,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `only`, just that subcommand's module is imported (fast start)."""
     parser = argparse.ArgumentParser(prog="h3direct", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
+        if only is not None and name != only:
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as exc:  # a subcommand whose module is not built yet
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -122,8 +122,13 @@ class H3Config:
             return shapes[key]
 
         need("audio_patch_proj.weight")
-        count = lambda prefix: len({k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)
-                                    and k[len(prefix):].split(".")[0].isdigit()})
+        def count(prefix: str) -> int:  # contiguous from 0, like ComfyUI's count_blocks
+            present = {k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)}
+            n = 0
+            while str(n) in present:
+                n += 1
+            return n
+
         head_dim = need("blocks.0.attn.q_norm.weight")[0]
         kw = dict(
             num_layers=count("blocks."),

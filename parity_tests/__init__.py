@@ -1,0 +1,1 @@
+"""The parity gate: h3direct vs ComfyUI traces, per layer (teacher-forced) and free-running."""

@@ -1,0 +1,100 @@
+"""Lookup in the one budgets table (`budgets.toml`) and the rule that applies an entry."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3direct.errors import H3Error
+
+DEFAULT_PATH = Path(__file__).with_name("budgets.toml")
+KEYS = ("mode", "kind", "compute", "weights", "attention")
+
+
+@dataclass(frozen=True)
+class Budget:
+    match: dict[str, str]
+    rel_l2: float | None = None
+    k: float | None = None
+    floor: float = 0.0
+    sqnr_db: float | None = None
+    psnr_db: float | None = None
+    psnr_min_db: float | None = None
+    bitwise: bool = False
+    provenance: str = ""
+    order: int = 0
+
+    @property
+    def specificity(self) -> int:
+        return sum(v != "*" for v in self.match.values())
+
+    def describe(self) -> str:
+        parts = []
+        if self.bitwise:
+            parts.append("bitwise")
+        if self.k is not None:
+            parts.append(f"err ≤ {self.k:g}×comfy_err + {self.floor:g} (vs fp32 twin)")
+        if self.rel_l2 is not None:
+            parts.append(f"rel_l2 ≤ {self.rel_l2:g}")
+        if self.sqnr_db is not None:
+            parts.append(f"sqnr ≥ {self.sqnr_db:g} dB")
+        if self.psnr_db is not None:
+            parts.append(f"psnr ≥ {self.psnr_db:g} dB")
+        return ", ".join(parts) or "no rule"
+
+
+@dataclass
+class BudgetTable:
+    entries: list[Budget] = field(default_factory=list)
+    path: Path | None = None
+
+    def lookup(self, **key: str) -> Budget:
+        best = None
+        for b in self.entries:
+            if all(b.match.get(k, "*") in ("*", key.get(k)) for k in KEYS):
+                if best is None or b.specificity >= best.specificity:
+                    best = b
+        if best is None:
+            raise H3Error(f"no parity budget matches {key}", path=self.path)
+        return best
+
+
+def load_budgets(path: str | Path | None = None) -> BudgetTable:
+    path = Path(path) if path else DEFAULT_PATH
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise H3Error(f"cannot read budgets table: {exc}", path=path) from None
+    entries = []
+    for i, e in enumerate(data.get("budget", [])):
+        unknown = set(e) - set(KEYS) - {"rel_l2", "k", "floor", "sqnr_db", "psnr_db", "psnr_min_db", "bitwise",
+                                        "provenance"}
+        if unknown:
+            raise H3Error(f"budget entry {i}: unknown field(s) {sorted(unknown)}", path=path)
+        if not e.get("provenance"):
+            raise H3Error(f"budget entry {i} has no provenance", path=path)
+        entries.append(Budget(match={k: str(e.get(k, "*")) for k in KEYS}, rel_l2=e.get("rel_l2"), k=e.get("k"),
+                              floor=float(e.get("floor", 0.0)), sqnr_db=e.get("sqnr_db"), psnr_db=e.get("psnr_db"),
+                              psnr_min_db=e.get("psnr_min_db"), bitwise=bool(e.get("bitwise", False)),
+                              provenance=e["provenance"], order=i))
+    return BudgetTable(entries, path)
+
+
+def verdict(b: Budget, *, rel: float, sqnr: float, identical: bool, ours_vs_fp32: float | None = None,
+            comfy_vs_fp32: float | None = None) -> tuple[bool, str]:
+    """(passed, what was checked) for one comparison under budget `b`."""
+    if math.isnan(rel):
+        return False, "NaN in the result"
+    if b.bitwise and not identical:
+        return False, "not bitwise identical"
+    if b.k is not None and ours_vs_fp32 is not None and comfy_vs_fp32 is not None:
+        limit = b.k * comfy_vs_fp32 + b.floor
+        if not ours_vs_fp32 <= limit:
+            return False, f"err vs fp32 twin {ours_vs_fp32:.3e} > {b.k:g}×{comfy_vs_fp32:.3e} + {b.floor:g}"
+    elif b.rel_l2 is not None and not rel <= b.rel_l2:
+        return False, f"rel_l2 {rel:.3e} > {b.rel_l2:g}"
+    if b.sqnr_db is not None and not sqnr >= b.sqnr_db:
+        return False, f"sqnr {sqnr:.1f} dB < {b.sqnr_db:g} dB"
+    return True, b.describe()

@@ -1,0 +1,162 @@
+"""Running the gate: compare h3direct with one ComfyUI trace, teacher-forced and free-running.
+
+Plain Python (no pytest) so tests, the sensitivity checks and people at a prompt use the same code:
+
+    from parity_tests.gate import run_dit_case
+    result = run_dit_case(case, mode="teacher")
+    print(result.report())
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from oracle import metrics
+from oracle.traces import Trace, load_trace
+from parity_tests.budgets import BudgetTable, load_budgets, verdict
+from parity_tests.discovery import DitCase
+
+OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
+NOT_COMPARED = ("layout.position_ids",)  # stored as float32 in the shared traces; checked teacher-forced
+
+
+@dataclass
+class LayerResult:
+    name: str
+    kind: str
+    mode: str
+    rel_l2: float
+    sqnr_db: float
+    worst: metrics.MaxAbs
+    passed: bool
+    rule: str
+    budget_provenance: str
+    replay: str
+    vs_fp32: tuple[float, float] | None = None  # (ours, comfy) error against the fp32 twin
+
+    def line(self) -> str:
+        status = "ok  " if self.passed else "FAIL"
+        return (f"{status} {self.mode:7s} {self.name}: rel_l2 {self.rel_l2:.3e}, sqnr {self.sqnr_db:.1f} dB, "
+                f"worst {self.worst} [{self.rule}]")
+
+
+@dataclass
+class CaseResult:
+    case: DitCase
+    mode: str
+    attention: str
+    layers: list[LayerResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> LayerResult | None:
+        return next((r for r in self.layers if not r.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None and bool(self.layers)
+
+    def report(self) -> str:
+        f = self.first_failure
+        head = f"{self.case.id} [{self.mode}, {self.case.compute}, {self.case.weights}, {self.attention}]"
+        if f is None:
+            return f"{head}: {len(self.layers)} layers within budget"
+        return (f"{head}: first failing layer in execution order: {f.name} ({f.kind})\n"
+                f"  {f.line()}\n"
+                f"  budget: {f.rule} — {f.budget_provenance}\n"
+                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, ComfyUI {f.worst.ref:.8g}\n"
+                f"  replay: {f.replay}")
+
+
+def replay_command(trace: Path, layer: str, comfy_root: str | None = None) -> str:
+    root = f" --comfy-root {comfy_root}" if comfy_root else ""
+    return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct"
+
+
+@lru_cache(maxsize=8)
+def _model(checkpoint: str, compute: str, nvfp4_mode: str, device: str):
+    from h3direct.dit.loader import load_dit
+
+    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device)
+
+
+@lru_cache(maxsize=32)
+def _trace(path: str) -> Trace:
+    return load_trace(path)
+
+
+def _compare(name, kind, mode, ours, ref_trace: Trace, budgets: BudgetTable, case: DitCase, attention: str,
+             twin: Trace | None, comfy_root: str | None) -> LayerResult:
+    ref = ref_trace.get(name)
+    ours = ours.detach().cpu()
+    if ours.shape != ref.shape:
+        nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
+        return LayerResult(name, kind, mode, math.inf, -math.inf, nan, False,
+                           f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}", "", replay_command(
+                               case.trace, name, comfy_root))
+    # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
+    b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
+    b = budgets.lookup(mode=b_mode, kind=b_kind, compute=case.compute, weights=case.weights, attention=attention)
+    rel = metrics.rel_l2(ours, ref)
+    sq = metrics.sqnr_db(ours, ref)
+    identical = torch.equal(ours.to(ref.dtype), ref)
+    vs = None
+    if twin is not None and name in twin and b.k is not None:
+        base = twin.get(name)
+        if base.shape == ref.shape:
+            vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
+    ok, rule = verdict(b, rel=rel, sqnr=sq, identical=identical, ours_vs_fp32=vs[0] if vs else None,
+                       comfy_vs_fp32=vs[1] if vs else None)
+    return LayerResult(name, kind, mode, rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance,
+                       replay_command(case.trace, name, comfy_root), vs)
+
+
+def _setup(case: DitCase, device: str):
+    from h3direct.evaluate import conditioning_of
+    from h3direct.inputs import load_inputs
+
+    trace = _trace(str(case.trace))
+    inputs = load_inputs(case.inputs)
+    mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a4"
+    model = _model(str(case.checkpoint), case.compute, mode, device)
+    return trace, inputs, model, conditioning_of(inputs)
+
+
+def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: str = "cpu",
+                 budgets: BudgetTable | None = None, trace: Trace | None = None,
+                 comfy_root: str | None = None) -> CaseResult:
+    """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor)."""
+    from h3direct.dit.tracing import Tracer
+    from h3direct.evaluate import one_step
+    from h3direct.replay import available_sites
+
+    budgets = budgets or load_budgets()
+    base_trace, inputs, model, cond = _setup(case, device)
+    trace = trace or base_trace
+    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    result = CaseResult(case, mode, attention)
+    with torch.no_grad():
+        if mode == "teacher":
+            for s in available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device):
+                result.layers.append(_compare(s.name, s.kind, mode, s.run(), trace, budgets, case, attention, twin,
+                                              comfy_root))
+        elif mode == "free":
+            with Tracer(model) as tracer:
+                one_step(model, inputs, backend=attention, device=device)
+            for name in trace.names_in_order():
+                if name in NOT_COMPARED:
+                    continue
+                if name not in tracer.tensors:
+                    result.skipped.append(name)
+                    continue
+                kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
+                result.layers.append(_compare(name, kind, mode, tracer.tensors[name], trace, budgets, case,
+                                              attention, twin, comfy_root))
+        else:
+            raise ValueError(f"unknown gate mode {mode!r}")
+    return result

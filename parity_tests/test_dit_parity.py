@@ -1,0 +1,23 @@
+"""The DiT merge gate: every recorded layer of every trace, teacher-forced and free-running."""
+
+from __future__ import annotations
+
+import pytest
+
+from parity_tests.gate import run_dit_case
+
+pytestmark = pytest.mark.parity
+
+
+def test_traces_pair_up(trace_problems):
+    """Every trace found must be runnable: a trace without its checkpoint/inputs is a broken gate, not a skip."""
+    assert not trace_problems, "\n".join(trace_problems)
+
+
+@pytest.mark.parametrize("mode", ["teacher", "free"])
+def test_dit_layers(dit_case, mode, gate_options, report):
+    result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
+                          budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"])
+    report.add_case(result)
+    assert result.layers, f"{dit_case.id}: no comparable layer"
+    assert result.passed, result.report()
