@@ -22,7 +22,6 @@ from parity_tests.budgets import BudgetTable, load_budgets, verdict
 from parity_tests.discovery import DitCase
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
-NOT_COMPARED = ("layout.position_ids",)  # stored as float32 in the shared traces; checked teacher-forced
 
 
 @dataclass
@@ -149,8 +148,6 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
             with Tracer(model) as tracer:
                 one_step(model, inputs, backend=attention, device=device)
             for name in trace.names_in_order():
-                if name in NOT_COMPARED:
-                    continue
                 if name not in tracer.tensors:
                     result.skipped.append(name)
                     continue

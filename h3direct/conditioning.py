@@ -1,0 +1,314 @@
+"""Task conditioning for H3 (t2va, fl2va + guides, Ref2VA), with the preprocessing of ComfyUI's H3 nodes.
+
+Facts (ComfyUI `nodes_minimax_h3.py`): frame counts snap up to 17k+5 at 24 fps; video latent
+T = 2 for ≤5 frames else 5·(n−5)/17 + 2; audio latent length round(frames / 24 · 40);
+latents [1,24,T,H/16,W/16] and [1,32,2,Ta]. Reference images are sized 'match' (down only to
+the generation's pixel area) or 'max' (down only to a 2048 short edge), rounded to 32 per
+axis; reference videos are fitted to the 768-short-edge canvas (never upscaled), cut to the
+generation's frame count and then down to 17k+5 frames; Qwen sees them at 2 fps.
+
+Encoding goes through callables supplied by the caller:
+- `encode_video(pixels [N, H, W, 3] float in [0,1]) -> latent [1, 24, t, H/16, W/16]`
+- `encode_audio(waveform [1, L, C] at 32 kHz) -> latent [1, 32, 2, Ta]` (ComfyUI's VAE.encode layout)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from h3direct.errors import H3Error
+
+CANVAS_MULTIPLE = 32
+BASE_SHORT_EDGE = 768
+MAX_PIXELS = 768 * 1344
+REF_IMAGE_SHORT_EDGE = 2048
+FPS = 24
+AUDIO_LATENT_FPS = 40
+AUDIO_SAMPLE_RATE = 32000
+FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
+FRAME_RESCALE = 5.0 / 3.0  # pixel frames → audio latent frames on the shared time axis
+MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS = 9, 3, 3
+
+EncodeVideo = Callable[[torch.Tensor], torch.Tensor]
+EncodeAudio = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Keyframe:
+    """One `minimax_keyframes` entry: a pixel frame index and its image and/or audio latent."""
+
+    resolved_frame_index: int
+    latent: Optional[torch.Tensor] = None
+    audio_latent: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RefBlock:
+    """One `minimax_refs` entry; kind ∈ image | video | video_audio | audio."""
+
+    kind: str
+    latent: Optional[torch.Tensor] = None
+    audio_latent: Optional[torch.Tensor] = None
+    latent_t: Optional[int] = None
+    latent_h: Optional[int] = None
+    latent_w: Optional[int] = None
+    ref_audio_t: Optional[int] = None
+
+
+@dataclass
+class PresentationItem:
+    """One entry of the text encoder's presentation (order = request order).
+
+    image: `frames` [1,H,W,3]; video: `frames` sampled at 2 fps with `timestamps`; audio: label only.
+    """
+
+    kind: str
+    frames: Optional[torch.Tensor] = None
+    timestamps: Optional[list] = None
+
+
+@dataclass
+class H3Conditioning:
+    task: str
+    width: int
+    height: int
+    frame_count: int
+    video_shape: tuple
+    audio_shape: tuple
+    keyframes: list = field(default_factory=list)
+    refs: list = field(default_factory=list)
+    # ref2va: PresentationItems; t2va/fl2va: the keyframe images as 'image' items ("<Picture i>: ")
+    presentation: list = field(default_factory=list)
+
+    def comfy_fields(self) -> dict:
+        """The conditioning dict entries ComfyUI's nodes set (`minimax_keyframes`, `minimax_refs`)."""
+        out = {}
+        if self.keyframes:
+            kfs = []
+            for k in self.keyframes:
+                d = {"resolved_frame_index": k.resolved_frame_index}
+                if k.latent is not None:
+                    d["latent"] = k.latent
+                if k.audio_latent is not None:
+                    d["audio_latent"] = k.audio_latent
+                kfs.append(d)
+            out["minimax_keyframes"] = kfs
+        if self.refs:
+            blocks = []
+            for r in self.refs:
+                if r.kind == "image":
+                    blocks.append({"kind": "image", "latent_h": r.latent_h, "latent_w": r.latent_w, "latent": r.latent})
+                elif r.kind == "audio":
+                    blocks.append({"kind": "audio", "ref_audio_t": r.ref_audio_t, "audio_latent": r.audio_latent})
+                else:
+                    blocks.append({"kind": r.kind, "latent_t": r.latent_t, "latent_h": r.latent_h, "latent_w": r.latent_w,
+                                   "ref_audio_t": r.ref_audio_t, "latent": r.latent, "audio_latent": r.audio_latent})
+            out["minimax_refs"] = blocks
+        return out
+
+
+# ---- geometry -------------------------------------------------------------------------------
+
+def align_frame_count(n: int) -> int:
+    """Smallest 17k+5 ≥ n."""
+    return n + (5 - n) % 17
+
+
+def video_latent_frames(frame_count: int) -> int:
+    return 2 if frame_count <= 5 else (frame_count - 5) // 17 * 5 + 2
+
+
+def frames_of_latent(latent_t: int) -> int:
+    """Pixel frames covered by `latent_t` video latent frames (tokens cycle 1,4,4,4,4 frames)."""
+    return sum(FRAME_PER_TOKEN[k % 5] for k in range(latent_t))
+
+
+def temporal_shape(length: int) -> tuple:
+    """(frame_count, video latent T, audio latent T) for a requested length in frames."""
+    frames = align_frame_count(max(5, length))
+    return frames, video_latent_frames(frames), round(frames / FPS * AUDIO_LATENT_FPS)
+
+
+def _round32(v: float) -> int:
+    return max(CANVAS_MULTIPLE, round(v / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+
+
+def adapt_canvas(width: int, height: int) -> tuple:
+    """768-short-edge canvas, area capped at 768·1344, each side rounded to 32."""
+    aspect = width / height
+    w, h = (BASE_SHORT_EDGE * aspect, BASE_SHORT_EDGE) if aspect >= 1.0 else (BASE_SHORT_EDGE, BASE_SHORT_EDGE / aspect)
+    if w * h > MAX_PIXELS:
+        k = math.sqrt(MAX_PIXELS / (w * h))
+        w, h = w * k, h * k
+    return _round32(w), _round32(h)
+
+
+def check_request(width: int, height: int, length: int) -> None:
+    for name, v in (("width", width), ("height", height)):
+        if v < CANVAS_MULTIPLE or v % CANVAS_MULTIPLE:
+            raise H3Error(f"{name}={v} must be a positive multiple of 32 (e.g. {_round32(max(v, 1))})")
+    if length < 5:
+        raise H3Error(f"frames={length} is too short: H3 needs at least 5 frames (17k+5, e.g. 5, 22, ..., 124)")
+
+
+def latent_shapes(width: int, height: int, length: int) -> tuple:
+    """(frame_count, video shape [1,24,T,H/16,W/16], audio shape [1,32,2,Ta])."""
+    check_request(width, height, length)
+    frames, t, ta = temporal_shape(length)
+    return frames, (1, 24, t, height // 16, width // 16), (1, 32, 2, ta)
+
+
+# ---- pixels ----------------------------------------------------------------------------------
+
+def _lanczos(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """[N,H,W,3] float → [N,height,width,3]: 8-bit quantize, Pillow LANCZOS, back to /255 (as ComfyUI)."""
+    from PIL import Image
+
+    out = []
+    for img in images:
+        u8 = np.clip(255.0 * img.cpu().numpy(), 0, 255).astype(np.uint8)
+        res = Image.fromarray(u8).resize((width, height), resample=Image.Resampling.LANCZOS)
+        out.append(torch.from_numpy(np.array(res).astype(np.float32) / 255.0))
+    return torch.stack(out).to(images.dtype)
+
+
+def resize_frames(images: torch.Tensor, width: int, height: int, center_crop: bool) -> torch.Tensor:
+    """ComfyUI `_resize`: RGB only, optional centered crop to the target aspect, then Lanczos."""
+    images = images[..., :3]
+    if center_crop:
+        h, w = images.shape[1], images.shape[2]
+        src, dst = w / h, width / height
+        dx = round((w - w * (dst / src)) / 2) if src > dst else 0
+        dy = round((h - h * (src / dst)) / 2) if src < dst else 0
+        images = images[:, dy : h - dy, dx : w - dx]
+    return _lanczos(images, width, height)
+
+
+# ---- audio -----------------------------------------------------------------------------------
+
+def encode_ref_audio(encode_audio: EncodeAudio, audio: dict) -> tuple:
+    """(latent [1,32,2,T], T) of a ComfyUI AUDIO dict; the waveform must already be at 32 kHz."""
+    sr = int(audio["sample_rate"])
+    if sr != AUDIO_SAMPLE_RATE:
+        raise H3Error(f"audio sample_rate={sr}: resample to {AUDIO_SAMPLE_RATE} Hz first (media.load_audio does)")
+    wave = audio["waveform"][:1].movedim(1, -1)  # [1, L, C]
+    z = encode_audio(wave)
+    return z, int(z.shape[-1])
+
+
+# ---- tasks -----------------------------------------------------------------------------------
+
+def t2va(width: int, height: int, length: int) -> H3Conditioning:
+    frames, vs, as_ = latent_shapes(width, height, length)
+    return H3Conditioning("t2va", width, height, frames, vs, as_)
+
+
+def fl2va(width: int, height: int, length: int, encode_video: EncodeVideo,
+          first_frame: Optional[torch.Tensor] = None, last_frame: Optional[torch.Tensor] = None) -> H3Conditioning:
+    """First frame: stretched to the canvas; last frame: aspect-kept center crop (MiniMaxH3ImageToVideo)."""
+    cond = t2va(width, height, length)
+    cond.task = "fl2va"
+    for image, index, crop in ((first_frame, 0, False), (last_frame, cond.frame_count - 1, True)):
+        if image is None:
+            continue
+        img = resize_frames(image[:1], width, height, center_crop=crop)
+        cond.presentation.append(PresentationItem("image", img))
+        cond.keyframes.append(Keyframe(index, latent=encode_video(img)))
+    return cond
+
+
+def add_guide(cond: H3Conditioning, frame_idx: int, *, image: Optional[torch.Tensor] = None,
+              audio: Optional[dict] = None, encode_video: Optional[EncodeVideo] = None,
+              encode_audio: Optional[EncodeAudio] = None) -> H3Conditioning:
+    """MiniMaxH3AddGuide: anchor an image / 17k+5-frame clip and/or audio at `frame_idx` (negative = from end)."""
+    if image is None and audio is None:
+        raise H3Error("a guide needs an image or an audio to anchor")
+    frames = frames_of_latent(cond.video_shape[2])
+    n = 1
+    if image is not None:
+        if encode_video is None:
+            raise H3Error("anchoring a guide image needs the video VAE")
+        n = image.shape[0]
+        n = 1 if n < 5 else n - (n - 5) % 17
+    at = frame_idx if frame_idx >= 0 else frames + frame_idx
+    if at < 0 or at + n > frames:
+        what = "frame_idx" if n == 1 else f"a {n} frame guide clip at frame_idx"
+        raise H3Error(f"{what} {frame_idx} does not fit in the video's {frames} frames")
+    kf = Keyframe(at)
+    if image is not None:
+        kf.latent = encode_video(resize_frames(image[:n], cond.width, cond.height, center_crop=True))
+    if audio is not None:
+        if encode_audio is None:
+            raise H3Error("anchoring guide audio needs the audio VAE")
+        z, zt = encode_ref_audio(encode_audio, audio)
+        room = math.floor(cond.audio_shape[-1] - FRAME_RESCALE * at)
+        if room < 1:
+            raise H3Error(f"frame_idx {frame_idx} is past the end of the video's audio track")
+        kf.audio_latent = z[..., :room].clone() if zt > room else z
+    cond.keyframes.append(kf)
+    return cond
+
+
+def ref_image_size(w: int, h: int, width: int, height: int, sizing: str) -> tuple:
+    """Target (w, h) of a reference image: 'match' → generation area, 'max' → 2048 short edge; down only."""
+    if sizing == "match":
+        k = min(1.0, math.sqrt(width * height / (w * h)))
+    elif sizing == "max":
+        k = min(1.0, REF_IMAGE_SHORT_EDGE / min(w, h))
+    else:
+        raise H3Error(f"ref_image_size={sizing!r}: use 'match' or 'max'")
+    return _round32(w * k), _round32(h * k)
+
+
+def ref_video_canvas(w: int, h: int) -> tuple:
+    cw, ch = adapt_canvas(w, h)
+    if w * h < cw * ch:  # never upscale a reference clip
+        cw, ch = _round32(w), _round32(h)
+    return cw, ch
+
+
+def ref2va(width: int, height: int, length: int, encode_video: EncodeVideo, encode_audio: EncodeAudio, *,
+           images: Sequence[torch.Tensor] = (), videos: Sequence[torch.Tensor] = (),
+           video_audios: Sequence[Optional[dict]] = (), audios: Sequence[dict] = (),
+           sizing: str = "match") -> H3Conditioning:
+    """MiniMaxH3ReferenceToVideo. `video_audios[k]` is the optional soundtrack of `videos[k]`."""
+    for name, items, cap in (("ref images", images, MAX_REF_IMAGES), ("ref videos", videos, MAX_REF_VIDEOS),
+                             ("ref audios", audios, MAX_REF_AUDIOS)):
+        if len(items) > cap:
+            raise H3Error(f"{len(items)} {name} given; H3 takes at most {cap}")
+    if len(video_audios) > len(videos):
+        raise H3Error(f"{len(video_audios)} ref video soundtracks for {len(videos)} ref videos")
+    cond = t2va(width, height, length)
+    cond.task = "ref2va"
+    for img in images:
+        tw, th = ref_image_size(img.shape[2], img.shape[1], width, height, sizing)
+        px = resize_frames(img[:1], tw, th, center_crop=False)
+        cond.presentation.append(PresentationItem("image", px))
+        cond.refs.append(RefBlock("image", latent=encode_video(px), latent_h=th // 16, latent_w=tw // 16))
+    for k, clip in enumerate(videos):
+        track = video_audios[k] if k < len(video_audios) else None
+        cw, ch = ref_video_canvas(clip.shape[2], clip.shape[1])
+        px = resize_frames(clip, cw, ch, center_crop=False)[: cond.frame_count]
+        n = px.shape[0]
+        if n < 5:
+            raise H3Error(f"ref video {k + 1} has {n} frames; H3 reference videos need at least 5 (~0.2 s at 24 fps)")
+        px = px[: n - (n - 5) % 17]
+        z = encode_video(px)
+        za, zt = (None, 0)
+        if track is not None:
+            za, zt = encode_ref_audio(encode_audio, track)
+            cond.presentation.append(PresentationItem("audio"))
+        picks = list(range(0, px.shape[0], FPS // 2))
+        cond.presentation.append(PresentationItem("video", px[picks], [i / 2.0 for i in range(len(picks))]))
+        cond.refs.append(RefBlock("video_audio" if zt else "video", latent=z, audio_latent=za, latent_t=int(z.shape[2]),
+                                  latent_h=ch // 16, latent_w=cw // 16, ref_audio_t=zt))
+    for a in audios:
+        za, zt = encode_ref_audio(encode_audio, a)
+        cond.presentation.append(PresentationItem("audio"))
+        cond.refs.append(RefBlock("audio", audio_latent=za, ref_audio_t=zt))
+    return cond

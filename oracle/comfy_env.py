@@ -1,0 +1,247 @@
+"""Locate a ComfyUI checkout and import it in-process with the oracle's settings (device, dtype, attention).
+
+ComfyUI reads its command-line flags once, when `comfy.cli_args` is imported, and picks the attention function
+when `comfy.ldm.modules.attention` is imported. `open_comfy` therefore sets the flags on ComfyUI's own `args`
+object before anything else of ComfyUI is imported, and refuses to reconfigure an already-imported ComfyUI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from h3direct.errors import H3Error
+
+ENV_ROOT = "H3_COMFY_ROOT"
+ENV_COMMIT = "H3_COMFY_COMMIT"
+
+# attention name -> ComfyUI flag (attribute of comfy.cli_args.args); "default" sets none
+ATTENTION_FLAGS: dict[str, str | None] = {
+    "pytorch": "use_pytorch_cross_attention",
+    "sage": "use_sage_attention",
+    "flash": "use_flash_attention",
+    "split": "use_split_cross_attention",
+    "sub_quad": "use_quad_cross_attention",
+    "ck": "use_ck_attention",
+    "default": None,
+}
+
+# files whose content identifies the H3 implementation (hashed into the manifest)
+H3_SOURCES = (
+    "comfy/ldm/minimax/model.py",
+    "comfy/ldm/minimax/vae.py",
+    "comfy/ldm/minimax/audio_vae.py",
+    "comfy_extras/nodes_minimax_h3.py",
+    "comfy/model_detection.py",
+    "comfy/model_base.py",
+    "comfy/samplers.py",
+    "comfy/ops.py",
+    "comfy/quant_ops.py",
+)
+
+
+@dataclass
+class ComfyEnv:
+    """An imported ComfyUI and the settings it was imported with."""
+
+    root: Path
+    device: str
+    compute_dtype: str
+    attention: str
+    commit: str
+    stand_ins: list[str]
+    bf16_patched: bool = False
+    modules: dict[str, ModuleType] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> ModuleType:  # env.sd, env.samplers, ...
+        mods = self.__dict__.get("modules", {})
+        if name in mods:
+            return mods[name]
+        raise AttributeError(name)
+
+    def attention_function(self) -> str:
+        """Name of the attention function the H3 model code will call."""
+        mm = importlib.import_module("comfy.ldm.minimax.model")
+        return getattr(mm.optimized_attention, "__name__", repr(mm.optimized_attention))
+
+    def describe(self) -> dict[str, Any]:
+        import torch
+
+        try:
+            import comfy_kitchen
+
+            ck_version = getattr(comfy_kitchen, "__version__", "unknown")
+        except ImportError:  # pragma: no cover - comfy-kitchen is required by ComfyUI's H3 code
+            ck_version = None
+        return {
+            "comfy_root": str(self.root),
+            "device": self.device,
+            "torch": torch.__version__,
+            "comfy_kitchen": ck_version,
+            "deterministic": True,
+            "stand_ins": self.stand_ins,
+            "bf16_patched": self.bf16_patched,
+            "num_threads": torch.get_num_threads(),
+            "h3_sources_sha256": source_digest(self.root),
+        }
+
+
+def resolve_root(root: str | Path | None) -> Path:
+    """`--comfy-root`, else $H3_COMFY_ROOT; must contain comfy/ldm/minimax/model.py."""
+    value = root if root else os.environ.get(ENV_ROOT)
+    if not value:
+        raise H3Error(f"no ComfyUI checkout given: pass --comfy-root or set {ENV_ROOT}")
+    path = Path(value).expanduser().resolve()
+    if not path.is_dir():
+        raise H3Error("ComfyUI root is not a directory", path=path)
+    if not (path / "comfy" / "sd.py").is_file():
+        raise H3Error("not a ComfyUI checkout (no comfy/sd.py)", path=path)
+    if not (path / "comfy" / "ldm" / "minimax" / "model.py").is_file():
+        raise H3Error("this ComfyUI has no MiniMax H3 code (comfy/ldm/minimax/model.py missing)", path=path)
+    return path
+
+
+def comfy_commit(root: Path) -> str:
+    """git HEAD of the checkout (short), else $H3_COMFY_COMMIT, else 'unknown'."""
+    if (root / ".git").exists():
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "--short=8", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            )
+            return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return os.environ.get(ENV_COMMIT, "unknown")
+
+
+def source_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for rel in H3_SOURCES:
+        p = root / rel
+        h.update(rel.encode())
+        h.update(p.read_bytes() if p.is_file() else b"<missing>")
+    return h.hexdigest()
+
+
+_OPENED: ComfyEnv | None = None
+
+
+def open_comfy(
+    root: str | Path | None = None, *, device: str = "cpu", compute_dtype: str = "fp32", attention: str = "pytorch"
+) -> ComfyEnv:
+    """Import ComfyUI from `root` configured for `device` (cpu|cuda), `compute_dtype` (fp32|bf16|fp16), `attention`."""
+    global _OPENED
+    root = resolve_root(root)
+    if device not in ("cpu", "cuda"):
+        raise H3Error(f"--device {device!r}: expected cpu or cuda")
+    if compute_dtype not in ("fp32", "bf16", "fp16"):
+        raise H3Error(f"--compute-dtype {compute_dtype!r}: expected fp32, bf16 or fp16")
+    if attention not in ATTENTION_FLAGS:
+        raise H3Error(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_FLAGS)}")
+    if _OPENED is not None:
+        same = (_OPENED.root, _OPENED.device, _OPENED.attention) == (root, device, attention)
+        if not same:
+            raise H3Error("ComfyUI is already imported in this process with other settings; use a new process")
+        _set_compute_dtype(_OPENED, compute_dtype)
+        return _OPENED
+    if "comfy" in sys.modules:
+        loaded = Path(getattr(sys.modules["comfy"], "__file__", "") or "").resolve()
+        if root not in loaded.parents:
+            raise H3Error(f"a different 'comfy' package is already imported ({loaded})")
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise H3Error("--device cuda requested but torch.cuda.is_available() is False")
+
+    from oracle.stand_ins import install_stand_ins
+
+    stand_ins = install_stand_ins()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        cli_args = importlib.import_module("comfy.cli_args")
+    except ModuleNotFoundError as exc:
+        raise H3Error(
+            f"ComfyUI needs the Python package {exc.name!r}: pip install it (see pyproject extra 'oracle')"
+        ) from None
+    args = cli_args.args
+    args.cpu = device == "cpu"
+    args.deterministic = True
+    args.disable_smart_memory = True
+    # fp32 on a GPU: ComfyUI would otherwise pick bf16/fp16 by itself
+    args.force_fp32 = device == "cuda" and compute_dtype == "fp32"
+    for flag in ATTENTION_FLAGS.values():
+        if flag:
+            setattr(args, flag, False)
+    if ATTENTION_FLAGS[attention]:
+        setattr(args, ATTENTION_FLAGS[attention], True)
+    if hasattr(args, "disable_dynamic_vram"):
+        args.disable_dynamic_vram = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if device == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    mods: dict[str, ModuleType] = {}
+    names = {
+        "model_management": "comfy.model_management",
+        "sd": "comfy.sd",
+        "samplers": "comfy.samplers",
+        "utils": "comfy.utils",
+        "nested_tensor": "comfy.nested_tensor",
+        "patcher_extension": "comfy.patcher_extension",
+        "attention": "comfy.ldm.modules.attention",
+        "h3_model": "comfy.ldm.minimax.model",
+    }
+    for key, name in names.items():
+        try:
+            mods[key] = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("comfy"):
+                raise H3Error(
+                    f"ComfyUI needs the Python package {exc.name!r}: pip install it (see pyproject extra 'oracle')"
+                ) from None
+            raise H3Error(f"ComfyUI checkout is incomplete: cannot import {name} ({exc})", path=root) from None
+    env = ComfyEnv(
+        root=root,
+        device=device,
+        compute_dtype=compute_dtype,
+        attention=attention,
+        commit=comfy_commit(root),
+        stand_ins=stand_ins,
+        modules=mods,
+    )
+    _set_compute_dtype(env, compute_dtype)
+    _OPENED = env
+    return env
+
+
+_ORIGINAL_BF16 = None
+
+
+def _set_compute_dtype(env: ComfyEnv, compute_dtype: str) -> None:
+    """bf16 on CPU: ComfyUI never picks it by itself, so `should_use_bf16` is forced (recorded as bf16_patched)."""
+    global _ORIGINAL_BF16
+    mm = env.modules["model_management"]
+    if _ORIGINAL_BF16 is None:
+        _ORIGINAL_BF16 = mm.should_use_bf16
+    env.compute_dtype = compute_dtype
+    if compute_dtype == "bf16" and env.device == "cpu":
+        mm.should_use_bf16 = lambda *a, **k: True
+        env.bf16_patched = True
+    else:
+        mm.should_use_bf16 = _ORIGINAL_BF16
+        env.bf16_patched = False

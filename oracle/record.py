@@ -1,0 +1,177 @@
+"""`python -m oracle record`: one denoiser evaluation of a ComfyUI-loaded H3 checkpoint, traced per layer.
+
+Path (all ComfyUI's own code): `comfy.sd.load_diffusion_model` -> `CFGGuider` (cfg 1, positive only) ->
+`KSAMPLER` with a one-step function that calls the model once at sigma. Conditioning and latents come from a
+self-describing inputs file (oracle/traces.py `load_inputs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from h3direct.errors import H3Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--comfy-root", help="ComfyUI checkout (default: $H3_COMFY_ROOT)")
+    parser.add_argument("--checkpoint", required=True, help="H3 DiT .safetensors in ComfyUI's key layout")
+    parser.add_argument("--inputs", required=True, help="self-describing inputs file (h3-oracle-inputs/1)")
+    parser.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--attention",
+        default="pytorch",
+        help="ComfyUI attention switch: pytorch|sage|flash|split|"
+        "sub_quad|ck|default (default: pytorch = --use-pytorch-cross-attention)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--detail",
+        choices=("full", "reduced"),
+        default="full",
+        help="full: inputs of every module (teacher forcing of any layer); reduced: the shared set",
+    )
+    parser.add_argument("--out", required=True, help="output trace .safetensors (manifest written beside it)")
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_conditioning(inputs) -> list:
+    """`[[text_states, {minimax_token_tags, minimax_keyframes?, minimax_refs?}]]` as ComfyUI's nodes produce it."""
+    extra: dict[str, Any] = {"minimax_token_tags": inputs.token_tags}
+    if inputs.keyframes:
+        extra["minimax_keyframes"] = [dict(kf) for kf in inputs.keyframes]
+    if inputs.refs:
+        extra["minimax_refs"] = [dict(r) for r in inputs.refs]
+    return [[inputs.text_states, extra]]
+
+
+def record_dit(env, checkpoint: Path, inputs, *, detail: str = "full") -> tuple[dict, dict]:
+    """Run one traced denoiser evaluation; returns (tensors in execution order, manifest fields)."""
+    import torch
+
+    from oracle.hooks import Recorder
+
+    samplers, nested = env.samplers, env.nested_tensor
+    wrappers = env.patcher_extension.WrappersMP
+    patcher = env.sd.load_diffusion_model(str(checkpoint))
+    base = patcher.model
+    if type(base).__name__ != "MiniMaxH3":
+        raise H3Error(f"ComfyUI detected {type(base).__name__}, not MiniMaxH3", path=checkpoint)
+    device = env.model_management.get_torch_device()
+
+    rec = Recorder(detail=detail, attention_cls=env.h3_model.Attention)
+    rec.attach(base.diffusion_model)
+    patcher.add_wrapper_with_key(wrappers.DIFFUSION_MODEL, "h3_oracle", rec.diffusion_model_wrapper)
+    patcher.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = rec.attention_override
+
+    video_shape, audio_shape = tuple(inputs.video_latent.shape), tuple(inputs.audio_latent.shape)
+    layout_info: dict[str, Any] = {}
+
+    def one_step(model, x, sigmas, extra_args=None, callback=None, disable=None):
+        # the packed sampler state -> one model call (KSamplerX0Inpaint applies the denoise mask)
+        rec.add_streams("sampler.x_in", env.utils.unpack_latents(x, [video_shape, audio_shape]))
+        denoised = model(x, sigmas[0] * x.new_ones([x.shape[0]]), **(extra_args or {}))
+        rec.add_streams("sampler.denoised", env.utils.unpack_latents(denoised, [video_shape, audio_shape]))
+        return denoised
+
+    guider = samplers.CFGGuider(patcher)
+    guider.set_cfg(1.0)
+    guider.inner_set_conds({"positive": build_conditioning(inputs)})
+    noise = nested.NestedTensor([inputs.video_noise, inputs.audio_noise])
+    latent = nested.NestedTensor([inputs.video_latent, inputs.audio_latent])
+    mask = None
+    if inputs.denoise_mask:
+        mask = nested.NestedTensor([inputs.denoise_mask["video"], inputs.denoise_mask["audio"]])
+    sigma = float(inputs.get("sigma").flatten()[0]) if "sigma" in inputs.tensors else inputs.sigma
+    sigmas = torch.tensor([sigma, 0.0], dtype=torch.float32)
+    with torch.no_grad():
+        out = guider.sample(
+            noise,
+            latent,
+            samplers.KSAMPLER(one_step),
+            sigmas,
+            denoise_mask=mask,
+            disable_pbar=True,
+            seed=inputs.sampler_seed,
+        )
+    rec.add_streams("sample_out", out)
+    rec.detach()
+    if rec.payload is not None:
+        layout_info.update(_layout_fields(rec.payload))
+
+    ms = patcher.get_model_object("model_sampling")
+    cfg = base.model_config
+    manifest = {
+        "model_dtype": str(patcher.model_dtype()),
+        "inference_dtype": str(base.get_dtype_inference()),
+        "manual_cast_dtype": str(base.manual_cast_dtype),
+        "attention": env.attention_function(),
+        "unet_config_detected": {
+            k: (str(v) if not isinstance(v, int | float | str | bool | list) else v) for k, v in cfg.unet_config.items()
+        },
+        "sampling": {
+            "shift": float(ms.shift),
+            "audio_shift": float(getattr(ms, "audio_shift", 0.0) or 0.0),
+            "audio_scale": float(getattr(ms, "audio_scale", 1.0)),
+        },
+        "layout": layout_info,
+        "static_inputs": rec.static_inputs,
+        "device": str(device),
+    }
+    return rec.tensors(), manifest
+
+
+def _layout_fields(payload: dict) -> dict:
+    layout = payload.get("layout")
+    out: dict[str, Any] = {}
+    if layout is not None:
+        out["segments"] = [[int(a), int(b), str(k)] for a, b, k in layout.segments]
+        out["seq_len"] = int(layout.seq_len)
+    out["audio_scale"] = float(payload.get("audio_scale", 1.0))
+    out["payload_keys"] = sorted(payload)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from oracle.comfy_env import open_comfy
+    from oracle.traces import load_inputs, save_trace
+
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_file():
+        raise H3Error("checkpoint not found", path=checkpoint)
+    inputs = load_inputs(args.inputs)
+    env = open_comfy(args.comfy_root, device=args.device, compute_dtype=args.compute_dtype, attention=args.attention)
+    tensors, fields = record_dit(env, checkpoint, inputs, detail=args.detail)
+    manifest = {
+        "comfyui_commit": env.commit,
+        "checkpoint": checkpoint.name,
+        "checkpoint_sha256": file_sha256(checkpoint),
+        "inputs": Path(args.inputs).name,
+        "task": inputs.task,
+        "variant": inputs.variant,
+        "seed": inputs.sampler_seed,
+        "sampler_seed": inputs.sampler_seed,
+        "sigma": inputs.sigma,
+        "compute_dtype_requested": args.compute_dtype,
+        "bf16_patched": env.bf16_patched,
+        **fields,
+        "trace_detail": args.detail,
+        "environment": env.describe(),
+        "notes": "aliases: name -> stored tensor with bit-identical content. Float tensors narrower than 32 bit are "
+        "stored as float32; 'dtype' is the dtype ComfyUI produced. '#k' = k-th call of a module.",
+    }
+    out = save_trace(args.out, tensors, manifest)
+    print(
+        f"wrote {out} ({len(tensors)} tensors, attention {fields['attention']}, "
+        f"inference dtype {fields['inference_dtype']})"
+    )
+    return 0

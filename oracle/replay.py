@@ -1,0 +1,293 @@
+"""`python -m oracle replay`: re-run exactly one recorded layer from its recorded inputs (teacher forcing).
+
+ComfyUI side: the checkpoint named in the manifest is loaded with `comfy.sd.load_diffusion_model` under the
+manifest's compute dtype, the module at the layer's path is called with the recorded `<layer>.in.N` tensors (cast
+back to the dtype ComfyUI produced) and non-tensor inputs from the manifest's `static_inputs`.
+h3direct side (`--direct`): the parity gate's teacher-forced site for that tensor (`h3direct.replay`).
+`--layer` takes a module path (`blocks.1.mlp.fc2`) or a recorded tensor name (`blocks.1.attn.rope_q`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from h3direct.errors import H3Error
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="trace .safetensors (recorded with --detail full)")
+    parser.add_argument("--layer", required=True, help="module path, e.g. blocks.1.attn or blocks.0.mlp.fc2")
+    parser.add_argument("--comfy-root", help="ComfyUI checkout (default: $H3_COMFY_ROOT)")
+    parser.add_argument(
+        "--checkpoint",
+        help="checkpoint file (default: the manifest's, looked up beside the trace and in $H3_ORACLE_DIR)",
+    )
+    parser.add_argument("--direct", action="store_true", help="also re-run the layer with h3direct")
+    parser.add_argument("--no-comfy", action="store_true", help="only h3direct (with --direct)")
+    parser.add_argument("--budget", type=float, help="rel-L2 budget (default: parity_tests/budgets.toml)")
+
+
+def split_call(layer: str) -> tuple[str, str]:
+    """'final_layer.norm#1' -> ('final_layer.norm', 'final_layer.norm#1')."""
+    return re.sub(r"#\d+$", "", layer), layer
+
+
+def recorded_inputs(trace, layer: str) -> tuple[list[Any], dict[str, Any]]:
+    """Positional inputs `<layer>.in.N` (tensors at their produced dtype, or manifest static values) + kwargs."""
+    import torch
+
+    static = trace.manifest.get("static_inputs") or {}
+    args: list[Any] = []
+    i = 0
+    while True:
+        name = f"{layer}.in.{i}"
+        if name in trace:
+            t = trace.get(name).clone()
+            dt = trace.produced_dtype(name)
+            if dt and hasattr(torch, dt):
+                t = t.to(getattr(torch, dt))
+            args.append(t)
+        elif name in static:
+            args.append(_static(static[name]))
+        else:
+            m = re.match(r"^blocks\.\d+(.*)$", layer)  # blocks share the block-0 segment list
+            alt = f"blocks.0{m.group(1)}.in.{i}" if m else None
+            if alt and alt in static and not isinstance(static[alt], str):
+                args.append(_static(static[alt]))
+            else:
+                break
+        i += 1
+    if not args:
+        raise H3Error(
+            f"no recorded inputs '{layer}.in.N' in this trace (record it with --detail full)", path=trace.path
+        )
+    kwargs: dict[str, Any] = {}
+    if re.match(r"^blocks\.\d+\.attn$", layer.split("#")[0]):
+        block = layer.rsplit(".", 1)[0]
+        table = next((n for n in (f"{block}.in.3", "blocks.0.in.3") if n in trace), None)
+        if table is None:
+            raise H3Error(f"{layer} needs the rope table '{block}.in.3', not in this trace", path=trace.path)
+        t = trace.get(table).clone()
+        dt = trace.produced_dtype(table)
+        kwargs["rope_freqs"] = t.to(getattr(torch, dt)) if dt and hasattr(torch, dt) else t
+    return args, kwargs
+
+
+def _static(value: Any) -> Any:
+    if isinstance(value, list):
+        return [tuple(v) if isinstance(v, list) else v for v in value]
+    return value
+
+
+def recorded_outputs(trace, layer: str) -> list[tuple[str, Any]]:
+    if f"{layer}.out" in trace:
+        return [(f"{layer}.out", trace.get(f"{layer}.out"))]
+    outs, i = [], 0
+    while f"{layer}.out.{i}" in trace:
+        outs.append((f"{layer}.out.{i}", trace.get(f"{layer}.out.{i}")))
+        i += 1
+    if not outs:
+        raise H3Error(f"no recorded output '{layer}.out' in this trace", path=trace.path)
+    return outs
+
+
+def find_checkpoint(trace, explicit: str | None) -> Path:
+    if explicit:
+        p = Path(explicit)
+        if not p.is_file():
+            raise H3Error("checkpoint not found", path=p)
+        return p
+    name = trace.manifest.get("checkpoint")
+    if not name:
+        raise H3Error("manifest names no checkpoint: pass --checkpoint", path=trace.path)
+    dirs = [trace.path.parent] + ([Path(os.environ["H3_ORACLE_DIR"])] if os.environ.get("H3_ORACLE_DIR") else [])
+    for d in dirs:
+        if (d / name).is_file():
+            return d / name
+    raise H3Error(
+        f"checkpoint {name!r} of the manifest not found beside the trace or in $H3_ORACLE_DIR: pass --checkpoint",
+        path=trace.path,
+    )
+
+
+def replay_comfy(trace, layer: str, *, comfy_root: str | None = None, checkpoint: str | None = None):
+    """The ComfyUI module at `layer` called on the recorded inputs; returns its output (tensor or tuple)."""
+    import torch
+
+    from oracle.comfy_env import open_comfy
+
+    ckpt = find_checkpoint(trace, checkpoint)
+    dtype = trace.manifest.get("compute_dtype_requested", "fp32")
+    env = open_comfy(comfy_root, device="cpu", compute_dtype=dtype, attention=_attention_name(trace))
+    patcher = env.sd.load_diffusion_model(str(ckpt))
+    env.model_management.load_models_gpu([patcher])
+    path, _ = split_call(layer)
+    try:
+        module = patcher.model.diffusion_model.get_submodule(path)
+    except AttributeError:
+        raise H3Error(f"ComfyUI's model has no module {path!r}") from None
+    args, kwargs = recorded_inputs(trace, layer)
+    with torch.no_grad():
+        return module(*args, **kwargs)
+
+
+def _attention_name(trace) -> str:
+    fn = str(trace.manifest.get("attention", "attention_pytorch"))
+    return {
+        "attention_pytorch": "pytorch",
+        "attention_sage": "sage",
+        "attention_flash": "flash",
+        "attention_split": "split",
+        "attention_sub_quad": "sub_quad",
+    }.get(fn, "pytorch")
+
+
+def tensor_names(trace, layer: str) -> list[str]:
+    """Recorded tensor(s) a --layer argument names: a tensor name itself, else `<layer>.out` / `.out.N`."""
+    if layer in trace and not re.search(r"\.in(\.\d+)?$", layer):
+        return [layer]
+    return [name for name, _ in recorded_outputs(trace, layer)]
+
+
+def module_of(name: str) -> str | None:
+    """The ComfyUI module whose call produced a recorded tensor, None for in-module sites (rope_q, out_proj.in)."""
+    m = re.match(r"^(.*?)\.out(\.\d+)?$", name)
+    return m.group(1) if m else None
+
+
+def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention: str = "sdpa",
+                  device: str = "cpu") -> list[tuple[str, Any, str]]:
+    """Re-run `layer` with h3direct from the recorded inputs: [(tensor name, output, site kind)].
+
+    Uses the teacher-forced sites of `h3direct.replay` (the parity gate's own): the h3direct layer is fed
+    ComfyUI's recorded inputs, narrowed back to the dtype ComfyUI produced.
+    """
+    import torch
+
+    from h3direct.dit.loader import load_dit
+    from h3direct.evaluate import conditioning_of
+    from h3direct.inputs import load_inputs
+    from h3direct.replay import sites
+
+    names = tensor_names(trace, layer)
+    ckpt = find_checkpoint(trace, checkpoint)
+    inputs = find_inputs(trace)
+    compute = trace.manifest.get("compute_dtype_requested", "fp32")
+    mode = trace.manifest.get("nvfp4_mode", "w4a4")
+    model = load_dit(ckpt, compute_dtype=compute, nvfp4_mode=mode, device=device)
+    inp = load_inputs(inputs) if inputs else None
+    cond = conditioning_of(inp) if inp else None
+    if cond is None:
+        from h3direct.dit.model import Conditioning
+
+        cond = Conditioning()
+    by_name = {s.name: s for s in sites(model, trace, cond, inp["text_states"] if inp else None,
+                                         backend=attention, device=device)}
+    out = []
+    for name in names:
+        site = by_name.get(name)
+        if site is None:
+            raise H3Error(f"h3direct has no teacher-forced site for {name!r}")
+        missing = [n for n in site.needs if n not in trace]
+        if missing:
+            raise H3Error(f"{name} needs recorded {', '.join(missing[:3])}, not in this trace (record --detail full)",
+                          path=trace.path)
+        with torch.no_grad():
+            out.append((name, site.run(), site.kind))
+    return out
+
+
+def find_inputs(trace) -> Path | None:
+    """The inputs file of a trace: the manifest's `inputs`, else the folder's file that reproduces sampler.x_in."""
+    from parity_tests.discovery import _find_inputs
+
+    return _find_inputs(trace.path.parent, trace.manifest, trace.path)
+
+
+def budget_for(trace, kind: str, attention: str = "sdpa", budgets_path: str | None = None):
+    from parity_tests.budgets import load_budgets
+    from parity_tests.discovery import _compute, _weights_label
+
+    table = load_budgets(budgets_path)
+    weights = "bf16"
+    try:
+        weights = _weights_label(find_checkpoint(trace, None), trace.manifest)
+    except H3Error:
+        pass
+    mode, kind = ("free", "output") if kind == "model" else ("teacher", kind)
+    return table.lookup(mode=mode, kind=kind, compute=_compute(trace.manifest), weights=weights, attention=attention)
+
+
+def _as_list(out: Any) -> list:
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
+def report(label: str, outputs: list[tuple[str, Any]], trace, budget_of) -> tuple[bool, list[str]]:
+    """outputs: [(recorded name, tensor)]; budget_of(name) -> Budget. One line per output."""
+    import torch
+
+    from oracle.metrics import compare
+    from parity_tests.budgets import verdict
+
+    ok, lines = True, []
+    for name, g in outputs:
+        ref = trace.get(name)
+        if tuple(g.shape) != tuple(ref.shape):
+            ok = False
+            lines.append(f"[{label}] {name}: shape {tuple(g.shape)} vs recorded {tuple(ref.shape)}")
+            continue
+        c = compare(name, g, ref)
+        b = budget_of(name)
+        passed, rule = verdict(b, rel=c.rel_l2, sqnr=c.sqnr_db, identical=torch.equal(g.float().cpu(), ref.float()))
+        ok &= passed
+        lines.append(f"[{label}] {c.line()}  {'ok' if passed else 'OVER BUDGET'} ({rule})")
+    return ok, lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from oracle.traces import load_trace
+
+    trace = load_trace(args.trace)
+    dtype = trace.manifest.get("compute_dtype_requested", "fp32")
+    names = tensor_names(trace, args.layer)
+    results: dict[str, bool] = {}
+    kinds: dict[str, str] = {}
+    direct = replay_direct(trace, args.layer, checkpoint=args.checkpoint) if args.direct else []
+    for name, _, kind in direct:
+        kinds[name] = kind
+
+    def budget_of(name):
+        if args.budget is not None:
+            from parity_tests.budgets import Budget
+
+            return Budget(match={}, rel_l2=args.budget, provenance="--budget")
+        return budget_for(trace, kinds.get(name, "*"))
+
+    if not args.no_comfy:
+        module = module_of(names[0])
+        if module is None:
+            print(f"[comfy] {names[0]} is produced inside a ComfyUI module, not by one: replay its parent "
+                  f"({names[0].rsplit('.', 1)[0]}) to re-run it in ComfyUI")
+        else:
+            out = _as_list(replay_comfy(trace, module, comfy_root=args.comfy_root, checkpoint=args.checkpoint))
+            if len(out) != len(names):
+                names_c = [n for n, _ in recorded_outputs(trace, module)]
+            else:
+                names_c = names
+            ok, lines = report("comfy", list(zip(names_c, out, strict=False)), trace, budget_of)
+            print("\n".join(lines))
+            results["comfy"] = ok
+    if args.direct:
+        ok, lines = report("h3direct", [(n, t) for n, t, _ in direct], trace, budget_of)
+        print("\n".join(lines))
+        results["h3direct"] = ok
+    if not results:
+        raise H3Error("nothing to replay: --no-comfy needs --direct")
+    drifted = [k for k, v in results.items() if not v]
+    print(f"{args.layer} ({dtype}): " + ("all within budget" if not drifted else f"drifted: {', '.join(drifted)}"))
+    return 1 if drifted else 0

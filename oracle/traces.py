@@ -1,0 +1,350 @@
+"""Read and write per-layer traces and self-describing inputs files (see oracle/FORMAT.md).
+
+A trace is `<stem>.safetensors` (the tensors) plus `<stem>.json` (the manifest). Bit-identical tensors are stored
+once; the manifest's `aliases` maps each dropped name to the stored one. `load_trace` resolves aliases, so every
+recorded name is readable with `trace.get(name)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from h3direct.errors import H3Error
+
+TRACE_FORMAT = "h3-trace/1"
+INPUTS_SCHEMA = "h3-oracle-inputs/1"
+INPUTS_METADATA_KEY = "h3_inputs"
+
+# conditioning fields of an inputs file whose string value names a tensor of the same file
+_TENSOR_FIELDS = frozenset({"latent", "audio_latent", "video", "audio", "text_states", "token_tags"})
+
+
+def manifest_path(path: str | Path) -> Path:
+    """The JSON manifest beside a trace: same stem, `.json`."""
+    return Path(path).with_suffix(".json")
+
+
+def format_version(manifest: Mapping[str, Any]) -> int:
+    """0 for the shared files (no `trace_format` field), N for `h3-trace/N`."""
+    tag = manifest.get("trace_format")
+    if tag is None:
+        return 0
+    prefix = "h3-trace/"
+    if not isinstance(tag, str) or not tag.startswith(prefix) or not tag[len(prefix) :].isdigit():
+        raise H3Error(f"manifest field trace_format={tag!r} is not 'h3-trace/N'")
+    return int(tag[len(prefix) :])
+
+
+@dataclass
+class Trace:
+    """One recorded trace: tensors (aliases resolved, float data as stored) and its manifest."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    manifest: dict[str, Any]
+    stored: tuple[str, ...] = ()  # names physically present in the .safetensors, file order
+
+    @property
+    def version(self) -> int:
+        return format_version(self.manifest)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        return dict(self.manifest.get("aliases") or {})
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            close = [n for n in self.tensors if name.split(".")[0] in n][:5]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            raise H3Error(f"no tensor named {name!r} in this trace{hint}", path=self.path) from None
+
+    def produced_dtype(self, name: str) -> str | None:
+        """The dtype the recorded program produced (floats are stored widened to float32)."""
+        info = (self.manifest.get("tensors") or {}).get(self.aliases.get(name, name))
+        extra = (self.manifest.get("alias_dtypes") or {}).get(name)
+        return extra or (info or {}).get("dtype")
+
+    def names_in_order(self) -> list[str]:
+        """Every name (aliases included) in execution order.
+
+        Version >= 1 manifests record `order`. Version 0 manifests list stored tensors in execution order under
+        `tensors`; an alias is placed right after the tensor it points to (the best available approximation).
+        Without any manifest order the file order is used.
+        """
+        order = self.manifest.get("order")
+        if order:
+            return [n for n in order if n in self.tensors]
+        listed = list((self.manifest.get("tensors") or {}).keys()) or list(self.stored)
+        by_target: dict[str, list[str]] = {}
+        for alias, target in self.aliases.items():
+            by_target.setdefault(target, []).append(alias)
+        out: list[str] = []
+        for name in listed:
+            out.append(name)
+            out.extend(by_target.get(name, []))
+        seen = set(out)
+        out.extend(n for n in self.tensors if n not in seen)
+        return out
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load `<stem>.safetensors` and its `<stem>.json` manifest (manifest optional: then `{}`)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        path = path.with_suffix(".safetensors")
+    if not path.is_file():
+        raise H3Error("trace file not found (expected a .safetensors written by `oracle record`)", path=path)
+    mpath = manifest_path(path)
+    manifest: dict[str, Any] = {}
+    if mpath.is_file():
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as exc:
+            raise H3Error(f"manifest is not valid JSON ({exc.msg} at line {exc.lineno})", path=mpath) from None
+    format_version(manifest)
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored = tuple(f.keys())
+            for name in stored:
+                tensors[name] = f.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+        raise H3Error(f"cannot read safetensors ({exc})", path=path) from None
+    for alias, target in (manifest.get("aliases") or {}).items():
+        if target not in tensors:
+            raise H3Error(f"manifest alias {alias!r} -> {target!r}: target not stored", path=mpath)
+        tensors[alias] = tensors[target]
+    return Trace(path=path, tensors=tensors, manifest=manifest, stored=stored)
+
+
+def tensor_stats(t: torch.Tensor) -> dict[str, float]:
+    """mean / std / absmax as in the shared manifests (computed in float64)."""
+    x = t.detach().to(torch.float64)
+    if x.numel() == 0:
+        return {"mean": 0.0, "std": 0.0, "absmax": 0.0}
+    std = float(x.std()) if x.numel() > 1 else 0.0
+    out = {"mean": float(x.mean()), "std": std, "absmax": float(x.abs().max())}
+    return {k: (v if math.isfinite(v) else str(v)) for k, v in out.items()}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _storage_form(t: torch.Tensor) -> torch.Tensor:
+    """Floats narrower than 32 bit are widened to float32 (exact); float64 and integer tensors are kept."""
+    t = t.detach().to("cpu")
+    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+        t = t.to(torch.float32)
+    return t.contiguous()
+
+
+def _digest(t: torch.Tensor) -> tuple:
+    raw = t.view(torch.uint8) if t.numel() else t
+    return (str(t.dtype), tuple(t.shape), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
+
+
+def save_trace(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    manifest: Mapping[str, Any] | None = None,
+    *,
+    dedupe: bool = True,
+) -> Path:
+    """Write `<stem>.safetensors` + `<stem>.json`; `tensors` in execution order (kept as the manifest's `order`).
+
+    Float tensors are stored as float32 (the manifest keeps the produced dtype); bit-identical tensors of the same
+    produced dtype are stored once and listed under `aliases` (dropped name -> stored name).
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise H3Error("trace output must end in .safetensors", path=path)
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise H3Error(f"duplicate tensor names in trace: {dup[:5]}", path=path)
+    stored: dict[str, torch.Tensor] = {}
+    info: dict[str, dict[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise H3Error(f"trace entry {name!r} is {type(t).__name__}, not a tensor", path=path)
+        s = _storage_form(t)
+        key = (_dtype_name(t.dtype), *_digest(s))
+        if dedupe and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        stored[name] = s
+        info[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), **tensor_stats(t)}
+    out_manifest = dict(manifest or {})
+    out_manifest["trace_format"] = TRACE_FORMAT
+    out_manifest["order"] = names
+    out_manifest["tensors"] = info
+    out_manifest["aliases"] = aliases
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(path))
+    manifest_path(path).write_text(json.dumps(out_manifest, indent=1, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.dtype):
+        return _dtype_name(obj)
+    if isinstance(obj, torch.Size | tuple):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": list(obj.shape), "dtype": _dtype_name(obj.dtype)}
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------- inputs files
+
+
+@dataclass
+class Inputs:
+    """A self-describing inputs file (schema h3-oracle-inputs/1) with tensor names resolved to tensors."""
+
+    path: Path
+    task: str
+    variant: str
+    sigma: float
+    sampler_seed: int
+    tensors: dict[str, torch.Tensor]
+    refs: list[dict[str, Any]] = field(default_factory=list)
+    keyframes: list[dict[str, Any]] = field(default_factory=list)
+    denoise_mask: dict[str, torch.Tensor] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise H3Error(f"inputs file has no tensor {name!r}", path=self.path) from None
+
+    @property
+    def text_states(self) -> torch.Tensor:
+        return self.get(self.meta.get("text_states", "text_states"))
+
+    @property
+    def token_tags(self) -> torch.Tensor:
+        return self.get(self.meta.get("token_tags", "token_tags"))
+
+    @property
+    def video_noise(self) -> torch.Tensor:
+        return self.get("video_noise")
+
+    @property
+    def audio_noise(self) -> torch.Tensor:
+        return self.get("audio_noise")
+
+    @property
+    def video_latent(self) -> torch.Tensor:
+        return self.get("video_latent")
+
+    @property
+    def audio_latent(self) -> torch.Tensor:
+        return self.get("audio_latent")
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise H3Error("file not found", path=path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = dict(f.metadata() or {})
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as exc:
+        raise H3Error(f"cannot read safetensors ({exc})", path=path) from None
+
+
+def _resolve(value: Any, tensors: Mapping[str, torch.Tensor], path: Path, where: str) -> Any:
+    """Replace tensor-name strings under the known tensor fields by the tensors."""
+    if isinstance(value, list):
+        return [_resolve(v, tensors, path, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k in _TENSOR_FIELDS and isinstance(v, str):
+                if v not in tensors:
+                    raise H3Error(
+                        f"h3_inputs field {where}.{k} names tensor {v!r}, which is not in the file", path=path
+                    )
+                out[k] = tensors[v]
+            else:
+                out[k] = _resolve(v, tensors, path, f"{where}.{k}")
+        return out
+    return value
+
+
+def load_inputs(path: str | Path) -> Inputs:
+    """Read an `inputs_*.safetensors` file and its `h3_inputs` metadata."""
+    path = Path(path)
+    tensors, meta = _read_safetensors(path)
+    raw = meta.get(INPUTS_METADATA_KEY)
+    if raw is None:
+        raise H3Error(f"no '{INPUTS_METADATA_KEY}' metadata: not a self-describing inputs file", path=path)
+    try:
+        desc = json.loads(raw)
+    except json.JSONDecodeError:
+        raise H3Error(f"metadata '{INPUTS_METADATA_KEY}' is not JSON", path=path) from None
+    if desc.get("schema") != INPUTS_SCHEMA:
+        raise H3Error(f"h3_inputs schema={desc.get('schema')!r}, expected {INPUTS_SCHEMA!r}", path=path)
+    for key in ("task", "sigma", "sampler_seed"):
+        if key not in desc:
+            raise H3Error(f"h3_inputs lacks field {key!r}", path=path)
+    if desc["task"] not in ("t2va", "fl2va", "ref2va"):
+        raise H3Error(f"h3_inputs task={desc['task']!r} is not one of t2va, fl2va, ref2va", path=path)
+    for name in ("video_noise", "audio_noise", "video_latent", "audio_latent"):
+        if name not in tensors:
+            raise H3Error(f"inputs file lacks tensor {name!r}", path=path)
+    mask = desc.get("denoise_mask")
+    return Inputs(
+        path=path,
+        task=desc["task"],
+        variant=desc.get("variant", desc["task"]),
+        sigma=float(desc["sigma"]),
+        sampler_seed=int(desc["sampler_seed"]),
+        tensors=tensors,
+        refs=_resolve(desc.get("refs") or [], tensors, path, "refs"),
+        keyframes=_resolve(desc.get("keyframes") or [], tensors, path, "keyframes"),
+        denoise_mask=(
+            {k: v for k, v in _resolve(mask, tensors, path, "denoise_mask").items() if k in ("video", "audio")}
+            if mask
+            else None
+        ),
+        meta=desc,
+    )
+
+
+def load_vae_inputs(path: str | Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """`vae_inputs_*.safetensors` -> {kind: {case: {field: tensor}}} from names `<kind>.<case>.<field>`."""
+    path = Path(path)
+    tensors, _ = _read_safetensors(path)
+    out: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 3:
+            raise H3Error(f"tensor {name!r} is not named <kind>.<case>.<field>", path=path)
+        kind, case, fld = parts
+        out.setdefault(kind, {}).setdefault(case, {})[fld] = t
+    return out
