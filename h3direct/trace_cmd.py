@@ -12,8 +12,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", required=True, help="self-describing inputs file (h3_inputs metadata)")
     p.add_argument("--compute-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--attention", default="sdpa", help="attention backend (see h3direct.dit.attention)")
-    p.add_argument("--nvfp4-mode", default="w4a4", choices=["w4a4", "w4a16"],
-                   help="NVFP4 compute: w4a4 = ComfyUI on CPU / FP4 GPUs (default), w4a16 = Hopper and older")
+    p.add_argument("--nvfp4-mode", default="auto", choices=["auto", "w4a4", "w4a16"],
+                   help="NVFP4 compute: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, "
+                        "else w4a16: Hopper and older, and the CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--mlp-chunks", type=int, default=1)
     p.add_argument("--out", required=True, help="trace .safetensors (a .json manifest is written beside it)")
@@ -23,6 +24,7 @@ def run(args) -> int:
     import torch
 
     from h3direct.dit.attention import check_backend
+    from h3direct.dit.linear import resolve_nvfp4_mode
     from h3direct.dit.loader import load_dit
     from h3direct.dit.tracing import Tracer
     from h3direct.errors import H3Error
@@ -48,7 +50,7 @@ def run(args) -> int:
         "sigma": inputs.sigma,
         "seed": inputs.seed,
         "compute_dtype_requested": args.compute_dtype,
-        "nvfp4_mode": args.nvfp4_mode,
+        "nvfp4_mode": resolve_nvfp4_mode(args.nvfp4_mode, args.device),
         "attention": args.attention,
         "device": args.device,
         "config": model.config.comfy_dict(),

@@ -178,7 +178,7 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
     ckpt = find_checkpoint(trace, checkpoint)
     inputs = find_inputs(trace)
     compute = trace.manifest.get("compute_dtype_requested", "fp32")
-    mode = trace.manifest.get("nvfp4_mode", "w4a4")
+    mode = trace.manifest.get("nvfp4_mode", "w4a16")
     model = load_dit(ckpt, compute_dtype=compute, nvfp4_mode=mode, device=device)
     inp = load_inputs(inputs) if inputs else None
     cond = conditioning_of(inp) if inp else None

@@ -131,7 +131,8 @@ def _weights_label(checkpoint: Path, m: dict) -> str:
         quant = any(k.endswith(".comfy_quant") for k in f.keys())
     if not quant:
         return "bf16"
-    return f"nvfp4_{m.get('nvfp4_mode', 'w4a4')}"
+    # ComfyUI runs NVFP4 as W4A4 only on CUDA devices of compute capability >= 10; CPU traces are W4A16
+    return f"nvfp4_{m.get('nvfp4_mode', 'w4a16')}"
 
 
 def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:

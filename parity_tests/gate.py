@@ -121,7 +121,7 @@ def _setup(case: DitCase, device: str):
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
-    mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a4"
+    mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
     model = _model(str(case.checkpoint), case.compute, mode, device)
     return trace, inputs, model, conditioning_of(inputs)
 

@@ -44,7 +44,7 @@ def _one_site_per_kind(case):
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
-    model = _model(str(case.checkpoint), case.compute, "w4a4", "cpu")
+    model = _model(str(case.checkpoint), case.compute, "w4a16", "cpu")
     picked = {}
     for s in available_sites(model, trace, conditioning_of(inputs), inputs["text_states"]):
         picked.setdefault(s.kind, s.name)
@@ -75,7 +75,7 @@ def test_trace_perturbation_is_caught_at_each_kind(fp32_case, mode):
 def test_h3direct_layer_perturbation_is_caught(fp32_case, monkeypatch):
     from parity_tests.gate import _model
 
-    model = _model(str(fp32_case.checkpoint), fp32_case.compute, "w4a4", "cpu")
+    model = _model(str(fp32_case.checkpoint), fp32_case.compute, "w4a16", "cpu")
     target = model.blocks[len(model.blocks) - 1].mlp.fc1
     handle = target.register_forward_hook(lambda m, a, out: out * (1.0 + 1e-3))
     try:

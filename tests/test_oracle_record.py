@@ -66,12 +66,17 @@ def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path) -> None
 
 
 def test_replay_report_fails_on_injected_error() -> None:
+    from oracle.traces import Trace
+    from parity_tests.budgets import Budget
+
     ref = torch.randn(8, 4)
-    ok, _ = report("comfy", ref.clone(), [("x.out", ref)], budget=1e-5)
+    trace = Trace(Path("x.safetensors"), {"x.out": ref}, {})
+    budget = lambda name: Budget(match={}, rel_l2=1e-5, provenance="test")  # noqa: E731
+    ok, _ = report("comfy", [("x.out", ref.clone())], trace, budget)
     assert ok
     bad = ref.clone()
     bad[3, 1] += 0.05 * ref.norm()
-    ok, lines = report("comfy", bad, [("x.out", ref)], budget=1e-5)
+    ok, lines = report("comfy", [("x.out", bad)], trace, budget)
     assert not ok and "OVER BUDGET" in lines[0] and "[3, 1]" in lines[0]
 
 

@@ -8,10 +8,13 @@ NVFP4 layers hold the checkpoint's tensors under the checkpoint's names (`weight
 JSON marker) and run in one of two modes (see `h3direct.quant.nvfp4`):
 
 - ``w4a16``: dequantize the weight to the activation dtype every call, unquantized activations — what
-  ComfyUI does on GPUs without FP4 tensor cores (compute capability < 10, e.g. H200);
+  ComfyUI does wherever FP4 compute is unsupported: GPUs with compute capability < 10 (H100/H200) and the
+  CPU. The shared NVFP4 oracle traces were recorded on this path (bit-identical to dequantize + F.linear);
 - ``w4a4``: activations quantized to NVFP4 with a dynamic per-tensor scale, FP4 matmul — what ComfyUI
-  does on FP4-capable GPUs (Blackwell, DGX Spark) and on the CPU (comfy-kitchen's eager kernels), which
-  is how the shared NVFP4 oracle traces were recorded.
+  does on FP4-capable GPUs (compute capability >= 10: Blackwell, DGX Spark). Here an fp32 emulation of
+  that arithmetic (the GPU kernel's accumulation order differs).
+
+``auto`` (the default) picks as ComfyUI does for the device the model runs on.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NVFP4_MODES = ("w4a4", "w4a16")
+NVFP4_MODES = ("auto", "w4a4", "w4a16")
+
+
+def resolve_nvfp4_mode(mode: str, device) -> str:
+    """ComfyUI's choice: FP4 compute (W4A4) only on CUDA devices of compute capability >= 10."""
+    if mode != "auto":
+        return mode
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return "w4a4" if torch.cuda.get_device_capability(device)[0] >= 10 else "w4a16"
+    return "w4a16"
 
 
 class Linear(nn.Module):
@@ -46,15 +59,15 @@ class Linear(nn.Module):
 class NVFP4Linear(nn.Module):
     """NVFP4 block-quantized linear (ComfyUI mixed-precision layout); `mode` picks W4A4 or W4A16."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "w4a4"):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "w4a16"):
         super().__init__()
-        if in_features % 16:
-            raise ValueError(f"NVFP4 needs in_features divisible by 16, got {in_features}")
+        from h3direct.quant.nvfp4 import storage_shapes
+
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode = mode
-        rows, cols = -(-out_features // 128) * 128, -(-(in_features // 16) // 4) * 4
-        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("weight_scale", torch.empty(rows, cols, dtype=torch.float8_e4m3fn))
+        shapes = storage_shapes((out_features, in_features))  # rows/cols zero-padded to 16, scales to 128x4 tiles
+        self.register_buffer("weight", torch.empty(shapes["weight"], dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.empty(shapes["weight_scale"], dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale_2", torch.empty((), dtype=torch.float32))
         self.register_buffer("comfy_quant", torch.empty(0, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -64,17 +77,16 @@ class NVFP4Linear(nn.Module):
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.mode == "w4a4":
-            y = nvfp4.linear_w4a4(x2, self.weight, self.weight_scale, self.weight_scale_2, self.bias, x.dtype)
-        else:
-            y = nvfp4.linear_w4a16(x2, self.weight, self.weight_scale, self.weight_scale_2, self.bias, x.dtype)
+        fn = nvfp4.linear_w4a4 if self.mode == "w4a4" else nvfp4.linear_w4a16
+        y = fn(x2, self.weight, self.weight_scale, self.weight_scale_2, self.bias, x.dtype,
+               out_features=self.out_features)
         return y.reshape(*lead, self.out_features)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         from h3direct.quant import nvfp4
 
-        return nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype,
-                                      shape=(self.out_features, self.in_features))
+        w = nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype)
+        return w[: self.out_features, : self.in_features]
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, nvfp4 {self.mode}"

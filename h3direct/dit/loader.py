@@ -24,7 +24,7 @@ from torch import nn
 
 from h3direct.config import H3Config
 from h3direct.dit.blocks import RMSNorm
-from h3direct.dit.linear import NVFP4_MODES, Linear, NVFP4Linear
+from h3direct.dit.linear import NVFP4_MODES, Linear, NVFP4Linear, resolve_nvfp4_mode
 from h3direct.dit.model import H3DiT
 from h3direct.errors import CheckpointError, ConfigError
 
@@ -83,9 +83,9 @@ def logical_shapes(sd: dict[str, torch.Tensor], formats: dict[str, str]) -> dict
     return shapes
 
 
-def build_model(config: H3Config, formats: dict[str, str], nvfp4_mode: str = "w4a4") -> H3DiT:
+def build_model(config: H3Config, formats: dict[str, str], nvfp4_mode: str = "w4a16") -> H3DiT:
     """H3DiT on the meta device, NVFP4 layers where the checkpoint has them."""
-    if nvfp4_mode not in NVFP4_MODES:
+    if nvfp4_mode not in NVFP4_MODES or nvfp4_mode == "auto":
         raise ConfigError(f"unknown NVFP4 mode {nvfp4_mode!r}; choose one of {', '.join(NVFP4_MODES)}")
     with torch.device("meta"):
         model = H3DiT(config)
@@ -119,7 +119,7 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
     return compute
 
 
-def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "w4a4",
+def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
              device: str | torch.device = "cpu") -> H3DiT:
     compute = parse_compute_dtype(compute_dtype)
     sd, _meta = read_state_dict(path)
@@ -127,8 +127,9 @@ def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvf
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
-                    nvfp4_mode: str = "w4a4", device="cpu", source=None) -> H3DiT:
+                    nvfp4_mode: str = "auto", device="cpu", source=None) -> H3DiT:
     formats = quant_formats(sd)
+    nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
     try:
         config = H3Config.from_shapes(logical_shapes(sd, formats))
     except ConfigError as exc:

@@ -1,0 +1,304 @@
+"""`h3direct make-checkpoint`: a deterministic synthetic checkpoint in ComfyUI's exact format.
+
+DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint_layout.dit_tensor_layout`.
+Initialisation (the recipe of `../shared/oracle/checkpoint_info*.json`, which gives O(1) activations through
+all blocks): one `torch.Generator(device).manual_seed(seed)`, master tensors drawn in sorted key order of the
+dense layout, fp32 master values cast to the storage dtype:
+
+- linear weight ~ N(0, (gain / sqrt(fan_in))²), gain 1 except `adaln_proj` (1.5; 0.6 in the curve form) and
+  `time_embedder.proj_out` (2.0); bias ~ N(0, 0.02²); RMSNorm weight = 1 + N(0, 0.05²);
+- `rope.inv_freq` = 10000^(-arange(L)/L) (no draw);
+- `adaln_t_table[:, j]` = a_j·cos(π f_j t + φ_j) + b_j on t = linspace(0, 1, grid), drawn as a ~ N(0,1)[k],
+  f ~ U(0.5, 4)[k], φ ~ U(0, 2π)[k], b ~ N(0, 0.25)[k] (std 0.5).
+
+On the CPU with seed 0 this reproduces `h3_tiny_bf16.safetensors` bit for bit (the curve file too, except
+`adaln_t_table`, within 2e-6: the oracle evaluated the cosine slightly differently). NVFP4 layers are quantized
+from the bf16-rounded master weight exactly as ComfyUI's `TensorCoreNVFP4Layout.quantize` does, so
+`--quant nvfp4` with seed 0 reproduces `h3_tiny_nvfp4.safetensors` too. `--device cuda` draws from a CUDA
+generator: deterministic, but different numbers from the CPU.
+
+The file is streamed: the safetensors header is written first (all shapes are known from the layout), then
+each tensor is generated and written one at a time, so the full 50-layer model never needs more memory than
+its largest tensor (~1.1 GB fp32 master of a full-form `adaln_proj.linear.weight` plus its bf16 copy).
+
+VAEs (`--component video_vae|audio_vae`) come from `h3direct.vae.synthetic.make_state_dict` and are written
+by the same writer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from h3direct.errors import ConfigError, H3Error
+
+CURVE_GRID = {"tiny": 33, "full": 1025}  # adaln_t_table rows of the curve form per preset
+CURVE_TIME_EMBED_DIM = 8
+COMPONENTS = ("dit", "video_vae", "audio_vae")
+
+# safetensors dtype codes of the storage dtypes we write
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8", "int8": "I8",
+             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0", "int64": "I64",
+             "int32": "I32"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write (default dit)")
+    parser.add_argument("--preset", default="tiny", help="size preset: tiny | full (default tiny)")
+    parser.add_argument("--config", metavar="JSON", help="config as a JSON file or inline JSON object "
+                        "(H3Config fields for the DiT, constructor args for a VAE); overrides --preset")
+    parser.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="DiT weight format")
+    parser.add_argument("--nvfp4-layers", choices=("all", "dit"), default="all",
+                        help="NVFP4 on DiT + token-refiner block linears (all, as the shared tiny files) or "
+                             "DiT blocks only (dit, 4 x num_layers linears)")
+    parser.add_argument("--adaln", choices=("full", "curve"), default=None,
+                        help="adaLN form: full (time embedder) or curve (adaln_t_table, the pruned layout)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors are generated")
+    parser.add_argument("--out", required=True, metavar="PATH", help="output .safetensors file")
+
+
+# ---------------------------------------------------------------- config
+
+def _load_json_arg(text: str) -> dict:
+    src = text
+    if not text.lstrip().startswith("{"):
+        p = Path(text)
+        if not p.is_file():
+            raise ConfigError(f"--config {text}: no such file (give a JSON file or an inline JSON object)")
+        src = p.read_text()
+    try:
+        d = json.loads(src)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config {text}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {text}: expected a JSON object, got {type(d).__name__}")
+    return d.get("config", d) if isinstance(d.get("config"), dict) else d
+
+
+def resolve_config(preset: str = "tiny", config_json: str | None = None, adaln: str | None = None):
+    """H3Config from a preset name or a JSON config, switched to the requested adaLN form."""
+    from h3direct.config import H3Config
+
+    if config_json is not None:
+        d = _load_json_arg(config_json)
+        known = {"hidden_size", "num_layers", "token_refiner_num_layers", "num_attention_heads", "attention_head_dim",
+                 "ffn_hidden_size", "latents_dim", "audio_latents_dim", "text_dim", "timestep_input_dim",
+                 "time_embed_hidden_size", "time_embed_dim", "rope_inv_freq_len", "adaln_curve_grid", "norm_eps",
+                 "qk_norm_eps", "final_norm_eps", "sigma_shift_video", "sigma_shift_audio", "patch_size",
+                 "image_model", "dtype"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"--config: unknown field(s) {', '.join(unknown)}")
+        try:
+            cfg = H3Config.from_dict(d)
+        except TypeError as exc:
+            raise ConfigError(f"--config: {exc}") from None
+        grid = cfg.adaln_curve_grid or CURVE_GRID["full"]
+    else:
+        cfg = H3Config.from_name(preset)
+        grid = cfg.adaln_curve_grid or CURVE_GRID.get(preset.removesuffix("-curve"), CURVE_GRID["full"])
+    if adaln == "curve" and not cfg.is_curve:
+        cfg = cfg.replace(adaln_curve_grid=grid, time_embed_dim=CURVE_TIME_EMBED_DIM)
+    elif adaln == "full" and cfg.is_curve:
+        # the time-embedder sizes of the matching full-form preset
+        full = H3Config.from_name("tiny" if preset.startswith("tiny") and config_json is None else "full")
+        cfg = cfg.replace(adaln_curve_grid=None, time_embed_dim=full.time_embed_dim,
+                          timestep_input_dim=full.timestep_input_dim,
+                          time_embed_hidden_size=full.time_embed_hidden_size)
+    return cfg
+
+
+# ---------------------------------------------------------------- initialisation
+
+def _gain(name: str, curve: bool) -> float:
+    if ".adaln_proj." in name or name.startswith("adaln_proj."):
+        return 0.6 if curve else 1.5
+    if name.startswith("time_embedder.proj_out."):
+        return 2.0
+    return 1.0
+
+
+def init_master(spec, config, g, device):
+    """fp32 master value of one dense-layout tensor, drawn from generator `g` (nothing drawn for rope)."""
+    import torch
+
+    shape = spec.logical_shape
+    if spec.kind == "rope.inv_freq":
+        n = shape[0]
+        return 10000 ** (-torch.arange(n, dtype=torch.float32, device=device) / n)
+    if spec.kind == "adaln_t_table":
+        grid, k = shape
+        a = torch.randn(k, generator=g, device=device)
+        f = 0.5 + 3.5 * torch.rand(k, generator=g, device=device)
+        phi = 2 * math.pi * torch.rand(k, generator=g, device=device)
+        b = 0.5 * torch.randn(k, generator=g, device=device)
+        t = torch.linspace(0, 1, grid, device=device)[:, None]
+        return a * torch.cos(math.pi * f * t + phi) + b
+    if spec.kind == "norm.weight":
+        return 1 + 0.05 * torch.randn(shape, generator=g, device=device)
+    if spec.kind == "linear.bias":
+        return 0.02 * torch.randn(shape, generator=g, device=device)
+    if spec.kind == "linear.weight":
+        w = torch.randn(shape, generator=g, device=device)
+        return w.mul_(_gain(spec.name, config.is_curve) / math.sqrt(shape[1]))
+    raise AssertionError(f"no init rule for {spec.name} ({spec.kind})")
+
+
+def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
+    """Stored specs in production order: dense keys sorted (the draw order); an NVFP4 layer's weight is
+    followed by its block scale, global scale and `comfy_quant` marker."""
+    from h3direct.checkpoint_layout import dit_tensor_layout
+
+    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
+    dense = dit_tensor_layout(config, "none")
+    order = []
+    for name in dense:
+        order.append(stored[name])
+        if stored[name].role == "nvfp4_weight":
+            layer = name.rsplit(".", 1)[0]
+            order += [stored[f"{layer}.{suffix}"] for suffix in ("weight_scale", "weight_scale_2", "comfy_quant")]
+    assert len(order) == len(stored)
+    return order
+
+
+def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "cpu",
+                     nvfp4_refiner: bool = True) -> Iterator[tuple[str, object]]:
+    """(key, tensor) in `dit_plan` order, generated one master tensor at a time."""
+    import torch
+
+    from h3direct.checkpoint_layout import dit_tensor_layout
+    from h3direct.quant import NVFP4_MARKER
+    from h3direct.quant.nvfp4 import quantize_nvfp4
+
+    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, spec in dit_tensor_layout(config, "none").items():
+        master = init_master(spec, config, g, device)
+        out = stored[name]
+        if out.role != "nvfp4_weight":
+            yield name, master.to(out.torch_dtype)
+            continue
+        bf16 = master.to(torch.bfloat16)  # ComfyUI quantized the bf16-rounded weights
+        del master
+        q = quantize_nvfp4(bf16)
+        layer = name.rsplit(".", 1)[0]
+        yield name, q.packed
+        yield f"{layer}.weight_scale", q.block_scale
+        yield f"{layer}.weight_scale_2", q.global_scale
+        yield f"{layer}.comfy_quant", torch.tensor(list(NVFP4_MARKER), dtype=torch.uint8, device=device)
+
+
+# ---------------------------------------------------------------- streaming safetensors writer
+
+def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        if dtype not in _ST_DTYPE:
+            raise H3Error(f"cannot write tensor {name}: dtype {dtype} has no safetensors code")
+        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # pad so the data section starts 8-byte aligned
+
+
+def write_safetensors_stream(path: str | os.PathLike, plan: list[tuple[str, str, tuple[int, ...], int]],
+                             tensors: Iterable[tuple[str, object]], metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file whose header is `plan` ([(name, torch dtype name, shape, nbytes)], in data
+    order), then the bytes of `tensors`, which must arrive in the same order with matching dtype and shape.
+    Written to `path`.tmp and renamed at the end. Returns the file size."""
+    import torch
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    header = _header_bytes(plan, metadata)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            it = iter(tensors)
+            for name, dtype, shape, nbytes in plan:
+                got_name, t = next(it)
+                if got_name != name or str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
+                    raise AssertionError(f"writer expected {name} {dtype}{list(shape)}, got {got_name} {t.dtype}"
+                                         f"{list(t.shape)}")
+                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                assert data.numel() == nbytes, name
+                f.write(memoryview(data.numpy()))
+                del t, data
+            if next(it, None) is not None:
+                raise AssertionError("writer got more tensors than its plan")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def write_state_dict(path: str | os.PathLike, sd: dict, metadata: dict[str, str] | None = None) -> int:
+    """Write an in-memory state dict (sorted keys) with the streaming writer."""
+    names = sorted(sd)
+    plan = [(k, str(sd[k].dtype).removeprefix("torch."), tuple(sd[k].shape), sd[k].numel() * sd[k].element_size())
+            for k in names]
+    return write_safetensors_stream(path, plan, ((k, sd[k]) for k in names), metadata)
+
+
+def write_dit_checkpoint(path: str | os.PathLike, config, quant: str = "none", seed: int = 0, device: str = "cpu",
+                         nvfp4_refiner: bool = True) -> int:
+    """Generate and stream a synthetic DiT checkpoint to `path`; returns the file size in bytes."""
+    import dataclasses
+
+    plan = [(s.name, s.dtype, s.shape, s.nbytes) for s in dit_plan(config, quant, nvfp4_refiner)]
+    info = {"generator": "h3direct make-checkpoint", "component": "dit", "seed": seed, "quant": quant,
+            "nvfp4_refiner": nvfp4_refiner, "device": device,
+            "h3_config": {k: v for k, v in dataclasses.asdict(config).items()}}
+    # ComfyUI's detection reads a "config" metadata key: never write one
+    return write_safetensors_stream(path, plan, iter_dit_tensors(config, quant, seed, device, nvfp4_refiner),
+                                    {"h3direct": json.dumps(info, sort_keys=True)})
+
+
+# ---------------------------------------------------------------- CLI
+
+def _make_vae(args) -> int:
+    try:
+        from h3direct.vae import synthetic
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("h3direct.vae", "h3direct.vae.synthetic"):
+            raise
+        raise H3Error(f"--component {args.component}: h3direct.vae.synthetic is not available in this build") from None
+    if args.quant != "none" or args.adaln is not None:
+        raise ConfigError(f"--component {args.component}: --quant/--adaln apply to the DiT only")
+    config = _load_json_arg(args.config) if args.config else args.preset
+    sd = synthetic.make_state_dict(args.component, config, seed=args.seed)
+    if args.device == "cuda":
+        sd = {k: v.to("cuda") for k, v in sd.items()}
+    info = {"generator": "h3direct make-checkpoint", "component": args.component, "seed": args.seed,
+            "preset": None if args.config else args.preset}
+    size = write_state_dict(args.out, sd, {"h3direct": json.dumps(info, sort_keys=True)})
+    print(json.dumps({"out": str(args.out), "component": args.component, "tensors": len(sd), "bytes": size}))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise H3Error("--device cuda: no CUDA device is available (use --device cpu)")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise H3Error(f"--out {out}: directory {out.parent} does not exist")
+    if args.component != "dit":
+        return _make_vae(args)
+    config = resolve_config(args.preset, args.config, args.adaln)
+    size = write_dit_checkpoint(out, config, args.quant, args.seed, args.device, args.nvfp4_layers == "all")
+    print(json.dumps({"out": str(out), "component": "dit", "quant": args.quant,
+                      "adaln": "curve" if config.is_curve else "full", "seed": args.seed, "bytes": size,
+                      "config": config.comfy_dict()}))
+    return 0
