@@ -62,6 +62,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: fc1 -> [gate | up] -> silu(gate)·up -> fc2. `chunks` > 1 runs rows in slices (exact)."""
 
+    CHUNK_ALIGN = 64
+
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
         self.fc1 = Linear(hidden, 2 * ffn, bias=False)
@@ -72,10 +74,20 @@ class MLP(nn.Module):
         return self.fc2(F.silu(gate).mul_(up))
 
     def forward(self, x: torch.Tensor, *, chunks: int = 1) -> torch.Tensor:
-        # x: [S, hidden] -> [S, hidden]
-        if chunks <= 1 or x.shape[0] < 2:
+        # x: [S, hidden] -> [S, hidden]. Chunk boundaries fall on multiples of CHUNK_ALIGN rows and the last
+        # chunk takes the remainder, so no GEMM runs on a sliver of rows (BLAS switches kernels for tiny M,
+        # which would break bitwise equality with the unchunked product).
+        s = x.shape[0]
+        if chunks <= 1 or s < 2 * self.CHUNK_ALIGN:
             return self._swiglu(x)
-        return torch.cat([self._swiglu(part) for part in x.chunk(chunks, dim=0)], dim=0)
+        step = max(self.CHUNK_ALIGN, -(-s // chunks) // self.CHUNK_ALIGN * self.CHUNK_ALIGN)
+        bounds = list(range(0, s, step))[:chunks] + [s]
+        if bounds[-2] >= s - self.CHUNK_ALIGN // 2 and len(bounds) > 2:
+            bounds.pop(-2)
+        out = torch.empty(s, self.fc2.out_features, dtype=x.dtype, device=x.device)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            out[a:b] = self._swiglu(x[a:b])
+        return out
 
 
 class AdalnProj(nn.Module):
