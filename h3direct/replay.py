@@ -11,10 +11,9 @@ Recorded tensors are stored widened to float32; they are narrowed back to the dt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import math
 
 import torch
 import torch.nn.functional as F

@@ -18,7 +18,6 @@ from typing import Any
 from h3direct.errors import H3Error
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="trace .safetensors (recorded with --detail full)")
     parser.add_argument("--layer", required=True, help="module path, e.g. blocks.1.attn or blocks.0.mlp.fc2")

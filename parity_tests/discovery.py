@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ def _compute(m: dict) -> str:
     return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(dt, "fp32")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _inputs_meta(path: Path) -> dict:
     from safetensors import safe_open
 
@@ -116,8 +116,11 @@ def _find_inputs(folder: Path, m: dict, trace: Path) -> Path | None:
         if p.is_file():
             return p
     task = m.get("variant") or m.get("task")
-    cands = [p for p in sorted(folder.glob("*.safetensors"))
-             if _inputs_meta(p).get("schema") and (_inputs_meta(p).get("variant") or _inputs_meta(p).get("task")) == task]
+    def variant(p):
+        meta = _inputs_meta(p)
+        return meta.get("variant") or meta.get("task") if meta.get("schema") else None
+
+    cands = [p for p in sorted(folder.glob("*.safetensors")) if variant(p) == task]
     for p in cands:
         if _x_in_matches(p, trace):
             return p

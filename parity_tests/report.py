@@ -40,8 +40,8 @@ class ReportCollector:
             res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`"
             lines.append(f"| {c['case']} | {c['mode']} | {c['compute']} | {c['weights']} | {c['attention']} | "
                          f"{c['layers']} | {res} |")
-        lines += ["", "## Worst layers (lowest SQNR per case and mode)", "", "| case | mode | layer | rel_l2 | sqnr dB |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "## Worst layers (lowest SQNR per case and mode)", "",
+                  "| case | mode | layer | rel_l2 | sqnr dB |", "|---|---|---|---|---|"]
         by = defaultdict(list)
         for r in self.rows:
             by[(r["case"], r["mode"])].append(r)

@@ -25,7 +25,8 @@ from h3direct.inputs import load_inputs
 
 SHARED = Path(os.environ.get("H3_SHARED_ORACLE", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-INPUT_FILES = sorted(glob.glob(str(SHARED / "inputs_*.safetensors"))) + sorted(glob.glob(str(FIXTURES / "inputs_*.safetensors")))
+INPUT_FILES = sorted(glob.glob(str(SHARED / "inputs_*.safetensors")))
+INPUT_FILES += sorted(glob.glob(str(FIXTURES / "inputs_*.safetensors")))
 
 
 @pytest.mark.skipif(not INPUT_FILES, reason=f"no inputs files in {SHARED} or {FIXTURES}")

@@ -10,7 +10,9 @@ selected per call by name, no reload needed. q, k, v: [B, H, S, D]; returns [B, 
 | sage2           | SageAttention ≥ 2 (`sageattention.sageattn`), when importable on a CUDA device   |
 | ck_int8         | comfy-kitchen `int8_attention` (INT8 Q/K/V, approximate)                         |
 | kj_head_sliced  | runs heads in slices of `H3_HEAD_SLICE_SIZE` (8) through `H3_HEAD_SLICE_BACKEND` (sage2) |
-| sol_attn        | comfy-kitchen `sol_attn` when the installed comfy-kitchen has it; options from `H3_SOL_*` env; falls back to `H3_SOL_FALLBACK` (sage2) below `H3_SOL_MIN_TOKENS` or when unavailable, unless `H3_SOL_STRICT=1` |
+| sol_attn        | comfy-kitchen `sol_attn` when the installed comfy-kitchen has it; options from `H3_SOL_*`; |
+|                 | falls back to `H3_SOL_FALLBACK` (sage2) below `H3_SOL_MIN_TOKENS` or when unavailable,   |
+|                 | unless `H3_SOL_STRICT=1`                                                                 |
 
 An unknown or unavailable backend raises `BackendUnavailable` with the reason and the list of backends
 available here.

@@ -85,7 +85,7 @@ class MLP(nn.Module):
         if bounds[-2] >= s - self.CHUNK_ALIGN // 2 and len(bounds) > 2:
             bounds.pop(-2)
         out = torch.empty(s, self.fc2.out_features, dtype=x.dtype, device=x.device)
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             out[a:b] = self._swiglu(x[a:b])
         return out
 

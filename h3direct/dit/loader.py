@@ -6,10 +6,11 @@ then runs on uninitialised memory).
 
 Dtype policy (what ComfyUI ends up holding, per compute dtype):
 
-| checkpoint        | compute fp32 | compute bf16/fp16                                                     |
-|-------------------|--------------|-----------------------------------------------------------------------|
-| bf16 (+fp32 island) | all fp32   | islands (patch projs, time embedder, output heads, curve adaLN) fp32, rest compute dtype |
-| any `comfy_quant` | all fp32     | every non-quantized Linear and norm at the compute dtype, islands included (ComfyUI's mixed-precision ops ignore the fp32 declaration) |
+- compute fp32: every float parameter fp32 (bf16 weights upcast exactly);
+- compute bf16/fp16, no `comfy_quant` key: the fp32 islands (patch projections, time embedder, output heads,
+  curve adaLN) stay fp32, the rest is held at the compute dtype;
+- compute bf16/fp16 with any `comfy_quant` key: every non-quantized Linear and norm at the compute dtype,
+  islands included (ComfyUI's mixed-precision ops ignore the fp32 declaration).
 
 NVFP4 layers keep their packed tensors; buffers (`adaln_t_table`, `rope.inv_freq`) stay fp32.
 """

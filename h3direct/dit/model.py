@@ -16,8 +16,15 @@ from torch import nn
 from h3direct.config import H3Config
 from h3direct.dit.attention import DEFAULT_BACKEND
 from h3direct.dit.blocks import DiTBlock, FinalLayer, TokenRefiner
-from h3direct.dit.embed import (TimeEmbedder, condition_rows, curve_embedding, pack_audio, patchify_video,
-                                unpack_audio, unpatchify_video)
+from h3direct.dit.embed import (
+    TimeEmbedder,
+    condition_rows,
+    curve_embedding,
+    pack_audio,
+    patchify_video,
+    unpack_audio,
+    unpatchify_video,
+)
 from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.linear import Linear
 from h3direct.dit.rope import rope_angles, rotation_table
