@@ -99,6 +99,9 @@ def ensure(root: str | Path | None = None) -> Bundle:
     try:
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
     except OSError as exc:
         raise H3Error(f"cannot create the bundled-model cache ({exc.strerror}); set H3_CACHE_DIR to a writable "
                       "directory", path=root.parent) from None

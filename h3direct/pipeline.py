@@ -351,7 +351,8 @@ class H3Pipeline:
                  decode: bool = True) -> Result:
         """One clip. `text_embeds`: a TextConditioning (or a file for `load_text_embeds`) instead of encoding
         `prompt`. `cache`: an `h3direct.caches.CacheSettings` (None / mode 'off' = no cache code at all)."""
-        from h3direct import caches, noise, sampler as hs, schedules
+        from h3direct import caches, noise, schedules
+        from h3direct import sampler as hs
         from h3direct.dit.denoiser import Denoiser, audio_scale_of
         from h3direct.text_encoder import TextConditioning, load_text_embeds
 

@@ -1,0 +1,319 @@
+"""`h3direct generate`: prompt + references in, mp4 (H.264, 24 fps) with AAC stereo audio out.
+
+With no model arguments at all, the bundled tiny random models are used (`h3direct.bundled`), with small
+defaults (96×64, 22 frames, 4 steps) that run in seconds on a CPU. Each model argument that is left out
+falls back to its bundled counterpart (so `--checkpoint tiny.safetensors` alone works for a tiny DiT).
+
+Task from the inputs: none -> t2va; --first-frame / --last-frame -> fl2va; --ref-image / --ref-video /
+--ref-audio -> ref2va (a reference video's soundtrack is used when the file has one).
+
+Frames snap up to the model's 17k+5 grid exactly like ComfyUI's H3 nodes (`length` 5..3600; e.g. 100 -> 107);
+width and height must be multiples of 32. Stdout: one JSON line (unless --quiet); errors: one stderr line,
+exit 2. The mp4 is written to a temporary file next to --output and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from h3direct.errors import H3Error
+
+MAX_FRAMES = 3600  # ComfyUI's node limit
+MAX_SIZE = 16384  # ComfyUI's MAX_RESOLUTION
+FULL_DEFAULTS = {"width": 1344, "height": 768, "frames": 124, "steps": 8}  # node defaults; steps: our pick
+FFMPEG_LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug")
+CACHE_DEFAULTS = {"threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "subsample_factor": 8}
+
+
+def _one_line_error(message: str):
+    import sys
+
+    print(f"h3direct generate: error: {message} (see h3direct generate --help)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.error = _one_line_error  # argparse's own errors (bad int, bad choice): one line too, no usage dump
+    g = parser.add_argument_group("models (each omitted one: the bundled tiny model)")
+    g.add_argument("--checkpoint", help="H3 DiT safetensors (ComfyUI format, bf16 or NVFP4)")
+    g.add_argument("--vae", help="video VAE safetensors")
+    g.add_argument("--audio-vae", help="audio VAE safetensors")
+    g.add_argument("--vae-config", help="video VAE constructor args: JSON file (vae_config_public.json layout) or "
+                   "preset tiny|full (default full for --vae)")
+    g.add_argument("--audio-vae-config", help="audio VAE constructor args (default: --vae-config, else full)")
+    g.add_argument("--text-encoder", help="Qwen3-VL text-encoder safetensors (ComfyUI format)")
+    g.add_argument("--tokenizer", help="Qwen2 tokenizer directory for --text-encoder (env H3_TOKENIZER; default: "
+                   "$H3_COMFY_ROOT/comfy/text_encoders/qwen25_tokenizer)")
+    g.add_argument("--text-embeds", metavar="FILE", help="safetensors with text_states [1,L,D] + token_tags [L]; "
+                   "skips the text encoder")
+    g = parser.add_argument_group("request")
+    g.add_argument("--prompt", default="", help="text prompt")
+    g.add_argument("--negative-prompt", default="", help="negative prompt (only used with --cfg > 1)")
+    g.add_argument("--ref-image", action="append", default=[], metavar="FILE", help="reference image (≤ 9)")
+    g.add_argument("--ref-video", action="append", default=[], metavar="FILE", help="reference video (≤ 3)")
+    g.add_argument("--ref-audio", action="append", default=[], metavar="FILE", help="reference audio (≤ 3)")
+    g.add_argument("--ref-image-size", choices=("match", "max"), default="match",
+                   help="reference image sizing (ComfyUI's ref_image_size)")
+    g.add_argument("--first-frame", metavar="FILE", help="first frame image (fl2va)")
+    g.add_argument("--last-frame", metavar="FILE", help="last frame image (fl2va)")
+    g.add_argument("--width", type=int, help="multiple of 32 (bundled default 96, else 1344)")
+    g.add_argument("--height", type=int, help="multiple of 32 (bundled default 64, else 768)")
+    g.add_argument("--frames", type=int, help="frame count at 24 fps, snapped up to 17k+5 (bundled default 22, "
+                   "else 124)")
+    g.add_argument("--steps", type=int, help="sampling steps (bundled default 4, else 8)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--sampler", default="euler", help="euler | heun | dpmpp_2m")
+    g.add_argument("--scheduler", default="simple", help="simple | normal | sgm_uniform")
+    g.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance (1 = off; H3 is CFG-distilled)")
+    g.add_argument("--output", "-o", default="clip.mp4", help="mp4 to write (default clip.mp4)")
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="DiT compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--nvfp4-mode", choices=("w4a4", "w4a16"), default="w4a4", help="NVFP4 layer execution")
+    g.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
+    g.add_argument("--attention", default="sdpa", help="attention backend (sdpa, cudnn_sdpa, sage2, ...)")
+    g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "
+                   "OMP_NUM_THREADS; 1 for the bundled tiny models, which only lose from threading)")
+    g.add_argument("--mlp-chunks", type=int, default=1, help="run the DiT MLPs in this many row chunks")
+    g.add_argument("--vae-dtype", default=None, help="video VAE dtype fp32|fp16 (env H3_VAE_DTYPE; default fp16 "
+                   "on CUDA, fp32 on CPU)")
+    g.add_argument("--vae-tile-size", type=int, default=None, help="video VAE spatial tile in px (env "
+                   "H3_VAE_TILE_SIZE; default the VAE's; 0 = untiled)")
+    g = parser.add_argument_group("step cache (opt-in, approximate)")
+    g.add_argument("--cache-mode", default="off", help="off | easycache | h3_cache")
+    g.add_argument("--cache-threshold", type=float, default=CACHE_DEFAULTS["threshold"])
+    g.add_argument("--cache-start-percent", type=float, default=CACHE_DEFAULTS["start_percent"])
+    g.add_argument("--cache-end-percent", type=float, default=CACHE_DEFAULTS["end_percent"])
+    g.add_argument("--cache-subsample-factor", type=int, default=CACHE_DEFAULTS["subsample_factor"])
+    g = parser.add_argument_group("output")
+    g.add_argument("--progress", action="store_true", help="per-step sampler timing on stderr (tqdm if installed)")
+    g.add_argument("--profile-memory", action="store_true", help="memory checkpoints per stage in the summary")
+    g.add_argument("--ffmpeg-loglevel", default="error", help="FFmpeg log level (quiet, error, warning, info, ...)")
+    g.add_argument("--quiet", action="store_true", help="print nothing on stdout")
+
+
+# ---- argument checks (before anything heavy is loaded) -------------------------------------------
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise H3Error(f"{name}={v!r} is not an integer") from None
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    single = [("--checkpoint", args.checkpoint), ("--vae", args.vae), ("--audio-vae", args.audio_vae),
+              ("--text-encoder", args.text_encoder), ("--text-embeds", args.text_embeds),
+              ("--first-frame", args.first_frame), ("--last-frame", args.last_frame)]
+    for flag in ("vae_config", "audio_vae_config"):
+        v = getattr(args, flag)
+        if v is not None and v not in ("tiny", "full"):
+            single.append(("--" + flag.replace("_", "-"), v))
+    many = [(f"--{k}", p) for k in ("ref-image", "ref-video", "ref-audio") for p in getattr(args, k.replace("-", "_"))]
+    for flag, p in single + many:
+        if p is not None and not Path(p).is_file():
+            raise H3Error(f"{flag}: file not found", path=p)
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        raise H3Error("--tokenizer: directory not found", path=args.tokenizer)
+    out = Path(args.output)
+    if out.is_dir():
+        raise H3Error("--output is a directory; give a file name like clip.mp4", path=out)
+
+
+def _check_request(args: argparse.Namespace) -> None:
+    from h3direct.caches import CACHE_MODES
+    from h3direct.sampler import SAMPLERS
+    from h3direct.schedules import SCHEDULERS
+
+    for name in ("width", "height"):
+        v = getattr(args, name)
+        if v < 32 or v % 32 or v > MAX_SIZE:
+            near = min(MAX_SIZE, max(32, round(v / 32) * 32))
+            raise H3Error(f"--{name} {v} must be a multiple of 32 in [32, {MAX_SIZE}] (e.g. {near})")
+    if not 5 <= args.frames <= MAX_FRAMES:
+        raise H3Error(f"--frames {args.frames} must be in [5, {MAX_FRAMES}] (snapped up to 17k+5: 5, 22, 39, ..., 124)")
+    if args.steps < 1:
+        raise H3Error(f"--steps {args.steps} must be >= 1")
+    if not 0 <= args.seed < 2**64:
+        raise H3Error(f"--seed {args.seed} must be in [0, 2^64)")
+    if args.sampler not in SAMPLERS:
+        raise H3Error(f"--sampler {args.sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
+    if args.scheduler not in SCHEDULERS:
+        raise H3Error(f"--scheduler {args.scheduler!r} is not supported; use one of {', '.join(SCHEDULERS)}")
+    if args.cfg <= 0:
+        raise H3Error(f"--cfg {args.cfg} must be > 0 (1 = no guidance)")
+    if args.cache_mode not in CACHE_MODES:
+        raise H3Error(f"--cache-mode {args.cache_mode!r}: use one of {', '.join(CACHE_MODES)}")
+    if args.threads is not None and args.threads < 1:
+        raise H3Error(f"--threads {args.threads} must be >= 1")
+    if args.mlp_chunks < 1:
+        raise H3Error(f"--mlp-chunks {args.mlp_chunks} must be >= 1")
+    if args.ffmpeg_loglevel not in FFMPEG_LOGLEVELS:
+        raise H3Error(f"--ffmpeg-loglevel {args.ffmpeg_loglevel!r}: use one of {', '.join(FFMPEG_LOGLEVELS)}")
+    if args.vae_dtype not in (None, "fp32", "fp16"):
+        raise H3Error(f"VAE dtype {args.vae_dtype!r} (--vae-dtype / H3_VAE_DTYPE) must be fp32 or fp16")
+    if args.vae_tile_size is not None and args.vae_tile_size < 0:
+        raise H3Error(f"VAE tile size {args.vae_tile_size} (--vae-tile-size / H3_VAE_TILE_SIZE) must be >= 0")
+    refs = args.ref_image or args.ref_video or args.ref_audio
+    if refs and (args.first_frame or args.last_frame):
+        raise H3Error("--first-frame/--last-frame (fl2va) and --ref-* (ref2va) are separate tasks; give one kind")
+    for flag, items, cap in (("--ref-image", args.ref_image, 9), ("--ref-video", args.ref_video, 3),
+                             ("--ref-audio", args.ref_audio, 3)):
+        if len(items) > cap:
+            raise H3Error(f"{flag} given {len(items)} times; H3 takes at most {cap}")
+    if args.vae_config and not args.vae:
+        raise H3Error("--vae-config describes --vae; give --vae too (the bundled VAE has its own config)")
+    if args.audio_vae_config and not args.audio_vae:
+        raise H3Error("--audio-vae-config describes --audio-vae; give --audio-vae too")
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill environment-backed and bundled-vs-full defaults, then validate (raises H3Error)."""
+    if args.vae_dtype is None:
+        args.vae_dtype = os.environ.get("H3_VAE_DTYPE") or None
+    if args.vae_tile_size is None:
+        args.vae_tile_size = _env_int("H3_VAE_TILE_SIZE")
+    bundled_dit = args.checkpoint is None
+    if bundled_dit:
+        from h3direct import bundled
+
+        defaults = {"width": bundled.DEFAULT_WIDTH, "height": bundled.DEFAULT_HEIGHT,
+                    "frames": bundled.DEFAULT_FRAMES, "steps": bundled.DEFAULT_STEPS}
+    else:
+        defaults = FULL_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    _check_request(args)
+    _check_files(args)
+    return args
+
+
+# ---- run -----------------------------------------------------------------------------------------
+
+def _progress_callback(total_hint: int, enabled: bool):
+    import sys
+
+    if not enabled:
+        return None, lambda: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    bar = tqdm(total=total_hint, file=sys.stderr, unit="step", desc="sampling", leave=True) if tqdm else None
+
+    def cb(ev) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"σ={ev.sigma:.4f} {ev.seconds:.2f}s", refresh=False)
+            bar.update(1)
+        else:
+            print(f"step {ev.index + 1}/{ev.total} sigma {ev.sigma:.4f} {ev.seconds:.3f}s", file=sys.stderr)
+
+    return cb, (bar.close if bar is not None else (lambda: None))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _generate(args)
+    finally:
+        torch.set_num_threads(threads)  # leave the process as found (the CLI may run in-process, e.g. in tests)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    t_start = time.perf_counter()
+    resolve_args(args)
+
+    import torch
+
+    from h3direct import bundled
+    from h3direct.caches import CacheSettings
+    from h3direct.dit.attention import check_backend
+    from h3direct.pipeline import H3Pipeline, peak_memory, resolve_device, video_soundtrack
+    from h3direct.vae.mp4 import write_mp4
+
+    device = resolve_device(args.device)
+    compute = args.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    check_backend(args.attention, torch.empty(0, device=device))  # before any model is loaded
+    all_bundled = not (args.checkpoint or args.vae or args.audio_vae or args.text_encoder)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif all_bundled and device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)  # tiny tensors: OpenMP threads cost more than they give (10x on a busy CPU)
+    need_te = args.text_embeds is None
+    b = None
+    t = time.perf_counter()
+    if not (args.checkpoint and args.vae and args.audio_vae and (args.text_encoder or not need_te)):
+        b = bundled.ensure()  # made on first use (seconds), then read from the cache
+    bundle_s = time.perf_counter() - t
+    te = args.text_encoder or (b.text_encoder if need_te else None)
+    tokenizer = args.tokenizer if args.text_encoder else (b.tokenizer if need_te else None)
+    vae_cfg = args.vae_config if args.vae else b.video_vae_config
+    avae_cfg = (args.audio_vae_config or args.vae_config) if args.audio_vae else b.audio_vae_config
+    sources = {"dit": args.checkpoint or "bundled", "video_vae": args.vae or "bundled",
+               "audio_vae": args.audio_vae or "bundled",
+               "text_encoder": args.text_encoder or ("bundled" if need_te else None)}
+    cache = None
+    if args.cache_mode != "off":
+        cache = CacheSettings(args.cache_mode, args.cache_threshold, args.cache_start_percent,
+                              args.cache_end_percent, args.cache_subsample_factor)
+
+    t = time.perf_counter()
+    pipe = H3Pipeline.from_files(args.checkpoint or b.dit, args.vae or b.video_vae, args.audio_vae or b.audio_vae,
+                                 te, tokenizer=tokenizer, video_vae_config=vae_cfg, audio_vae_config=avae_cfg,
+                                 compute_dtype=compute, nvfp4_mode=args.nvfp4_mode, device=device,
+                                 attention=args.attention, vae_dtype=args.vae_dtype,
+                                 vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources)
+    load_s = time.perf_counter() - t
+    load_mem = peak_memory(device)[0]
+
+    cb, close = _progress_callback(args.steps, args.progress)
+    try:
+        res = pipe.generate(args.prompt, text_embeds=args.text_embeds, negative_prompt=args.negative_prompt,
+                            width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+                            seed=args.seed, ref_images=args.ref_image, ref_videos=args.ref_video,
+                            ref_video_audios=[video_soundtrack(p) for p in args.ref_video],
+                            ref_audios=args.ref_audio, first_frame=args.first_frame, last_frame=args.last_frame,
+                            ref_image_size=args.ref_image_size, sampler=args.sampler, scheduler=args.scheduler,
+                            cfg=args.cfg, cache=cache, callback=cb)
+    finally:
+        close()
+
+    t = time.perf_counter()
+    out = write_mp4(args.output, res.frames, res.fps, res.audio, res.sample_rate, loglevel=args.ffmpeg_loglevel)
+    write_s = time.perf_counter() - t
+
+    peak, kind = peak_memory(device)
+    timings = {"bundle": round(bundle_s, 4), "load": round(load_s, 4),
+               **{f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()},
+               **res.timings, "write": round(write_s, 4), "total": round(time.perf_counter() - t_start, 4)}
+    summary = {
+        "output": os.path.abspath(out), "task": res.task, "frames": res.frame_count, "fps": res.fps, "width": res.width,
+        "height": res.height, "audio_samples": int(res.audio.shape[0]), "sample_rate": res.sample_rate,
+        "seconds_of_video": round(res.frame_count / res.fps, 4),
+        "steps": res.steps, "seed": args.seed, "sampler": args.sampler, "scheduler": args.scheduler, "cfg": args.cfg,
+        "cache_mode": args.cache_mode, "reused_steps": res.reused_steps,
+        "timings": timings, "peak_memory_bytes": peak, "peak_memory_kind": kind,
+        "device": str(device), "compute_dtype": compute, "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""),
+        "attention": args.attention, "cpu_threads": torch.get_num_threads(), "models": sources,
+    }
+    if res.frame_count != args.frames:
+        summary["frames_requested"] = args.frames
+    if args.progress:
+        summary["step_seconds"] = [round(s, 4) for s in res.step_seconds]
+    if args.profile_memory:
+        summary["memory"] = {"load": load_mem, **res.memory, "write": peak}
+    if not args.quiet:
+        print(json.dumps(summary, separators=(",", ":")), flush=True)
+    return 0
