@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "oracle.record_vae",
         "trace ComfyUI's H3 video/audio VAE decode/encode on the cases of an inputs file",
     ),
+    "record-generate": (
+        "oracle.record_generate",
+        "record a short ComfyUI H3 generation (per-step sampler latents, sigmas, final latents)",
+    ),
     "diff": ("oracle.diff", "compare two traces key by key (rel-L2, max-abs, SQNR)"),
     "replay": ("oracle.replay", "re-run one recorded layer from its recorded inputs (ComfyUI and/or h3direct)"),
 }

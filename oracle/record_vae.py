@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: all for fp32, first for fp16, as the shared traces)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", required=True,
-                        help="trace .safetensors; with several ops it must contain '{op}' (e.g. trace_vae_video_{op}_fp32)")
+                        help="trace .safetensors; with several ops it must contain '{op}' "
+                        "(e.g. trace_vae_video_{op}_fp32.safetensors)")
 
 
 def constructor_args(config: dict | None) -> dict[str, dict[str, Any]]:
@@ -234,7 +235,7 @@ def record_op(env, vae, kind: str, cases: dict[str, dict[str, Any]], *, first_ca
                 calls.clear()
                 out = vae.decode(x) if op == "decode" else vae.encode(x)
                 rec.add(f"{case}.vae_{op}.out", out)
-                info = {field: list(x.shape), "output": list(out.shape)}
+                info = {field: list(x.shape), ("output" if op == "decode" else "latent"): list(out.shape)}
                 if method:
                     info[f"{method.lstrip('_')}_calls"] = [list(c) for c in calls]
                 facts[case] = {**info, **_case_plan(model, kind, x)}
@@ -291,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
         raise H3Error(f"no {' / '.join(missing) or modality + '_*'} cases (kinds in the file: {sorted(inputs)})",
                       path=args.inputs)
     if len(ops) > 1 and "{op}" not in args.out:
-        raise H3Error(f"--out {args.out}: several ops ({', '.join(ops)}) to write; put '{{op}}' in the name or pass --op")
+        raise H3Error(f"--out {args.out}: several ops ({', '.join(ops)}) to write; "
+                      "put '{op}' in the name or pass --op")
     first_only = (args.calls or ("first" if args.dtype == "fp16" else "all")) == "first"
 
     for op in ops:

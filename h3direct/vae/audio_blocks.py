@@ -7,6 +7,7 @@ Module paths follow the checkpoint (`encoder.block.1.block.0.block.1.weight`, `d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,7 +46,8 @@ class SnakeBeta(nn.Module):
         return snake(x, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None])
 
 
-def kaiser_sinc_filter(cutoff: float, half_width: float, kernel_size: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _kaiser_sinc_filter_cached(cutoff: float, half_width: float, kernel_size: int) -> torch.Tensor:
     """Low-pass FIR [1, 1, K]: kaiser-windowed sinc (Kaiser's β formula for the transition width), unit DC gain."""
     half = kernel_size // 2
     attenuation = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95
@@ -62,6 +64,12 @@ def kaiser_sinc_filter(cutoff: float, half_width: float, kernel_size: int) -> to
         t = torch.arange(kernel_size) - half
     taps = 2 * cutoff * window * torch.sinc(2 * cutoff * t)
     return (taps / taps.sum()).view(1, 1, kernel_size)
+
+
+def kaiser_sinc_filter(cutoff: float, half_width: float, kernel_size: int) -> torch.Tensor:
+    """Low-pass FIR [1, 1, K] (computed once per (cutoff, half_width, size), returned as a fresh copy)."""
+    with torch.device("cpu"):
+        return _kaiser_sinc_filter_cached(float(cutoff), float(half_width), int(kernel_size)).clone()
 
 
 def _depthwise(filt: torch.Tensor, channels: int, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,335 @@
+"""Shared pieces of the benchmark scripts: presets, the workload geometry, timing, memory, JSON output.
+
+Scripts run as `python3 benchmarks/<name>.py` from the repository root (no install needed): importing this
+module puts the repository root on `sys.path`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+GIB = 1024 ** 3
+
+# ComfyUI on one H200, same synthetic weights, same workload (../shared/PERFORMANCE.md)
+ANCHOR = {
+    "comfyui_s_per_step": 3.06,
+    "comfyui_peak_gib_nvfp4": 14.36,
+    "comfyui_resident_gib_nvfp4": 11.73,
+    "comfyui_peak_gib_bf16": 40.10,
+    "comfyui_resident_gib_bf16": 37.61,
+    "floor_s_per_step": 2.07,  # bf16 GEMMs + cuDNN attention, 50 blocks
+    "floor_fp8_s_per_step": 1.58,
+    "target_exact_s_per_step": 2.2,
+    "target_approx_s_per_step": 1.4,
+    "target_peak_gib_nvfp4": 14.0,
+    "block_linears_tflop": 772.6,
+    "attention_tflop": 576.3,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one benchmark run. `full` is the PERFORMANCE.md workload; `tiny` is for CPU validation."""
+
+    dit_config: str  # H3Config preset name
+    width: int
+    height: int
+    frames: int
+    text_len: int
+    matmul_size: int
+    vae_preset: str
+    nvfp4_mode: str = "w4a16"  # the Hopper mode (ComfyUI on compute capability < 10)
+
+
+PRESETS = {
+    "full": Preset("full-curve", 960, 544, 124, 256, 8192, "full"),
+    "tiny": Preset("tiny-curve", 64, 64, 22, 8, 128, "tiny"),
+}
+
+
+def add_common_arguments(parser, default_budget: float) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="sizes (default full)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--frames", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-seconds", type=float, default=default_budget,
+                        help="skip the remaining configurations once this much wall time is spent")
+    parser.add_argument("--out", default=None, help="JSON path (default: $OUT/<bench>.json when OUT is set)")
+
+
+def resolve_common(args):
+    import torch
+
+    p = PRESETS[args.preset]
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available here (use --device cpu)")
+    args.width = args.width or p.width
+    args.height = args.height or p.height
+    args.frames = args.frames or p.frames
+    return p
+
+
+# ---------------------------------------------------------------- workload geometry
+
+def workload(width: int, height: int, frames: int, text_len: int) -> dict:
+    """Ref2VA geometry: one reference image at the target canvas, `text_len` text tokens.
+
+    Latent shapes come from `h3direct.conditioning.latent_shapes`; rows are counted independently of the
+    DiT's layout code (2x2 patches per video latent frame, stereo audio = 2 rows per latent frame).
+    """
+    from h3direct.conditioning import latent_shapes
+
+    frame_count, vshape, ashape = latent_shapes(width, height, frames)
+    _, c, t, h, w = vshape
+    hp, wp = (h + h % 2) // 2, (w + w % 2) // 2
+    rows = {"text": text_len, "ref_image": hp * wp, "audio": 2 * ashape[-1], "video": t * hp * wp}
+    return {
+        "width": width, "height": height, "frames": frames, "frame_count": frame_count,
+        "video_latent": list(vshape), "audio_latent": list(ashape), "ref_latent": [1, c, 1, h, w],
+        "text_len": text_len, "rows": rows, "seq_len": sum(rows.values()),
+    }
+
+
+def step_flops(config, seq_len: int) -> dict:
+    """TFLOP of one DiT forward in the 4·num_layers block linears and in attention (2 FLOP per MAC)."""
+    c = config
+    inner = c.num_attention_heads * c.attention_head_dim
+    macs_per_row = (c.hidden_size * 3 * inner + inner * c.hidden_size + c.hidden_size * 2 * c.ffn_hidden_size
+                    + c.ffn_hidden_size * c.hidden_size)
+    lin = 2.0 * seq_len * macs_per_row * c.num_layers
+    attn = 4.0 * seq_len * seq_len * inner * c.num_layers  # QK^T and PV
+    return {"block_linears_tflop": lin / 1e12, "attention_tflop": attn / 1e12, "total_tflop": (lin + attn) / 1e12}
+
+
+def block_gemm_shapes(config, seq_len: int) -> list[tuple[str, int, int, int]]:
+    """(name, M, N, K) of the four block linears, x [M, K] @ W[N, K]^T."""
+    c = config
+    inner = c.num_attention_heads * c.attention_head_dim
+    return [("qkv_proj", seq_len, 3 * inner, c.hidden_size), ("out_proj", seq_len, c.hidden_size, inner),
+            ("fc1", seq_len, 2 * c.ffn_hidden_size, c.hidden_size), ("fc2", seq_len, c.hidden_size, c.ffn_hidden_size)]
+
+
+# ---------------------------------------------------------------- timing and memory
+
+def is_cuda(device) -> bool:
+    return str(device).startswith("cuda")
+
+
+def sync(device) -> None:
+    if is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
+    """Run fn() `warmup` times untimed, then `iters` times timed (CUDA events on GPU, perf_counter on CPU).
+
+    Returns {"warmup_s", "times_s", "median_s", "wall_s"} — times per call in seconds.
+    """
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t1 = time.perf_counter()
+    times = []
+    if is_cuda(device):
+        import torch
+
+        events = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events.append((a, b))
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in events]
+    else:
+        for _ in range(iters):
+            s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - s)
+    t2 = time.perf_counter()
+    return {"warmup_s": t1 - t0, "times_s": times, "median_s": statistics.median(times) if times else float("nan"),
+            "wall_s": t2 - t1}
+
+
+def reset_peak(device) -> None:
+    if is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device) -> float | None:
+    if not is_cuda(device):
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / GIB
+
+
+def allocated_gib(device) -> float | None:
+    if not is_cuda(device):
+        return None
+    import torch
+
+    return torch.cuda.memory_allocated() / GIB
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def module_gib(module) -> float:
+    """Bytes of a module's parameters and buffers, in GiB (device independent)."""
+    n = sum(t.numel() * t.element_size() for t in module.parameters())
+    n += sum(t.numel() * t.element_size() for t in module.buffers())
+    return n / GIB
+
+
+# ---------------------------------------------------------------- run bookkeeping
+
+class Run:
+    """Phase timer, budget, and incremental JSON writer of one benchmark script."""
+
+    def __init__(self, bench: str, args, out_name: str | None = None):
+        self.start = time.perf_counter()
+        self.bench = bench
+        self.budget = float(args.budget_seconds)
+        out = args.out
+        if out is None and os.environ.get("OUT"):
+            out = str(Path(os.environ["OUT"]) / f"{out_name or bench}.json")
+        self.out_path = Path(out) if out else None
+        self.data: dict = {"bench": bench, "args": {k: v for k, v in vars(args).items()}, "phases": {},
+                           "skipped": [], "errors": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def over_budget(self, expected_s: float = 0.0) -> bool:
+        return self.elapsed() + expected_s > self.budget
+
+    def skip(self, what: str, reason: str) -> None:
+        self.data["skipped"].append({"what": what, "reason": reason})
+        log(f"SKIP {what}: {reason}")
+
+    def error(self, what: str, exc: BaseException) -> None:
+        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self.data["errors"].append({"what": what, "error": msg})
+        log(f"ERROR {what}: {msg}")
+        traceback.print_exc(file=sys.stdout)
+
+    def phase(self, name: str):
+        return _Phase(self, name)
+
+    def save(self) -> None:
+        self.data["total_s"] = self.elapsed()
+        if self.out_path is None:
+            return
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_path.with_name(self.out_path.name + ".tmp")
+        tmp.write_text(json.dumps(_jsonable(self.data), indent=1, sort_keys=False))
+        os.replace(tmp, self.out_path)
+
+
+class _Phase:
+    def __init__(self, run: Run, name: str):
+        self.run, self.name = run, name
+
+    def __enter__(self):
+        self.t = time.perf_counter()
+        log(f"-- {self.name} ...")
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t
+        self.seconds = dt
+        phases = self.run.data["phases"]
+        key = self.name
+        k = 2
+        while key in phases:
+            key = f"{self.name}#{k}"
+            k += 1
+        phases[key] = dt
+        log(f"   {self.name}: {dt:.2f} s (elapsed {self.run.elapsed():.1f} s)")
+        return False
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, int | float | str | bool) or x is None:
+        return x
+    return str(x)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def env_info(device) -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+            "cuda": torch.version.cuda, "hostname_cpus": os.cpu_count()}
+    if is_cuda(device):
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = list(torch.cuda.get_device_capability())
+        info["gpu_total_gib"] = torch.cuda.get_device_properties(0).total_memory / GIB
+        info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    for mod in ("triton", "comfy_kitchen"):
+        try:
+            m = __import__(mod)
+            info[mod] = getattr(m, "__version__", "present")
+        except Exception as exc:  # noqa: BLE001 - report whatever keeps it from importing
+            info[mod] = f"unavailable ({type(exc).__name__})"
+    return info
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec) if math.isfinite(x) else str(x)
+    return str(x)
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [[str(h) for h in header]] + [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n== {title}")
+    for i, r in enumerate(cells):
+        print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    sys.stdout.flush()

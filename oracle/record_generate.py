@@ -1,0 +1,137 @@
+"""`python -m oracle record-generate`: a short ComfyUI H3 generation, recorded step by step.
+
+All ComfyUI's own code: `comfy.sd.load_diffusion_model`, the `MiniMaxH3SigmaShift` node (shift_video / shift_audio,
+as the H3 templates use it), `comfy.samplers.calculate_sigmas(model_sampling, scheduler, steps)`,
+`comfy.samplers.sampler_object(sampler)`, `CFGGuider` (cfg 1, positive only) `.sample(...)` with the inputs file's
+noise as the initial noise, its latents as `latent_image` (full denoise: x_T = σ0·noise + (1 − σ0)·latent, audio
+carried) and its denoise mask, if any. The sampler callback records, per step i, the packed state it was handed,
+unpacked: `sampler.step{i}.x.{video,audio}` (x at σ_i, sampler space, audio carried) and
+`sampler.step{i}.denoised.{video,audio}` (the x0 prediction); then `sample_out.{video,audio}` (what `sample`
+returns: the final latents, audio un-carried) and `sampler.sigmas`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from h3direct.errors import H3Error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--comfy-root", help="ComfyUI checkout (default: $H3_COMFY_ROOT)")
+    parser.add_argument("--checkpoint", required=True, help="H3 DiT .safetensors in ComfyUI's key layout")
+    parser.add_argument("--inputs", required=True,
+                        help="self-describing inputs file (its noise, latents, conditioning)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--sampler", default="euler", help="ComfyUI sampler name (default euler)")
+    parser.add_argument("--scheduler", default="simple", help="ComfyUI scheduler name (default simple)")
+    parser.add_argument("--shift-video", type=float, default=12.0)
+    parser.add_argument("--shift-audio", type=float, default=3.0)
+    parser.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--attention", default="pytorch", help="ComfyUI attention switch (default pytorch)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", required=True, help="output trace .safetensors (manifest written beside it)")
+
+
+def _shifted(env, patcher, shift_video: float, shift_audio: float):
+    """The model patched by ComfyUI's own MiniMaxH3SigmaShift node."""
+    import importlib
+
+    try:
+        nodes = importlib.import_module("comfy_extras.nodes_minimax_h3")
+    except ModuleNotFoundError as exc:
+        raise H3Error(f"cannot import ComfyUI's H3 nodes (comfy_extras.nodes_minimax_h3): {exc}") from None
+    out = nodes.MiniMaxH3SigmaShift.execute(patcher, shift_video, shift_audio)
+    return out.result[0] if hasattr(out, "result") else out[0]
+
+
+def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str, scheduler: str,
+                      shift_video: float, shift_audio: float) -> tuple[list, dict]:
+    import torch
+
+    from oracle.record import build_conditioning
+
+    if steps < 1:
+        raise H3Error(f"--steps {steps}: need at least one step")
+    samplers, nested, utils = env.samplers, env.nested_tensor, env.utils
+    patcher = env.sd.load_diffusion_model(str(checkpoint))
+    if type(patcher.model).__name__ != "MiniMaxH3":
+        raise H3Error(f"ComfyUI detected {type(patcher.model).__name__}, not MiniMaxH3", path=checkpoint)
+    patcher = _shifted(env, patcher, shift_video, shift_audio)
+    ms = patcher.get_model_object("model_sampling")
+    sigmas = samplers.calculate_sigmas(ms, scheduler, steps).to(torch.float32)
+    shapes = [tuple(inputs.video_latent.shape), tuple(inputs.audio_latent.shape)]
+    items: list = []
+
+    def add_streams(prefix, packed):
+        # the sampler may hand over a NestedTensor (video, audio) or the flat packed tensor
+        parts = list(packed.unbind()) if getattr(packed, "is_nested", False) else utils.unpack_latents(packed, shapes)
+        for label, t in zip(("video", "audio"), parts, strict=True):
+            items.append((f"{prefix}.{label}", t.detach().clone()))
+
+    def callback(i, denoised, x, total):
+        add_streams(f"sampler.step{i}.x", x)
+        add_streams(f"sampler.step{i}.denoised", denoised)
+
+    guider = samplers.CFGGuider(patcher)
+    guider.set_cfg(1.0)
+    guider.inner_set_conds({"positive": build_conditioning(inputs)})
+    noise = nested.NestedTensor([inputs.video_noise, inputs.audio_noise])
+    latent = nested.NestedTensor([inputs.video_latent, inputs.audio_latent])
+    mask = None
+    if inputs.denoise_mask:
+        mask = nested.NestedTensor([inputs.denoise_mask["video"], inputs.denoise_mask["audio"]])
+    with torch.no_grad():
+        out = guider.sample(noise, latent, samplers.sampler_object(sampler), sigmas, denoise_mask=mask,
+                            callback=callback, disable_pbar=True, seed=inputs.sampler_seed)
+    parts = list(out.unbind()) if getattr(out, "is_nested", False) else list(out)
+    for label, t in zip(("video", "audio"), parts, strict=True):
+        items.append((f"sample_out.{label}", t.detach().clone()))
+    items.append(("sampler.sigmas", sigmas.clone()))
+    facts = {
+        "sampler": sampler, "scheduler": scheduler, "steps": steps, "cfg": 1.0, "denoise": 1.0,
+        "sampling": {"shift": float(ms.shift), "audio_shift": float(getattr(ms, "audio_shift", 0.0) or 0.0),
+                     "audio_scale": float(getattr(ms, "audio_scale", 1.0))},
+        "sigmas": [float(s) for s in sigmas],
+        "model_dtype": str(patcher.model_dtype()),
+        "inference_dtype": str(patcher.model.get_dtype_inference()),
+        "attention": env.attention_function(),
+    }
+    return items, facts
+
+
+def run(args: argparse.Namespace) -> int:
+    from oracle.comfy_env import open_comfy
+    from oracle.record import file_sha256
+    from oracle.traces import load_inputs, save_trace
+
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_file():
+        raise H3Error("checkpoint not found", path=checkpoint)
+    inputs = load_inputs(args.inputs)
+    env = open_comfy(args.comfy_root, device=args.device, compute_dtype=args.compute_dtype, attention=args.attention)
+    items, facts = record_generation(env, checkpoint, inputs, steps=args.steps, sampler=args.sampler,
+                                     scheduler=args.scheduler, shift_video=args.shift_video,
+                                     shift_audio=args.shift_audio)
+    manifest = {
+        "kind": "generate",
+        "comfyui_commit": env.commit,
+        "checkpoint": checkpoint.name,
+        "checkpoint_sha256": file_sha256(checkpoint),
+        "inputs": Path(args.inputs).name,
+        "task": inputs.task,
+        "variant": inputs.variant,
+        "seed": inputs.sampler_seed,
+        "sampler_seed": inputs.sampler_seed,
+        "compute_dtype_requested": args.compute_dtype,
+        "bf16_patched": env.bf16_patched,
+        **facts,
+        "environment": env.describe(),
+        "notes": "sampler.step{i}.x = the sampler state at sigma_i handed to the model (packed sampler space, audio "
+        "carried x audio_scale), .denoised = its x0 prediction; sample_out = CFGGuider.sample's result.",
+    }
+    out = save_trace(args.out, items, manifest, dedupe=False)
+    print(f"wrote {out} ({len(items)} tensors, {args.steps} {args.sampler}/{args.scheduler} steps, "
+          f"sigmas {', '.join(f'{s:.4f}' for s in facts['sigmas'])})")
+    return 0

@@ -1,0 +1,95 @@
+"""Live mode of the gate (`pytest -m parity --comfy-root R`): record fresh ComfyUI traces, then gate on those.
+
+For every trace found in the given roots that can be paired with what it needs (DiT traces with their checkpoint and
+inputs, VAE traces with weights / config / inputs, generation traces with checkpoint and inputs), the same recording
+is made again with the ComfyUI checkout R (`python -m oracle record`, `record-vae`, `record-generate`, each in its own
+process), into a temporary folder with one sub-folder per root; the files each trace needs are linked (or copied)
+beside it. Nothing beyond what the roots hold is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from h3direct.errors import H3Error
+
+
+def _place(src: Path, folder: Path) -> Path:
+    dst = folder / src.name
+    if not dst.exists():
+        try:
+            os.symlink(src.resolve(), dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    return dst
+
+
+def _oracle(args: list[str], comfy_root: str, log: Path) -> None:
+    env = {**os.environ, "H3_COMFY_ROOT": str(comfy_root)}
+    cmd = [sys.executable, "-m", "oracle", *args, "--comfy-root", str(comfy_root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}\n")
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise H3Error(f"live recording failed ({' '.join(args[:1])}): {tail[0]} — full log in {log}")
+
+
+def _manifest(trace: Path) -> dict:
+    try:
+        return json.loads(trace.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
+    """Re-record every pairable trace of `roots` with ComfyUI at `comfy_root`; returns the folder of new traces."""
+    from parity_tests.discovery import find_dit_cases, find_vae_cases
+    from parity_tests.test_e2e_parity import find_generate_cases
+
+    out = Path(tempfile.mkdtemp(prefix="h3_live_traces_"))
+    log = out / "record.log"
+    dit, _ = find_dit_cases(roots)
+    vae, _ = find_vae_cases(roots)
+    gen, _ = find_generate_cases(roots)
+    folders: dict[Path, Path] = {}
+
+    def folder_for(trace: Path) -> Path:
+        src = trace.parent.resolve()
+        if src not in folders:
+            folders[src] = out / f"{len(folders)}_{src.name}"
+            folders[src].mkdir()
+        return folders[src]
+
+    for c in dit:
+        d = folder_for(c.trace)
+        ckpt, inputs = _place(c.checkpoint, d), _place(c.inputs, d)
+        detail = str(_manifest(c.trace).get("trace_detail", "full"))
+        _oracle(["record", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--compute-dtype", c.compute,
+                 "--detail", detail, "--out", str(d / c.trace.name)], comfy_root, log)
+    for c in vae:
+        d = folder_for(c.trace)
+        weights, cfg, inputs = _place(c.weights, d), _place(c.config, d), _place(c.inputs, d)
+        m = _manifest(c.trace)
+        calls = ["--calls", m["calls_recorded"]] if m.get("calls_recorded") else []
+        _oracle(["record-vae", "--weights", str(weights), "--config", str(cfg), "--inputs", str(inputs),
+                 "--dtype", c.dtype, "--op", c.kind.split("_")[1], *calls, "--out", str(d / c.trace.name)],
+                comfy_root, log)
+    for c in gen:
+        d = folder_for(c.trace)
+        ckpt, inputs = _place(c.checkpoint, d), _place(c.inputs, d)
+        m = c.manifest
+        shift = m.get("sampling", {})
+        _oracle(["record-generate", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--steps", str(m["steps"]),
+                 "--sampler", str(m.get("sampler", "euler")), "--scheduler", str(m.get("scheduler", "simple")),
+                 "--shift-video", str(shift.get("shift", 12.0)), "--shift-audio", str(shift.get("audio_shift", 3.0)),
+                 "--compute-dtype", c.compute, "--out", str(d / c.trace.name)], comfy_root, log)
+    if not folders:
+        raise H3Error(f"live mode: no pairable trace in {', '.join(map(str, roots))} to re-record")
+    return out

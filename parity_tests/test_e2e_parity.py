@@ -1,0 +1,196 @@
+"""End-to-end parity (issue 7): h3direct's sampler + denoiser over a short generation against ComfyUI's, step by step.
+
+A generation trace is what `python -m oracle record-generate` writes (manifest `kind: generate`); its checkpoint and
+inputs file lie beside it. h3direct runs `h3direct.sampler.sample` with `h3direct.dit.denoiser.Denoiser` on the same
+inputs (noise, latents, conditioning, mask), the same sampler / scheduler / shift / steps, and every recorded tensor
+(`sampler.sigmas`, `sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`) is compared under the budget
+of mode "e2e" in budgets.toml.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from oracle import metrics
+from parity_tests.budgets import verdict
+from parity_tests.gate import LayerResult
+
+pytestmark = pytest.mark.parity
+
+
+@dataclass(frozen=True)
+class GenerateCase:
+    trace: Path
+    checkpoint: Path
+    inputs: Path
+    manifest: dict = field(hash=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.trace.parent.name}/{self.trace.stem}"
+
+    @property
+    def compute(self) -> str:
+        return str(self.manifest.get("compute_dtype_requested", "fp32"))
+
+    @property
+    def weights(self) -> str:
+        from safetensors import safe_open
+
+        with safe_open(str(self.checkpoint), "pt") as f:
+            return "nvfp4_w4a4" if any(k.endswith(".comfy_quant") for k in f.keys()) else "bf16"
+
+
+@dataclass
+class E2EResult:
+    case: GenerateCase
+    attention: str
+    mode: str = "e2e"
+    layers: list[LayerResult] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> LayerResult | None:
+        return next((r for r in self.layers if not r.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None and bool(self.layers)
+
+    def report(self) -> str:
+        f = self.first_failure
+        if f is None:
+            return f"{self.case.id}: {len(self.layers)} tensors within budget"
+        return (f"{self.case.id}: first failing tensor in sampling order: {f.name}\n  {f.line()}\n"
+                f"  budget: {f.rule} — {f.budget_provenance}\n  reproduce: {f.replay}")
+
+
+def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
+    from parity_tests.discovery import trace_dirs
+
+    cases, problems = [], []
+    for folder in trace_dirs(roots):
+        for j in sorted(folder.glob("*.json")):
+            try:
+                m = json.loads(j.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(m, dict) or m.get("kind") != "generate":
+                continue
+            st = j.with_suffix(".safetensors")
+            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
+            missing = [p.name for p in (st, ckpt, inputs) if not p.is_file()]
+            if missing:
+                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
+                continue
+            cases.append(GenerateCase(st, ckpt, inputs, m))
+    return cases, problems
+
+
+def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> E2EResult:
+    """`trace`: an in-memory ComfyUI trace to compare with instead of the file (sensitivity tests)."""
+    from h3direct.dit.denoiser import Denoiser, audio_scale_of
+    from h3direct.evaluate import conditioning_of, expand_mask
+    from h3direct.inputs import load_inputs
+    from h3direct.sampler import sample
+    from h3direct.schedules import sigmas_for
+    from oracle.traces import load_trace
+    from parity_tests.gate import _model
+
+    m = case.manifest
+    trace = trace or load_trace(case.trace)
+    model = _model(str(case.checkpoint), case.compute, "w4a4", device)
+    inputs = load_inputs(case.inputs)
+    scale = audio_scale_of(model)
+    shift = float(m.get("sampling", {}).get("shift", 12.0))
+    sigmas = sigmas_for(int(m["steps"]), str(m.get("scheduler", "simple")), shift=shift)
+    ours: dict[str, torch.Tensor] = {"sampler.sigmas": sigmas}
+
+    def on_step(s) -> None:
+        ours.update({f"sampler.step{s.index}.x.video": s.x_video, f"sampler.step{s.index}.x.audio": s.x_audio,
+                     f"sampler.step{s.index}.denoised.video": s.x0_video,
+                     f"sampler.step{s.index}.denoised.audio": s.x0_audio})
+
+    lat_v, lat_a = inputs["video_latent"].float(), inputs["audio_latent"].float()
+    masks = {}
+    if inputs.denoise_mask:
+        masks = {"mask_video": expand_mask(inputs.denoise_mask["video"], tuple(lat_v.shape)),
+                 "mask_audio": expand_mask(inputs.denoise_mask["audio"], tuple(lat_a.shape))}
+    with torch.no_grad():
+        context = model.preprocess_text(inputs["text_states"].to(device), backend=attention)
+        denoiser = Denoiser(model, context, conditioning_of(inputs), scale, backend=attention)
+        out = sample(denoiser, inputs["video_noise"].float(), inputs["audio_noise"].float(), sigmas,
+                     latent_video=lat_v, latent_audio=lat_a, sampler=str(m.get("sampler", "euler")),
+                     audio_scale=scale, callback=on_step, **masks)
+    ours["sample_out.video"], ours["sample_out.audio"] = out.video, out.audio
+
+    result = E2EResult(case, attention)
+    b = budgets.lookup(mode="e2e", kind="*", compute=case.compute, weights=case.weights, attention=attention)
+    redo = (f"python -m oracle record-generate --checkpoint {case.checkpoint} --inputs {case.inputs} "
+            f"--steps {m['steps']} --out /tmp/gen.safetensors  # then compare with {case.trace}")
+    for name in trace.names_in_order():
+        ref = trace.get(name)
+        mine = ours.get(name)
+        if mine is None or tuple(mine.shape) != tuple(ref.shape):
+            nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
+            why = "not produced by h3direct" if mine is None else f"shape {tuple(mine.shape)} != {tuple(ref.shape)}"
+            result.layers.append(LayerResult(name, "step", "e2e", math.inf, -math.inf, nan, False, why, "", redo))
+            continue
+        mine = mine.detach().float().cpu()
+        rel, sq = metrics.rel_l2(mine, ref), metrics.sqnr_db(mine, ref)
+        ok, rule = verdict(b, rel=rel, sqnr=sq, identical=torch.equal(mine, ref.float()))
+        result.layers.append(LayerResult(name, "step", "e2e", rel, sq, metrics.max_abs(mine, ref), ok, rule,
+                                         b.provenance, redo))
+    return result
+
+
+def _cases(config) -> list[GenerateCase]:
+    from parity_tests.conftest import _cases as gate_cases
+
+    roots = gate_cases(config)[3]  # the gate's roots (live mode: the freshly recorded folder)
+    cases, problems = find_generate_cases(roots)
+    return cases, problems, roots
+
+
+def pytest_generate_tests(metafunc):
+    if "gen_case" not in metafunc.fixturenames:
+        return
+    cases, _, roots = _cases(metafunc.config)
+    if not cases:
+        reason = (f"no generation trace (manifest kind 'generate', from `python -m oracle record-generate`) in "
+                  f"{', '.join(map(str, roots)) or 'any --trace-dir'}")
+        metafunc.parametrize("gen_case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))])
+    else:
+        metafunc.parametrize("gen_case", cases, ids=[c.id for c in cases])
+
+
+def test_generation_traces_pair_up(request):
+    _, problems, _ = _cases(request.config)
+    assert not problems, "\n".join(problems)
+
+
+def test_e2e_per_step_latents(gen_case, gate_options, report):
+    result = run_e2e_case(gen_case, attention=gate_options["attention"], budgets=gate_options["budgets"],
+                          device=gate_options["device"])
+    report.add_case(result)
+    steps = int(gen_case.manifest["steps"])
+    assert sum(r.name.startswith("sampler.step") for r in result.layers) == 4 * steps, "per-step latents missing"
+    assert result.passed, result.report()
+
+
+def test_e2e_gate_catches_a_perturbed_step(gen_case, gate_options):
+    """A 1e-3 relative error in one recorded mid-run step makes the e2e gate fail there."""
+    from oracle.traces import Trace, load_trace
+
+    name = f"sampler.step{int(gen_case.manifest['steps']) // 2}.denoised.video"
+    trace = load_trace(gen_case.trace)
+    tensors = dict(trace.tensors)
+    tensors[name] = tensors[name] * 1.001
+    result = run_e2e_case(gen_case, attention=gate_options["attention"], budgets=gate_options["budgets"],
+                          device=gate_options["device"], trace=Trace(trace.path, tensors, trace.manifest, trace.stored))
+    assert result.first_failure is not None and result.first_failure.name == name, result.report()

@@ -1,0 +1,205 @@
+"""The VAE part of the gate: h3direct's public VAE path (`h3direct trace-vae`) against one ComfyUI VAE trace.
+
+Every key the ComfyUI trace recorded (`<case>.<module path>[#k].in|out`, `<case>.vae_decode.out`, ...) is compared
+under the budgets table (mode "vae", compute = the VAE dtype, weights "vae"; fp16 uses the ratio rule against the
+fp32 twin trace). Decoded video is also judged per frame (PSNR and SSIM, mean and min over frames) and decoded
+audio by its waveform SNR; those floors are `[[budget]]` entries of kind "frames" / "waveform" and
+`[[frame_budget]]` entries (SSIM) of the same table.
+
+Plain Python, like gate.py:
+
+    from parity_tests.vae_gate import run_vae_case
+    print(run_vae_case(case).report())
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from oracle import metrics
+from oracle.traces import Trace, load_trace
+from parity_tests.budgets import KEYS, BudgetTable, load_budgets, verdict
+from parity_tests.discovery import VaeCase
+from parity_tests.gate import LayerResult
+
+FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
+
+
+@dataclass(frozen=True)
+class SsimFloor:
+    ssim_mean: float
+    ssim_min: float
+    provenance: str
+
+
+@dataclass
+class VaeCaseResult:
+    case: VaeCase
+    attention: str
+    mode: str = "vae"
+    layers: list[LayerResult] = field(default_factory=list)
+
+    @property
+    def first_failure(self) -> LayerResult | None:
+        return next((r for r in self.layers if not r.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None and bool(self.layers)
+
+    def report(self) -> str:
+        f = self.first_failure
+        head = f"{self.case.id} [vae {self.case.kind}, {self.case.dtype}]"
+        if f is None:
+            return f"{head}: {len(self.layers)} keys within budget"
+        return (f"{head}: first failing key in execution order: {f.name} ({f.kind})\n"
+                f"  {f.line()}\n"
+                f"  budget: {f.rule} — {f.budget_provenance}\n"
+                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, ComfyUI {f.worst.ref:.8g}\n"
+                f"  reproduce: {f.replay}")
+
+
+def reproduce_command(case: VaeCase) -> str:
+    op = case.kind.split("_")[1]
+    return (f"h3direct trace-vae --weights {case.weights} --config {case.config} --inputs {case.inputs} "
+            f"--dtype {case.dtype} --only {op} --out /tmp/h3_vae.safetensors && "
+            f"python -m oracle diff /tmp/h3_vae.safetensors {case.trace}")
+
+
+@lru_cache(maxsize=16)
+def _trace(path: str) -> Trace:
+    return load_trace(path)
+
+
+@lru_cache(maxsize=8)
+def h3direct_trace(weights: str, config: str, inputs: str, dtype: str, op: str) -> Trace:
+    """Run `h3direct trace-vae` (its own `run`, in process) and read back what it wrote."""
+    from h3direct.vae import trace_vae
+
+    with tempfile.TemporaryDirectory(prefix="h3_vae_gate_") as tmp:
+        out = Path(tmp) / "ours.safetensors"
+        args = argparse.Namespace(weights=weights, config=config, inputs=inputs, dtype=dtype, only=op, out=str(out))
+        with contextlib.redirect_stdout(io.StringIO()):
+            trace_vae.run(args)
+        return load_trace(out)
+
+
+def load_ssim_floors(path: str | Path | None) -> list[tuple[dict[str, str], SsimFloor]]:
+    """`[[frame_budget]]` entries of the budgets table: SSIM floors (fields the Budget record does not have)."""
+    from parity_tests.budgets import DEFAULT_PATH
+
+    data = tomllib.loads(Path(path or DEFAULT_PATH).read_text())
+    out = []
+    for e in data.get("frame_budget", []):
+        out.append(({k: str(e.get(k, "*")) for k in KEYS},
+                    SsimFloor(float(e["ssim_mean"]), float(e["ssim_min"]), e["provenance"])))
+    return out
+
+
+def _lookup_ssim(floors, **key: str) -> SsimFloor | None:
+    best, spec = None, -1
+    for match, floor in floors:
+        if all(match[k] in ("*", key.get(k)) for k in KEYS):
+            s = sum(v != "*" for v in match.values())
+            if s >= spec:
+                best, spec = floor, s
+    return best
+
+
+def frame_metrics(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Per-frame PSNR (peak 1) and SSIM (scikit-image, data range 1) of [B, T, H, W, 3] clips; mean and min."""
+    from skimage.metrics import structural_similarity
+
+    a = ours.double().reshape(-1, *ours.shape[-3:])
+    b = ref.double().reshape(-1, *ref.shape[-3:])
+    mse = ((a - b) ** 2).flatten(1).mean(1)
+    psnr = [math.inf if m == 0 else 10.0 * math.log10(1.0 / m) for m in mse.tolist()]
+    side = min(a.shape[1:3])
+    win = 7 if side >= 7 else max(3, side - 1 + side % 2)  # scikit-image's default 7, odd and <= the frame side
+    ssim = [float(structural_similarity(x.numpy(), y.numpy(), channel_axis=-1, data_range=1.0, win_size=win))
+            for x, y in zip(a, b, strict=True)]
+    return {"psnr_mean": sum(psnr) / len(psnr), "psnr_min": min(psnr), "ssim_mean": sum(ssim) / len(ssim),
+            "ssim_min": min(ssim), "frames": len(psnr)}
+
+
+def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
+    kind = "output" if name.endswith(FINAL_SUFFIXES) else "module"
+    replay = reproduce_command(case)
+    if ours is None or ours.shape != ref.shape:
+        what = ("not produced by h3direct" if ours is None
+                else f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}")
+        nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
+        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay)
+    b = budgets.lookup(mode="vae", kind=kind, compute=case.dtype, weights="vae", attention=attention)
+    rel, sq = metrics.rel_l2(ours, ref), metrics.sqnr_db(ours, ref)
+    vs = None
+    if twin is not None and b.k is not None and name in twin and twin.get(name).shape == ref.shape:
+        base = twin.get(name)
+        vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
+    ok, rule = verdict(b, rel=rel, sqnr=sq, identical=torch.equal(ours, ref), ours_vs_fp32=vs[0] if vs else None,
+                       comfy_vs_fp32=vs[1] if vs else None)
+    return LayerResult(name, kind, "vae", rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance, replay, vs)
+
+
+def _frames_result(name, ours, ref, budgets, floors, case, attention) -> LayerResult:
+    fm = frame_metrics(ours, ref)
+    b = budgets.lookup(mode="vae", kind="frames", compute=case.dtype, weights="vae", attention=attention)
+    s = _lookup_ssim(floors, mode="vae", kind="frames", compute=case.dtype, weights="vae", attention=attention)
+    fails = []
+    if b.psnr_db is not None and not fm["psnr_mean"] >= b.psnr_db:
+        fails.append(f"PSNR mean {fm['psnr_mean']:.1f} dB < {b.psnr_db:g}")
+    if b.psnr_min_db is not None and not fm["psnr_min"] >= b.psnr_min_db:
+        fails.append(f"PSNR min {fm['psnr_min']:.1f} dB < {b.psnr_min_db:g}")
+    if s is not None and not fm["ssim_mean"] >= s.ssim_mean:
+        fails.append(f"SSIM mean {fm['ssim_mean']:.6f} < {s.ssim_mean:g}")
+    if s is not None and not fm["ssim_min"] >= s.ssim_min:
+        fails.append(f"SSIM min {fm['ssim_min']:.6f} < {s.ssim_min:g}")
+    summary = (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.1f} / min {fm['psnr_min']:.1f} dB, "
+               f"SSIM mean {fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}")
+    prov = b.provenance + (f" | SSIM: {s.provenance}" if s else "")
+    return LayerResult(f"{name}#frames", "frames", "vae", metrics.rel_l2(ours, ref), metrics.sqnr_db(ours, ref),
+                       metrics.max_abs(ours, ref), not fails, "; ".join(fails) or summary, prov,
+                       reproduce_command(case))
+
+
+def _waveform_result(name, ours, ref, budgets, case, attention) -> LayerResult:
+    b = budgets.lookup(mode="vae", kind="waveform", compute=case.dtype, weights="vae", attention=attention)
+    snr = metrics.sqnr_db(ours, ref)  # waveform SNR: signal = ComfyUI's waveform, noise = the difference
+    ok = b.sqnr_db is None or snr >= b.sqnr_db
+    rule = f"waveform SNR {snr:.1f} dB " + (">=" if ok else "<") + f" {b.sqnr_db:g} dB"
+    return LayerResult(f"{name}#waveform", "waveform", "vae", metrics.rel_l2(ours, ref), snr,
+                       metrics.max_abs(ours, ref), ok, rule, b.provenance, reproduce_command(case))
+
+
+def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable | None = None,
+                 trace: Trace | None = None, ours: Trace | None = None) -> VaeCaseResult:
+    """Compare h3direct with ComfyUI on every key of one VAE trace (`trace` / `ours` override for tests)."""
+    budgets = budgets or load_budgets()
+    floors = load_ssim_floors(budgets.path)
+    ref_trace = trace or _trace(str(case.trace))
+    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    op = case.kind.split("_")[1]
+    if ours is None:
+        ours = h3direct_trace(str(case.weights), str(case.config), str(case.inputs), case.dtype, op)
+    result = VaeCaseResult(case, attention)
+    for name in ref_trace.names_in_order():
+        ref = ref_trace.get(name)
+        mine = ours.get(name) if name in ours else None
+        result.layers.append(_key_result(name, mine, ref, twin, budgets, case, attention))
+        if mine is None or mine.shape != ref.shape:
+            continue
+        if case.kind == "video_decode" and name.endswith(".vae_decode.out"):
+            result.layers.append(_frames_result(name, mine, ref, budgets, floors, case, attention))
+        elif case.kind == "audio_decode" and name.endswith(".vae_decode.out"):
+            result.layers.append(_waveform_result(name, mine, ref, budgets, case, attention))
+    return result

@@ -1,0 +1,173 @@
+"""Smoke tests of the benchmark scripts (`benchmarks/`): tiny preset on the CPU, a few seconds each.
+
+Speed is never asserted; the JSON each script writes must carry its fields with finite numbers. The workload
+arithmetic is checked against the numbers PERFORMANCE.md states (S = 20,050; 772.6 + 576.3 TFLOP per step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+
+def _run(script: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--preset", "tiny", "--device", "cpu",
+                           "--out", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.is_file(), proc.stdout[-2000:]
+    return json.loads(out.read_text())
+
+
+def _finite(x, what: str) -> None:
+    assert isinstance(x, int | float) and not isinstance(x, bool), f"{what} = {x!r} is not a number"
+    assert math.isfinite(x), f"{what} = {x!r} is not finite"
+
+
+def test_workload_matches_performance_md():
+    import _common as C
+
+    from h3direct.config import H3Config
+
+    wl = C.workload(960, 544, 124, 256)
+    assert wl["video_latent"] == [1, 24, 37, 34, 60] and wl["audio_latent"] == [1, 32, 2, 207]
+    assert wl["rows"] == {"text": 256, "ref_image": 510, "audio": 414, "video": 18870}
+    assert wl["seq_len"] == 20050
+    f = C.step_flops(H3Config.from_name("full-curve"), wl["seq_len"])
+    assert abs(f["block_linears_tflop"] - 772.6) < 0.05 and abs(f["attention_tflop"] - 576.3) < 0.05
+
+
+def test_workload_seq_len_agrees_with_packed_layout():
+    import _common as C
+
+    from h3direct.dit.layout import build_layout
+
+    wl = C.workload(960, 544, 124, 256)
+    _, _, t, h, w = wl["video_latent"]
+    refs = [{"kind": "image", "latent_h": h, "latent_w": w}]
+    assert build_layout(256, t, h, w, wl["audio_latent"][-1], refs=refs).seq_len == wl["seq_len"]
+
+
+def test_direct_builder_matches_strict_loader_layout():
+    """The in-place builder must give the same keys, shapes and dtypes as loading the generator's state dict."""
+    import torch
+    from synthetic_gpu import _has_make_checkpoint, build_dit
+
+    from h3direct.config import H3Config
+
+    if not _has_make_checkpoint():
+        pytest.skip("h3direct.make_checkpoint.iter_dit_tensors is not available")
+    cfg = H3Config.from_name("tiny-curve")
+    for weights in ("bf16", "nvfp4"):
+        a, _ = build_dit(cfg, weights, "cpu", builder="direct")
+        b, _ = build_dit(cfg, weights, "cpu", builder="make_checkpoint")
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sorted(sa) == sorted(sb)
+        diff = [k for k in sa if (sa[k].shape, sa[k].dtype) != (sb[k].shape, sb[k].dtype)]
+        assert not diff, f"{weights}: {[(k, sa[k].dtype, sb[k].dtype) for k in diff[:5]]}"
+        assert a.compute_dtype == b.compute_dtype == torch.bfloat16
+        n_q = sum(k.endswith(".comfy_quant") for k in sa)
+        assert n_q == (4 * cfg.num_layers if weights == "nvfp4" else 0)
+
+
+def test_bench_dit_tiny(tmp_path):
+    d = _run("bench_dit", tmp_path, "--attention", "sdpa,cudnn_sdpa", "--steps", "2")
+    assert d["workload"]["seq_len"] == d["workload"]["seq_len_layout"]
+    for key in ("block_linears_tflop", "attention_tflop", "total_tflop"):
+        _finite(d["flops_per_step"][key], key)
+    k = d["kernels"]
+    for m in k["matmul"] + k["block_gemms"]:
+        _finite(m["ms"], m["name"])
+        _finite(m["tflops"], m["name"])
+    att = {a["backend"]: a for a in k["attention"]}
+    _finite(att["sdpa"]["ms"], "sdpa ms")
+    assert "skipped" in att["cudnn_sdpa"]  # no CUDA here: skipped with the reason, not an error
+    _finite(k["nvfp4_dequant_per_step_ms"], "dequant")
+    ok = [c for c in d["configs"] if c["status"] == "ok"]
+    assert {(c["weights"], c["attention"]) for c in ok} == {("nvfp4", "sdpa"), ("bf16", "sdpa")}
+    for c in ok:
+        assert len(c["step_s"]) == 2 and c["finite"] is True
+        for key in ("step_s_median", "warmup_s", "tflops", "vs_comfyui_speedup", "vs_floor_ratio", "build_s"):
+            _finite(c[key], key)
+    skipped = [c for c in d["configs"] if c["status"] == "skipped"]
+    assert skipped and all(c["reason"] for c in skipped)
+    assert not d["errors"], d["errors"]
+    assert {b["weights"] for b in d["builds"]} == {"nvfp4", "bf16"}
+
+
+def test_bench_dit_budget_skips(tmp_path):
+    d = _run("bench_dit", tmp_path, "--budget-seconds", "0", "--attention", "sdpa")
+    assert d["kernels"] == {} and any(s["what"] == "kernels" for s in d["skipped"])
+    assert [c["status"] for c in d["configs"]] == ["skipped", "skipped"]
+    assert all(c["reason"] == "budget" for c in d["configs"])
+
+
+def test_bench_vae_tiny(tmp_path):
+    d = _run("bench_vae", tmp_path)
+    vd, ve, ad = d["video_decode"], d["video_encode_image"], d["audio_decode"]
+    assert vd["status"] == ve["status"] == ad["status"] == "ok"
+    assert vd["pixels"] == [1, d["workload"]["frame_count"], 64, 64, 3] and vd["finite"]
+    assert ve["latent"] == [1, 24, 1, 4, 4] and ve["finite"]
+    assert ad["waveform"] == [1, 800 * d["workload"]["audio_latent"][-1], 2] and ad["finite"]
+    for part in (vd, ve, ad):
+        for key in ("build_s", "warmup_s", "median_s", "model_gib"):
+            _finite(part[key], key)
+
+
+def _check_generate(d: dict) -> None:
+    assert d["end_to_end_complete"] is True, d["errors"]
+    _finite(d["end_to_end_s"], "end_to_end_s")
+    assert len(d["step_s"]) == 2
+    for s in d["step_s"]:
+        _finite(s, "step")
+    for name in d["e2e_stages"]:
+        assert d["stages"][name]["status"] == "ok", name
+        _finite(d["stages"][name]["s"], name)
+    o = d["outputs"]
+    assert o["latent_video"] == d["workload"]["video_latent"] and o["latent_audio"] == d["workload"]["audio_latent"]
+    assert o["pixels"] == [1, d["workload"]["frame_count"], 64, 64, 3]
+    assert o["waveform"] == [1, 800 * d["workload"]["audio_latent"][-1], 2]
+    assert o["latent_finite"] and o["pixels_finite"] and o["waveform_finite"]
+
+
+def test_bench_generate_tiny_pieces(tmp_path):
+    d = _run("bench_generate", tmp_path, "--steps", "2", "--driver", "pieces")
+    assert d["driver"] == "pieces"
+    _check_generate(d)
+    assert d["seq_len_layout"] == d["workload"]["seq_len"]
+
+
+def test_bench_generate_tiny_pipeline(tmp_path):
+    pytest.importorskip("h3direct.pipeline", reason="h3direct.pipeline is not in this checkout")
+    d = _run("bench_generate", tmp_path, "--steps", "2", "--driver", "pipeline")
+    assert d["driver"] == "pipeline"
+    _check_generate(d)
+
+
+def test_bench_generate_falls_back_to_pieces(tmp_path, monkeypatch):
+    """A failing pipeline must not lose the run: the pieces driver takes over and the error is recorded."""
+    import bench_generate
+
+    def broken(*_a, **_k):
+        raise RuntimeError("injected pipeline failure")
+
+    monkeypatch.setattr(bench_generate, "_drive_pipeline", broken)
+    monkeypatch.setattr(bench_generate, "_pipeline_importable", lambda: True)
+    out = tmp_path / "g.json"
+    assert bench_generate.main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["driver"] == "pieces (pipeline failed)"
+    assert any("injected pipeline failure" in e["error"] for e in d["errors"])
+    _check_generate(d)
