@@ -74,7 +74,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     b = _REGISTRY.get(backend)
     if b is None:
         check_backend(backend, q)
-    out = b.fn(q, k, v)
+    try:
+        out = b.fn(q, k, v)
+    except (ImportError, RuntimeError) as exc:
+        reason = b.available(q)
+        if reason is not None:  # it could not run here: say why, as one line
+            check_backend(backend, q)
+        if backend == "cudnn_sdpa":
+            raise BackendUnavailable(f"attention backend 'cudnn_sdpa' cannot run these inputs "
+                                     f"({str(exc).splitlines()[0]}); it never falls back") from None
+        raise
     return rearrange(out, "b h s d -> b s (h d)")
 
 

@@ -128,6 +128,37 @@ def e2m1_table(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.
     return torch.cat([mags, -mags]).to(device=device, dtype=dtype)
 
 
+_PAIR_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _pair_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """[256, 2]: the (high nibble, low nibble) E2M1 values of every byte, cached per dtype and device."""
+    key = (dtype, str(device))
+    t = _PAIR_TABLES.get(key)
+    if t is None:
+        lut = e2m1_table(torch.float32)
+        byte = torch.arange(256)
+        t = torch.stack([lut[byte >> 4], lut[byte & 0x0F]], dim=-1).to(device=device, dtype=dtype)
+        _PAIR_TABLES[key] = t
+    return t
+
+
+def _ck_dequantize():
+    """comfy-kitchen's dequantize_nvfp4 (CUDA), or None when comfy-kitchen is not installed."""
+    global _CK_DEQ
+    if _CK_DEQ is False:
+        try:
+            import comfy_kitchen as ck
+
+            _CK_DEQ = ck.dequantize_nvfp4
+        except ImportError:
+            _CK_DEQ = None
+    return _CK_DEQ
+
+
+_CK_DEQ = False
+
+
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> uint8 codes [..., K] (high nibble = even column)."""
     if packed.dtype != torch.uint8:
@@ -167,11 +198,16 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
     if cols % BLOCK:
         raise CheckpointError(f"NVFP4 packed weight [{rows}, {half}] holds {cols} columns, not a multiple of 16")
     nblocks = cols // BLOCK
-    scales = unswizzle_block_scales(block_scale, rows, nblocks)  # [N16, K16/16] e4m3
-    total = global_scale.to(out_dtype) * scales.to(out_dtype)
-    values = e2m1_table(out_dtype, packed.device)[unpack_codes(packed).long()]
-    blocks = einops.rearrange(values, "n (b k) -> n b k", k=BLOCK) * total[..., None]
-    out = einops.rearrange(blocks, "n b k -> n (b k)")
+    if packed.is_cuda and _ck_dequantize() is not None:
+        # comfy-kitchen's CUDA kernel (the one ComfyUI calls on GPUs): same arithmetic, one pass
+        out = _ck_dequantize()(packed, global_scale, block_scale, out_dtype)
+    else:
+        scales = unswizzle_block_scales(block_scale, rows, nblocks)  # [N16, K16/16] e4m3
+        total = global_scale.to(out_dtype) * scales.to(out_dtype)
+        # one lookup per byte: both nibbles' values at once (high nibble = even column)
+        values = _pair_table(out_dtype, packed.device)[packed.int()]  # [N16, K16/2, 2]
+        blocks = einops.rearrange(values, "n (b h) two -> n b (h two)", h=BLOCK // 2) * total[..., None]
+        out = einops.rearrange(blocks, "n b k -> n (b k)")
     if shape is not None:
         n, k = shape
         if n > rows or k > cols or padded_shape((n, k)) != (rows, cols):
