@@ -151,7 +151,7 @@ def _ck_dequantize():
             import comfy_kitchen as ck
 
             _CK_DEQ = ck.dequantize_nvfp4
-        except ImportError:
+        except Exception:  # not installed, or its extension does not load with this torch
             _CK_DEQ = None
     return _CK_DEQ
 
