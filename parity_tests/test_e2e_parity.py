@@ -104,11 +104,12 @@ def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "
 
     m = case.manifest
     trace = trace or load_trace(case.trace)
-    model = _model(str(case.checkpoint), case.compute, "w4a4", device)
+    model = _model(str(case.checkpoint), case.compute, case.weights.split("_")[-1] if "nvfp4" in case.weights
+                   else "w4a16", device)
     inputs = load_inputs(case.inputs)
     scale = audio_scale_of(model)
     shift = float(m.get("sampling", {}).get("shift", 12.0))
-    sigmas = sigmas_for(int(m["steps"]), str(m.get("scheduler", "simple")), shift=shift)
+    sigmas = sigmas_for(int(m["steps"]), str(m.get("scheduler", "simple")), shift=shift).to(device)
     ours: dict[str, torch.Tensor] = {"sampler.sigmas": sigmas}
 
     def on_step(s) -> None:
@@ -116,15 +117,16 @@ def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "
                      f"sampler.step{s.index}.denoised.video": s.x0_video,
                      f"sampler.step{s.index}.denoised.audio": s.x0_audio})
 
-    lat_v, lat_a = inputs["video_latent"].float(), inputs["audio_latent"].float()
+    lat_v, lat_a = inputs["video_latent"].float().to(device), inputs["audio_latent"].float().to(device)
     masks = {}
     if inputs.denoise_mask:
-        masks = {"mask_video": expand_mask(inputs.denoise_mask["video"], tuple(lat_v.shape)),
-                 "mask_audio": expand_mask(inputs.denoise_mask["audio"], tuple(lat_a.shape))}
+        masks = {"mask_video": expand_mask(inputs.denoise_mask["video"].to(device), tuple(lat_v.shape)),
+                 "mask_audio": expand_mask(inputs.denoise_mask["audio"].to(device), tuple(lat_a.shape))}
     with torch.no_grad():
         context = model.preprocess_text(inputs["text_states"].to(device), backend=attention)
         denoiser = Denoiser(model, context, conditioning_of(inputs), scale, backend=attention)
-        out = sample(denoiser, inputs["video_noise"].float(), inputs["audio_noise"].float(), sigmas,
+        noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
+        out = sample(denoiser, noise_v, noise_a, sigmas,
                      latent_video=lat_v, latent_audio=lat_a, sampler=str(m.get("sampler", "euler")),
                      audio_scale=scale, callback=on_step, **masks)
     ours["sample_out.video"], ours["sample_out.audio"] = out.video, out.audio

@@ -112,8 +112,14 @@ def _cudnn(q, k, v):
         return _sdpa(q, k, v)
 
 
+def _half_only(like):
+    if like is not None and like.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16 inputs, got {str(like.dtype).removeprefix('torch.')}"
+    return None
+
+
 def _cudnn_available(like):
-    reason = _cuda_only(like)
+    reason = _cuda_only(like) or _half_only(like)
     if reason:
         return reason
     if not torch.backends.cudnn.is_available():
@@ -128,7 +134,7 @@ def _sage2(q, k, v):
 
 
 def _sage2_available(like):
-    reason = _cuda_only(like)
+    reason = _cuda_only(like) or _half_only(like)
     if reason:
         return reason
     try:

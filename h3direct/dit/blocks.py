@@ -12,7 +12,7 @@ from torch import nn
 
 from h3direct.dit.attention import DEFAULT_BACKEND, attention
 from h3direct.dit.linear import Linear
-from h3direct.dit.rope import rms_norm_rope
+from h3direct.dit.rope import rms_norm_rope_
 from h3direct.dit.timesteps import ModRun
 
 
@@ -46,8 +46,7 @@ class Attention(nn.Module):
         if rope_table is not None:
             # fused per-head RMSNorm + partial rope, written back into the qkv buffer like ComfyUI's kernel
             q, k = q.view(1, s, h, d), k.view(1, s, h, d)
-            q.copy_(rms_norm_rope(q, self.q_norm.weight, rope_table, self.q_norm.eps))
-            k.copy_(rms_norm_rope(k, self.k_norm.weight, rope_table, self.k_norm.eps))
+            rms_norm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, rope_table, self.q_norm.eps)
             q, k = q[0], k[0]
             if self.tracer is not None:
                 self.tracer.record_tensor(self, "rope_q", q)

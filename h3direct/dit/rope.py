@@ -7,7 +7,8 @@ a head's rotated part is [x1 | x2] (halves of 3·L), rotated as (x1·cos − x2�
 The rotation table is [1, S, 1, 3L, 2, 2] in the compute dtype — what ComfyUI hands comfy-kitchen's fused
 `rms_rope_split_half_` kernel (and what the oracle traces store as `blocks.N.in.3`). The arithmetic here
 follows that kernel's eager form op for op (RMSNorm in the input dtype, rotation in the table's dtype) so
-CPU results are bit-identical.
+CPU results are bit-identical. On CUDA, `rms_norm_rope_` runs comfy-kitchen's fused kernel in place when
+comfy-kitchen is installed — the very kernel ComfyUI runs on GPUs — and the eager form otherwise.
 """
 
 from __future__ import annotations
@@ -45,3 +46,29 @@ def rms_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tenso
     if rot == x.shape[-1]:
         return rotate_split_half(x, table)
     return torch.cat((rotate_split_half(x[..., :rot], table), x[..., rot:]), dim=-1)
+
+
+def _ck_fused():
+    global _CK_ROPE
+    if _CK_ROPE is False:
+        try:
+            import comfy_kitchen as ck
+
+            _CK_ROPE = ck.rms_rope_split_half_
+        except Exception:  # not installed, or its extension does not load with this torch
+            _CK_ROPE = None
+    return _CK_ROPE
+
+
+_CK_ROPE = False
+
+
+def rms_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   table: torch.Tensor, eps: float) -> None:
+    """In place on q, k [1, S, H, D] (views into the qkv buffer): per-head RMSNorm + partial split-half rope."""
+    fused = _ck_fused() if q.is_cuda else None
+    if fused is not None:
+        fused(q, k, table, q_weight, k_weight, epsilon=eps, rot_dim=table.shape[-3] * 2)
+        return
+    q.copy_(rms_norm_rope(q, q_weight, table, eps))
+    k.copy_(rms_norm_rope(k, k_weight, table, eps))
