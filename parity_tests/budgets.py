@@ -22,6 +22,8 @@ class Budget:
     sqnr_db: float | None = None
     psnr_db: float | None = None
     psnr_min_db: float | None = None
+    ssim_mean: float | None = None
+    ssim_min: float | None = None
     bitwise: bool = False
     provenance: str = ""
     order: int = 0
@@ -42,6 +44,8 @@ class Budget:
             parts.append(f"sqnr ≥ {self.sqnr_db:g} dB")
         if self.psnr_db is not None:
             parts.append(f"psnr ≥ {self.psnr_db:g} dB")
+        if self.ssim_mean is not None:
+            parts.append(f"ssim ≥ {self.ssim_mean:g}")
         return ", ".join(parts) or "no rule"
 
 
@@ -69,15 +73,16 @@ def load_budgets(path: str | Path | None = None) -> BudgetTable:
         raise H3Error(f"cannot read budgets table: {exc}", path=path) from None
     entries = []
     for i, e in enumerate(data.get("budget", [])):
-        unknown = set(e) - set(KEYS) - {"rel_l2", "k", "floor", "sqnr_db", "psnr_db", "psnr_min_db", "bitwise",
-                                        "provenance"}
+        unknown = set(e) - set(KEYS) - {"rel_l2", "k", "floor", "sqnr_db", "psnr_db", "psnr_min_db", "ssim_mean",
+                                        "ssim_min", "bitwise", "provenance"}
         if unknown:
             raise H3Error(f"budget entry {i}: unknown field(s) {sorted(unknown)}", path=path)
         if not e.get("provenance"):
             raise H3Error(f"budget entry {i} has no provenance", path=path)
         entries.append(Budget(match={k: str(e.get(k, "*")) for k in KEYS}, rel_l2=e.get("rel_l2"), k=e.get("k"),
                               floor=float(e.get("floor", 0.0)), sqnr_db=e.get("sqnr_db"), psnr_db=e.get("psnr_db"),
-                              psnr_min_db=e.get("psnr_min_db"), bitwise=bool(e.get("bitwise", False)),
+                              psnr_min_db=e.get("psnr_min_db"), ssim_mean=e.get("ssim_mean"),
+                              ssim_min=e.get("ssim_min"), bitwise=bool(e.get("bitwise", False)),
                               provenance=e["provenance"], order=i))
     return BudgetTable(entries, path)
 

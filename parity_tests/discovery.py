@@ -9,7 +9,7 @@ task and whose σ·noise + (1 − σ)·latent reproduces the trace's `sampler.x_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -205,7 +205,57 @@ def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
             dtype = str(m.get("compute_dtype", "fp32"))
             twin = None
             if dtype != "fp32":
+                def same_source(om, m=m):
+                    explicit = [k for k in ("weights", "config", "inputs") if m.get(k) or om.get(k)]
+                    if explicit:
+                        return all(Path(str(m.get(k))).name == Path(str(om.get(k))).name for k in explicit)
+                    return om.get("set", "public") == m.get("set", "public")
+
                 twin = next((o for o, om in metas.items() if om.get("kind") == m["kind"]
-                             and str(om.get("compute_dtype", "fp32")) == "fp32" and om.get("set") == s), None)
+                             and str(om.get("compute_dtype", "fp32")) == "fp32" and same_source(om)), None)
             cases.append(VaeCase(st, Path(w), config, inputs, m["kind"], dtype, twin))
+    return cases, problems
+
+
+@dataclass(frozen=True)
+class GenerateCase:
+    trace: Path
+    checkpoint: Path
+    inputs: Path
+    manifest: dict = field(hash=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.trace.parent.name}/{self.trace.stem}"
+
+    @property
+    def compute(self) -> str:
+        return str(self.manifest.get("compute_dtype_requested", "fp32"))
+
+    @property
+    def weights(self) -> str:
+        from safetensors import safe_open
+
+        with safe_open(str(self.checkpoint), "pt") as f:
+            quant = any(k.endswith(".comfy_quant") for k in f.keys())
+        return f"nvfp4_{self.manifest.get('nvfp4_mode', 'w4a16')}" if quant else "bf16"
+
+
+def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
+    cases, problems = [], []
+    for folder in trace_dirs(roots):
+        for j in sorted(folder.glob("*.json")):
+            try:
+                m = json.loads(j.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(m, dict) or m.get("kind") != "generate":
+                continue
+            st = j.with_suffix(".safetensors")
+            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
+            missing = [p.name for p in (st, ckpt, inputs) if not p.is_file()]
+            if missing:
+                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
+                continue
+            cases.append(GenerateCase(st, ckpt, inputs, m))
     return cases, problems

@@ -9,42 +9,18 @@ of mode "e2e" in budgets.toml.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
 from oracle import metrics
 from parity_tests.budgets import verdict
+from parity_tests.discovery import GenerateCase, find_generate_cases  # noqa: F401 (re-exported)
 from parity_tests.gate import LayerResult
 
 pytestmark = pytest.mark.parity
-
-
-@dataclass(frozen=True)
-class GenerateCase:
-    trace: Path
-    checkpoint: Path
-    inputs: Path
-    manifest: dict = field(hash=False, compare=False)
-
-    @property
-    def id(self) -> str:
-        return f"{self.trace.parent.name}/{self.trace.stem}"
-
-    @property
-    def compute(self) -> str:
-        return str(self.manifest.get("compute_dtype_requested", "fp32"))
-
-    @property
-    def weights(self) -> str:
-        from safetensors import safe_open
-
-        with safe_open(str(self.checkpoint), "pt") as f:
-            return "nvfp4_w4a4" if any(k.endswith(".comfy_quant") for k in f.keys()) else "bf16"
 
 
 @dataclass
@@ -68,28 +44,6 @@ class E2EResult:
             return f"{self.case.id}: {len(self.layers)} tensors within budget"
         return (f"{self.case.id}: first failing tensor in sampling order: {f.name}\n  {f.line()}\n"
                 f"  budget: {f.rule} — {f.budget_provenance}\n  reproduce: {f.replay}")
-
-
-def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
-    from parity_tests.discovery import trace_dirs
-
-    cases, problems = [], []
-    for folder in trace_dirs(roots):
-        for j in sorted(folder.glob("*.json")):
-            try:
-                m = json.loads(j.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(m, dict) or m.get("kind") != "generate":
-                continue
-            st = j.with_suffix(".safetensors")
-            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
-            missing = [p.name for p in (st, ckpt, inputs) if not p.is_file()]
-            if missing:
-                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
-                continue
-            cases.append(GenerateCase(st, ckpt, inputs, m))
-    return cases, problems
 
 
 def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> E2EResult:

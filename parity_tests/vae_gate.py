@@ -4,7 +4,7 @@ Every key the ComfyUI trace recorded (`<case>.<module path>[#k].in|out`, `<case>
 under the budgets table (mode "vae", compute = the VAE dtype, weights "vae"; fp16 uses the ratio rule against the
 fp32 twin trace). Decoded video is also judged per frame (PSNR and SSIM, mean and min over frames) and decoded
 audio by its waveform SNR; those floors are `[[budget]]` entries of kind "frames" / "waveform" and
-`[[frame_budget]]` entries (SSIM) of the same table.
+frames entries (PSNR and SSIM floors) of the same table.
 
 Plain Python, like gate.py:
 
@@ -19,7 +19,6 @@ import contextlib
 import io
 import math
 import tempfile
-import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -28,18 +27,11 @@ import torch
 
 from oracle import metrics
 from oracle.traces import Trace, load_trace
-from parity_tests.budgets import KEYS, BudgetTable, load_budgets, verdict
+from parity_tests.budgets import BudgetTable, load_budgets, verdict
 from parity_tests.discovery import VaeCase
 from parity_tests.gate import LayerResult
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
-
-
-@dataclass(frozen=True)
-class SsimFloor:
-    ssim_mean: float
-    ssim_min: float
-    provenance: str
 
 
 @dataclass
@@ -94,28 +86,6 @@ def h3direct_trace(weights: str, config: str, inputs: str, dtype: str, op: str) 
         return load_trace(out)
 
 
-def load_ssim_floors(path: str | Path | None) -> list[tuple[dict[str, str], SsimFloor]]:
-    """`[[frame_budget]]` entries of the budgets table: SSIM floors (fields the Budget record does not have)."""
-    from parity_tests.budgets import DEFAULT_PATH
-
-    data = tomllib.loads(Path(path or DEFAULT_PATH).read_text())
-    out = []
-    for e in data.get("frame_budget", []):
-        out.append(({k: str(e.get(k, "*")) for k in KEYS},
-                    SsimFloor(float(e["ssim_mean"]), float(e["ssim_min"]), e["provenance"])))
-    return out
-
-
-def _lookup_ssim(floors, **key: str) -> SsimFloor | None:
-    best, spec = None, -1
-    for match, floor in floors:
-        if all(match[k] in ("*", key.get(k)) for k in KEYS):
-            s = sum(v != "*" for v in match.values())
-            if s >= spec:
-                best, spec = floor, s
-    return best
-
-
 def frame_metrics(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """Per-frame PSNR (peak 1) and SSIM (scikit-image, data range 1) of [B, T, H, W, 3] clips; mean and min."""
     from skimage.metrics import structural_similarity
@@ -151,22 +121,21 @@ def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
     return LayerResult(name, kind, "vae", rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance, replay, vs)
 
 
-def _frames_result(name, ours, ref, budgets, floors, case, attention) -> LayerResult:
+def _frames_result(name, ours, ref, budgets, case, attention) -> LayerResult:
     fm = frame_metrics(ours, ref)
     b = budgets.lookup(mode="vae", kind="frames", compute=case.dtype, weights="vae", attention=attention)
-    s = _lookup_ssim(floors, mode="vae", kind="frames", compute=case.dtype, weights="vae", attention=attention)
     fails = []
     if b.psnr_db is not None and not fm["psnr_mean"] >= b.psnr_db:
         fails.append(f"PSNR mean {fm['psnr_mean']:.1f} dB < {b.psnr_db:g}")
     if b.psnr_min_db is not None and not fm["psnr_min"] >= b.psnr_min_db:
         fails.append(f"PSNR min {fm['psnr_min']:.1f} dB < {b.psnr_min_db:g}")
-    if s is not None and not fm["ssim_mean"] >= s.ssim_mean:
-        fails.append(f"SSIM mean {fm['ssim_mean']:.6f} < {s.ssim_mean:g}")
-    if s is not None and not fm["ssim_min"] >= s.ssim_min:
-        fails.append(f"SSIM min {fm['ssim_min']:.6f} < {s.ssim_min:g}")
+    if b.ssim_mean is not None and not fm["ssim_mean"] >= b.ssim_mean:
+        fails.append(f"SSIM mean {fm['ssim_mean']:.6f} < {b.ssim_mean:g}")
+    if b.ssim_min is not None and not fm["ssim_min"] >= b.ssim_min:
+        fails.append(f"SSIM min {fm['ssim_min']:.6f} < {b.ssim_min:g}")
     summary = (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.1f} / min {fm['psnr_min']:.1f} dB, "
                f"SSIM mean {fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}")
-    prov = b.provenance + (f" | SSIM: {s.provenance}" if s else "")
+    prov = b.provenance
     return LayerResult(f"{name}#frames", "frames", "vae", metrics.rel_l2(ours, ref), metrics.sqnr_db(ours, ref),
                        metrics.max_abs(ours, ref), not fails, "; ".join(fails) or summary, prov,
                        reproduce_command(case))
@@ -185,7 +154,6 @@ def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable
                  trace: Trace | None = None, ours: Trace | None = None) -> VaeCaseResult:
     """Compare h3direct with ComfyUI on every key of one VAE trace (`trace` / `ours` override for tests)."""
     budgets = budgets or load_budgets()
-    floors = load_ssim_floors(budgets.path)
     ref_trace = trace or _trace(str(case.trace))
     twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
     op = case.kind.split("_")[1]
@@ -199,7 +167,7 @@ def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable
         if mine is None or mine.shape != ref.shape:
             continue
         if case.kind == "video_decode" and name.endswith(".vae_decode.out"):
-            result.layers.append(_frames_result(name, mine, ref, budgets, floors, case, attention))
+            result.layers.append(_frames_result(name, mine, ref, budgets, case, attention))
         elif case.kind == "audio_decode" and name.endswith(".vae_decode.out"):
             result.layers.append(_waveform_result(name, mine, ref, budgets, case, attention))
     return result
