@@ -38,12 +38,12 @@ def category(name: str) -> str:
 
 def main(argv=None) -> int:
     import torch
+    from bench_dit import make_inputs
+    from synthetic_gpu import build_dit
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_dit import make_inputs
     from h3direct.config import H3Config
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
-    from synthetic_gpu import build_dit
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="full-curve")

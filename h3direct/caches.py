@@ -14,7 +14,6 @@ With mode "off" `with_cache` returns the denoiser itself, so no cache code runs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -43,11 +42,11 @@ class CacheSettings:
 
 @dataclass
 class _State:
-    k: Optional[torch.Tensor] = None  # relative transformation rate Δout/Δin
+    k: torch.Tensor | None = None  # relative transformation rate Δout/Δin
     cumulative: float = 0.0
-    x_prev: Optional[torch.Tensor] = None
-    out_prev: Optional[torch.Tensor] = None
-    out_prev_norm: Optional[torch.Tensor] = None
+    x_prev: torch.Tensor | None = None
+    out_prev: torch.Tensor | None = None
+    out_prev_norm: torch.Tensor | None = None
     skip_now: bool = False
     diffs: dict = field(default_factory=dict)  # role -> (video v−x, audio v−x)
 
@@ -124,7 +123,7 @@ class StepCache:
         return cached
 
 
-def with_cache(denoise, settings: Optional[CacheSettings], shift: float = SHIFT_VIDEO, negative=None):
+def with_cache(denoise, settings: CacheSettings | None, shift: float = SHIFT_VIDEO, negative=None):
     """(denoise', negative', cache or None). Off / None → the callables themselves, untouched."""
     if settings is None or settings.mode == "off":
         return denoise, negative, None

@@ -15,8 +15,8 @@ Encoding goes through callables supplied by the caller:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,8 +43,8 @@ class Keyframe:
     """One `minimax_keyframes` entry: a pixel frame index and its image and/or audio latent."""
 
     resolved_frame_index: int
-    latent: Optional[torch.Tensor] = None
-    audio_latent: Optional[torch.Tensor] = None
+    latent: torch.Tensor | None = None
+    audio_latent: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,12 +52,12 @@ class RefBlock:
     """One `minimax_refs` entry; kind ∈ image | video | video_audio | audio."""
 
     kind: str
-    latent: Optional[torch.Tensor] = None
-    audio_latent: Optional[torch.Tensor] = None
-    latent_t: Optional[int] = None
-    latent_h: Optional[int] = None
-    latent_w: Optional[int] = None
-    ref_audio_t: Optional[int] = None
+    latent: torch.Tensor | None = None
+    audio_latent: torch.Tensor | None = None
+    latent_t: int | None = None
+    latent_h: int | None = None
+    latent_w: int | None = None
+    ref_audio_t: int | None = None
 
 
 @dataclass
@@ -68,8 +68,8 @@ class PresentationItem:
     """
 
     kind: str
-    frames: Optional[torch.Tensor] = None
-    timestamps: Optional[list] = None
+    frames: torch.Tensor | None = None
+    timestamps: list | None = None
 
 
 @dataclass
@@ -209,7 +209,7 @@ def t2va(width: int, height: int, length: int) -> H3Conditioning:
 
 
 def fl2va(width: int, height: int, length: int, encode_video: EncodeVideo,
-          first_frame: Optional[torch.Tensor] = None, last_frame: Optional[torch.Tensor] = None) -> H3Conditioning:
+          first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None) -> H3Conditioning:
     """First frame: stretched to the canvas; last frame: aspect-kept center crop (MiniMaxH3ImageToVideo)."""
     cond = t2va(width, height, length)
     cond.task = "fl2va"
@@ -222,9 +222,9 @@ def fl2va(width: int, height: int, length: int, encode_video: EncodeVideo,
     return cond
 
 
-def add_guide(cond: H3Conditioning, frame_idx: int, *, image: Optional[torch.Tensor] = None,
-              audio: Optional[dict] = None, encode_video: Optional[EncodeVideo] = None,
-              encode_audio: Optional[EncodeAudio] = None) -> H3Conditioning:
+def add_guide(cond: H3Conditioning, frame_idx: int, *, image: torch.Tensor | None = None,
+              audio: dict | None = None, encode_video: EncodeVideo | None = None,
+              encode_audio: EncodeAudio | None = None) -> H3Conditioning:
     """MiniMaxH3AddGuide: anchor an image / 17k+5-frame clip and/or audio at `frame_idx` (negative = from end)."""
     if image is None and audio is None:
         raise H3Error("a guide needs an image or an audio to anchor")
@@ -274,7 +274,7 @@ def ref_video_canvas(w: int, h: int) -> tuple:
 
 def ref2va(width: int, height: int, length: int, encode_video: EncodeVideo, encode_audio: EncodeAudio, *,
            images: Sequence[torch.Tensor] = (), videos: Sequence[torch.Tensor] = (),
-           video_audios: Sequence[Optional[dict]] = (), audios: Sequence[dict] = (),
+           video_audios: Sequence[dict | None] = (), audios: Sequence[dict] = (),
            sizing: str = "match") -> H3Conditioning:
     """MiniMaxH3ReferenceToVideo. `video_audios[k]` is the optional soundtrack of `videos[k]`."""
     for name, items, cap in (("ref images", images, MAX_REF_IMAGES), ("ref videos", videos, MAX_REF_VIDEOS),

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
     g.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="DiT compute dtype (default bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--nvfp4-mode", choices=("w4a4", "w4a16"), default="w4a4", help="NVFP4 layer execution")
+    g.add_argument("--nvfp4-mode", choices=("auto", "w4a4", "w4a16"), default="auto",
+                   help="NVFP4 layers: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, else w4a16)")
     g.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     g.add_argument("--attention", default="sdpa", help="attention backend (sdpa, cudnn_sdpa, sage2, ...)")
     g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "

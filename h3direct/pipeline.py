@@ -224,7 +224,7 @@ class H3Pipeline:
     # ---- construction ----
     @classmethod
     def from_files(cls, dit, video_vae, audio_vae, text_encoder=None, *, tokenizer=None, video_vae_config=None,
-                   audio_vae_config=None, compute_dtype: str = "fp32", nvfp4_mode: str = "w4a4",
+                   audio_vae_config=None, compute_dtype: str = "fp32", nvfp4_mode: str = "auto",
                    device: str | torch.device | None = None, attention: str = "sdpa",
                    vae_dtype: str | torch.dtype | None = None, vae_tile_size: int | None = None,
                    mlp_chunks: int = 1, sources: dict | None = None) -> H3Pipeline:

@@ -13,8 +13,8 @@ space (audio carried), sigma a float32 tensor [B]; i.e. ComfyUI's `calculate_den
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -69,7 +69,7 @@ class AVPack:
         return flat
 
 
-def _full_mask(mask: Optional[torch.Tensor], shape, name: str) -> torch.Tensor:
+def _full_mask(mask: torch.Tensor | None, shape, name: str) -> torch.Tensor:
     if mask is None:
         return torch.ones(shape, dtype=torch.float32)
     mask = mask.to(torch.float32)
@@ -144,15 +144,15 @@ def sample(
     noise_audio: torch.Tensor,
     sigmas: torch.Tensor,
     *,
-    latent_video: Optional[torch.Tensor] = None,
-    latent_audio: Optional[torch.Tensor] = None,
+    latent_video: torch.Tensor | None = None,
+    latent_audio: torch.Tensor | None = None,
     sampler: str = "euler",
     audio_scale: float = 4.0,
     cfg: float = 1.0,
-    denoise_negative: Optional[DenoiseFn] = None,
-    mask_video: Optional[torch.Tensor] = None,
-    mask_audio: Optional[torch.Tensor] = None,
-    callback: Optional[Callable[[StepInfo], None]] = None,
+    denoise_negative: DenoiseFn | None = None,
+    mask_video: torch.Tensor | None = None,
+    mask_audio: torch.Tensor | None = None,
+    callback: Callable[[StepInfo], None] | None = None,
 ) -> SampleOutput:
     """Run `sampler` over `sigmas` (float32 [steps+1]); returns the final (video, audio) latents.
 

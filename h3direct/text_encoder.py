@@ -22,8 +22,8 @@ optional); `visual.*` keys are ignored.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -155,8 +155,11 @@ def _strip(key: str):
     return key
 
 
-def load_text_encoder(path, config=None) -> QwenTextEncoder:
-    """Load a ComfyUI-format Qwen3-VL text-encoder safetensors (bf16/fp16/fp32 weights)."""
+def load_text_encoder(path, config=None, dtype: torch.dtype | None = None) -> QwenTextEncoder:
+    """Load a ComfyUI-format Qwen3-VL text-encoder safetensors (bf16/fp16/fp32 weights).
+
+    `dtype`: the dtype weights are held and run in; default: as stored (a 32B bf16 file stays bf16 —
+    upcasting it would need ~128 GB)."""
     from safetensors.torch import load_file
     from transformers import Qwen3VLTextModel
 
@@ -176,7 +179,7 @@ def load_text_encoder(path, config=None) -> QwenTextEncoder:
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
         raise CheckpointError(f"text-encoder keys do not match Qwen3-VL: missing {missing[:3]}, unexpected {unexpected[:3]}", path=path)
-    model.load_state_dict({k: v.float() for k, v in weights.items()}, assign=True)
+    model.load_state_dict({k: (v if dtype is None else v.to(dtype)) for k, v in weights.items()}, assign=True)
     rot = model.rotary_emb
     rot.inv_freq = rot.original_inv_freq = _inv_freq(config)
     return QwenTextEncoder(model)

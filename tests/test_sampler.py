@@ -7,6 +7,7 @@ from h3direct import noise as hnoise
 from h3direct import sampler as hs
 from h3direct import schedules
 from h3direct.errors import H3Error
+
 try:
     from comfy_defs import load, needs_comfy
 except ImportError:  # rootdir-relative import
