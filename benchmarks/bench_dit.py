@@ -328,7 +328,7 @@ def main(argv=None) -> int:
             for backend in args.attention_list:
                 entry = {"weights": weights, "attention": backend, "resident_gib": info["resident_gib"],
                          "build_s": info["build_s"]}
-                reason = attn_mod.unavailable_reason(backend, video)
+                reason = attn_mod.unavailable_reason(backend, context)  # compute dtype, like q/k/v
                 if reason is not None:
                     entry.update(status="skipped", reason=reason)
                     run.data["configs"].append(entry)

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     stage = Stages(run, dev)
     models: dict = {}
     try:
-        check_backend(args.attention, torch.empty(0, device=dev))
+        check_backend(args.attention, torch.empty(0, device=dev, dtype=torch.bfloat16))
         with run.phase("build VAEs"):
             vdtype = torch.float16 if args.vae_dtype == "fp16" else torch.float32
             models["video_vae"], run.data["builds"]["video_vae"] = build_video_vae(preset.vae_preset, dev, vdtype,

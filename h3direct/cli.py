@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace-vae": ("h3direct.vae.trace_vae", "run every VAE case of an inputs file and record a trace"),
     "decode-latent": ("h3direct.vae.decode_latent", "decode a video (+ audio) latent file to an mp4"),
     "generate": ("h3direct.generate", "generate a clip with stereo audio from a prompt and references"),
+    "serve": ("h3direct.serve", "serve generations over HTTP with the models kept loaded"),
 }
 
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.parity
 
 def _params():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    probe = torch.empty(0, device=device)
+    probe = torch.empty(0, device=device, dtype=torch.bfloat16)  # dtype-specific reasons come per case
     out = []
     for name in backends():
         reason = unavailable_reason(name, probe)
