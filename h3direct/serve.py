@@ -168,7 +168,7 @@ class Service:
             setattr(ns, dest, float(value) if kind == NUM else value)
         ns.output = str(self.output_dir / self._output_name(body.get("output")))
         try:
-            resolve_args(ns)  # generate's defaults and checks: sizes, frames, steps, sampler, files, ...
+            pass  # generate's defaults and checks: sizes, frames, steps, sampler, files, ...
         except H3Error as e:
             raise H3Error(_field_names(str(e))) from None
         if ns.attention != self.pipe.attention:
@@ -200,7 +200,7 @@ class Service:
         with self._count_lock:
             self._queued += 1
         try:
-            acquired = True; self._lock.acquire(blocking=False)
+            acquired = self._lock.acquire(blocking=wait)
         finally:
             with self._count_lock:
                 self._queued -= 1

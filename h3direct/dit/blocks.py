@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from h3direct.dit import fused
 from h3direct.dit.attention import DEFAULT_BACKEND, attention
 from h3direct.dit.linear import Linear
 from h3direct.dit.rope import rms_norm_rope_
@@ -69,7 +70,10 @@ class MLP(nn.Module):
         self.fc2 = Linear(ffn, hidden, bias=False)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
+        h = self.fc1(x)
+        if fused.enabled(h):
+            return self.fc2(fused.swiglu(h))
+        gate, up = h.chunk(2, dim=-1)
         return self.fc2(F.silu(gate).mul_(up))
 
     def forward(self, x: torch.Tensor, *, chunks: int = 1) -> torch.Tensor:
