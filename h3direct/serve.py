@@ -168,7 +168,7 @@ class Service:
             setattr(ns, dest, float(value) if kind == NUM else value)
         ns.output = str(self.output_dir / self._output_name(body.get("output")))
         try:
-            pass  # generate's defaults and checks: sizes, frames, steps, sampler, files, ...
+            resolve_args(ns)  # generate's defaults and checks: sizes, frames, steps, sampler, files, ...
         except H3Error as e:
             raise H3Error(_field_names(str(e))) from None
         if ns.attention != self.pipe.attention:
@@ -197,6 +197,7 @@ class Service:
         if self.stopping:
             raise Busy("the server is shutting down", 1)
         ns = self.request_args(body)
+        t_wait = time.perf_counter()
         with self._count_lock:
             self._queued += 1
         try:
@@ -210,7 +211,7 @@ class Service:
             if self.stopping:
                 raise Busy("the server is shutting down", 1)
             t_run = time.perf_counter()
-            summary = self._generate(ns, queue_s=t_run - t_start, t_start=t_start)
+            summary = self._generate(ns, queue_s=t_run - t_wait, t_start=t_start)
             self._last_seconds = time.perf_counter() - t_run
             self.generations += 1
             return summary
@@ -291,7 +292,8 @@ def _check_type(name: str, value, kind: str) -> None:
           NUM: isinstance(value, int | float) and not isinstance(value, bool),
           PATHS: isinstance(value, list) and all(isinstance(x, str) for x in value)}[kind]
     if not ok:
-        raise H3Error(f"field {name!r} must be a {kind}, got a JSON {_json_type(value)}: {_one_line(json.dumps(value), 60)}")
+        shown = _one_line(json.dumps(value), 60)
+        raise H3Error(f"field {name!r} must be a {kind}, got a JSON {_json_type(value)}: {shown}")
 
 
 def load_service(args: argparse.Namespace) -> Service:
