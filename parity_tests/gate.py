@@ -46,11 +46,16 @@ class LayerResult:
 
 @dataclass
 class CaseResult:
-    case: DitCase
+    """All compared tensors of one case (DiT trace, VAE trace or generation), in execution order."""
+
+    case: object
     mode: str
     attention: str
     layers: list[LayerResult] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    title: str = ""  # default: "<case> [mode, compute, weights, attention]"
+    unit: str = "layer"  # what one comparison is called: layer | key | tensor
+    action: str = "replay"  # label of the command that re-runs it
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -62,14 +67,16 @@ class CaseResult:
 
     def report(self) -> str:
         f = self.first_failure
-        head = f"{self.case.id} [{self.mode}, {self.case.compute}, {self.case.weights}, {self.attention}]"
+        c = self.case
+        head = self.title or (f"{c.id} [{self.mode}, {getattr(c, 'compute', '?')}, {getattr(c, 'weights', '?')}, "
+                              f"{self.attention}]")
         if f is None:
-            return f"{head}: {len(self.layers)} layers within budget"
-        return (f"{head}: first failing layer in execution order: {f.name} ({f.kind})\n"
+            return f"{head}: {len(self.layers)} {self.unit}s within budget"
+        return (f"{head}: first failing {self.unit} in execution order: {f.name} ({f.kind})\n"
                 f"  {f.line()}\n"
                 f"  budget: {f.rule} — {f.budget_provenance}\n"
                 f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, ComfyUI {f.worst.ref:.8g}\n"
-                f"  replay: {f.replay}")
+                f"  {self.action}: {f.replay}")
 
 
 def replay_command(trace: Path, layer: str, comfy_root: str | None = None) -> str:

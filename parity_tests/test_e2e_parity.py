@@ -10,7 +10,6 @@ of mode "e2e" in budgets.toml.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,35 +17,17 @@ import torch
 from oracle import metrics
 from parity_tests.budgets import verdict
 from parity_tests.discovery import GenerateCase, find_generate_cases  # noqa: F401 (re-exported)
-from parity_tests.gate import LayerResult
+from parity_tests.gate import CaseResult, LayerResult
 
 pytestmark = pytest.mark.parity
 
 
-@dataclass
-class E2EResult:
-    case: GenerateCase
-    attention: str
-    mode: str = "e2e"
-    layers: list[LayerResult] = field(default_factory=list)
-
-    @property
-    def first_failure(self) -> LayerResult | None:
-        return next((r for r in self.layers if not r.passed), None)
-
-    @property
-    def passed(self) -> bool:
-        return self.first_failure is None and bool(self.layers)
-
-    def report(self) -> str:
-        f = self.first_failure
-        if f is None:
-            return f"{self.case.id}: {len(self.layers)} tensors within budget"
-        return (f"{self.case.id}: first failing tensor in sampling order: {f.name}\n  {f.line()}\n"
-                f"  budget: {f.rule} — {f.budget_provenance}\n  reproduce: {f.replay}")
+def E2EResult(case: GenerateCase, attention: str) -> CaseResult:  # noqa: N802 (a CaseResult for a generation)
+    return CaseResult(case, "e2e", attention, title=f"{case.id} [e2e, {case.compute}, {case.weights}, {attention}]",
+                      unit="tensor", action="reproduce")
 
 
-def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> E2EResult:
+def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> CaseResult:
     """`trace`: an in-memory ComfyUI trace to compare with instead of the file (sensitivity tests)."""
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
     from h3direct.evaluate import conditioning_of, expand_mask

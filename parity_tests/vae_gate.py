@@ -19,7 +19,6 @@ import contextlib
 import io
 import math
 import tempfile
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,36 +28,14 @@ from oracle import metrics
 from oracle.traces import Trace, load_trace
 from parity_tests.budgets import BudgetTable, load_budgets, verdict
 from parity_tests.discovery import VaeCase
-from parity_tests.gate import LayerResult
+from parity_tests.gate import CaseResult, LayerResult
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
 
 
-@dataclass
-class VaeCaseResult:
-    case: VaeCase
-    attention: str
-    mode: str = "vae"
-    layers: list[LayerResult] = field(default_factory=list)
-
-    @property
-    def first_failure(self) -> LayerResult | None:
-        return next((r for r in self.layers if not r.passed), None)
-
-    @property
-    def passed(self) -> bool:
-        return self.first_failure is None and bool(self.layers)
-
-    def report(self) -> str:
-        f = self.first_failure
-        head = f"{self.case.id} [vae {self.case.kind}, {self.case.dtype}]"
-        if f is None:
-            return f"{head}: {len(self.layers)} keys within budget"
-        return (f"{head}: first failing key in execution order: {f.name} ({f.kind})\n"
-                f"  {f.line()}\n"
-                f"  budget: {f.rule} — {f.budget_provenance}\n"
-                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, ComfyUI {f.worst.ref:.8g}\n"
-                f"  reproduce: {f.replay}")
+def VaeCaseResult(case: VaeCase, attention: str) -> CaseResult:  # noqa: N802 (a CaseResult for a VAE trace)
+    return CaseResult(case, "vae", attention, title=f"{case.id} [vae {case.kind}, {case.dtype}]", unit="key",
+                      action="reproduce")
 
 
 def reproduce_command(case: VaeCase) -> str:
@@ -151,7 +128,7 @@ def _waveform_result(name, ours, ref, budgets, case, attention) -> LayerResult:
 
 
 def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable | None = None,
-                 trace: Trace | None = None, ours: Trace | None = None) -> VaeCaseResult:
+                 trace: Trace | None = None, ours: Trace | None = None) -> CaseResult:
     """Compare h3direct with ComfyUI on every key of one VAE trace (`trace` / `ours` override for tests)."""
     budgets = budgets or load_budgets()
     ref_trace = trace or _trace(str(case.trace))
