@@ -229,35 +229,35 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)  # leave the process as found (the CLI may run in-process, e.g. in tests)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import json
-    import time
+def load_pipeline(args: argparse.Namespace, *, text_encoder_always: bool = False):
+    """Resolve device, dtype, threads and the bundled fallbacks, then load the models once.
 
-    t_start = time.perf_counter()
-    resolve_args(args)
+    Returns (pipeline, sources, seconds {"bundle", "load", "load_<model>"}, peak memory after loading).
+    `text_encoder_always`: load a text encoder even when --text-embeds is given (a server serves both kinds)."""
+    import time
 
     import torch
 
     from h3direct import bundled
-    from h3direct.caches import CacheSettings
     from h3direct.dit.attention import check_backend
-    from h3direct.pipeline import H3Pipeline, peak_memory, resolve_device, video_soundtrack
-    from h3direct.vae.mp4 import write_mp4
+    from h3direct.pipeline import H3Pipeline, peak_memory, resolve_device
 
     device = resolve_device(args.device)
-    compute = args.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
-    check_backend(args.attention, torch.empty(0, device=device))  # before any model is loaded
+    args.compute_dtype = args.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.compute_dtype]
+    check_backend(args.attention, torch.empty(0, device=device, dtype=compute_dtype))  # before any model is loaded
     all_bundled = not (args.checkpoint or args.vae or args.audio_vae or args.text_encoder)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif all_bundled and device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(1)  # tiny tensors: OpenMP threads cost more than they give (10x on a busy CPU)
-    need_te = args.text_embeds is None
+    need_te = text_encoder_always or getattr(args, "text_embeds", None) is None
+    seconds = {}
     b = None
     t = time.perf_counter()
     if not (args.checkpoint and args.vae and args.audio_vae and (args.text_encoder or not need_te)):
         b = bundled.ensure()  # made on first use (seconds), then read from the cache
-    bundle_s = time.perf_counter() - t
+    seconds["bundle"] = round(time.perf_counter() - t, 4)
     te = args.text_encoder or (b.text_encoder if need_te else None)
     tokenizer = args.tokenizer if args.text_encoder else (b.tokenizer if need_te else None)
     vae_cfg = args.vae_config if args.vae else b.video_vae_config
@@ -265,40 +265,48 @@ def _generate(args: argparse.Namespace) -> int:
     sources = {"dit": args.checkpoint or "bundled", "video_vae": args.vae or "bundled",
                "audio_vae": args.audio_vae or "bundled",
                "text_encoder": args.text_encoder or ("bundled" if need_te else None)}
+    t = time.perf_counter()
+    pipe = H3Pipeline.from_files(args.checkpoint or b.dit, args.vae or b.video_vae, args.audio_vae or b.audio_vae,
+                                 te, tokenizer=tokenizer, video_vae_config=vae_cfg, audio_vae_config=avae_cfg,
+                                 compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode, device=device,
+                                 attention=args.attention, vae_dtype=args.vae_dtype,
+                                 vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources)
+    seconds["load"] = round(time.perf_counter() - t, 4)
+    seconds.update({f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()})
+    return pipe, sources, seconds, peak_memory(device)[0]
+
+
+def generate_clip(pipe, args: argparse.Namespace, callback=None):
+    """One request on a loaded pipeline: generate, write the mp4 atomically. Returns (Result, path, write seconds)."""
+    import time
+
+    from h3direct.caches import CacheSettings
+    from h3direct.pipeline import video_soundtrack
+    from h3direct.vae.mp4 import write_mp4
+
     cache = None
     if args.cache_mode != "off":
         cache = CacheSettings(args.cache_mode, args.cache_threshold, args.cache_start_percent,
                               args.cache_end_percent, args.cache_subsample_factor)
-
-    t = time.perf_counter()
-    pipe = H3Pipeline.from_files(args.checkpoint or b.dit, args.vae or b.video_vae, args.audio_vae or b.audio_vae,
-                                 te, tokenizer=tokenizer, video_vae_config=vae_cfg, audio_vae_config=avae_cfg,
-                                 compute_dtype=compute, nvfp4_mode=args.nvfp4_mode, device=device,
-                                 attention=args.attention, vae_dtype=args.vae_dtype,
-                                 vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources)
-    load_s = time.perf_counter() - t
-    load_mem = peak_memory(device)[0]
-
-    cb, close = _progress_callback(args.steps, args.progress)
-    try:
-        res = pipe.generate(args.prompt, text_embeds=args.text_embeds, negative_prompt=args.negative_prompt,
-                            width=args.width, height=args.height, frames=args.frames, steps=args.steps,
-                            seed=args.seed, ref_images=args.ref_image, ref_videos=args.ref_video,
-                            ref_video_audios=[video_soundtrack(p) for p in args.ref_video],
-                            ref_audios=args.ref_audio, first_frame=args.first_frame, last_frame=args.last_frame,
-                            ref_image_size=args.ref_image_size, sampler=args.sampler, scheduler=args.scheduler,
-                            cfg=args.cfg, cache=cache, callback=cb)
-    finally:
-        close()
-
+    res = pipe.generate(args.prompt, text_embeds=args.text_embeds, negative_prompt=args.negative_prompt,
+                        width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+                        seed=args.seed, ref_images=args.ref_image, ref_videos=args.ref_video,
+                        ref_video_audios=[video_soundtrack(p) for p in args.ref_video],
+                        ref_audios=args.ref_audio, first_frame=args.first_frame, last_frame=args.last_frame,
+                        ref_image_size=args.ref_image_size, sampler=args.sampler, scheduler=args.scheduler,
+                        cfg=args.cfg, cache=cache, callback=callback)
     t = time.perf_counter()
     out = write_mp4(args.output, res.frames, res.fps, res.audio, res.sample_rate, loglevel=args.ffmpeg_loglevel)
-    write_s = time.perf_counter() - t
+    return res, out, time.perf_counter() - t
 
-    peak, kind = peak_memory(device)
-    timings = {"bundle": round(bundle_s, 4), "load": round(load_s, 4),
-               **{f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()},
-               **res.timings, "write": round(write_s, 4), "total": round(time.perf_counter() - t_start, 4)}
+
+def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings: dict, load_memory: int) -> dict:
+    """The one-line JSON summary of a generation (shared by the CLI and the HTTP service)."""
+    import torch
+
+    from h3direct.pipeline import peak_memory
+
+    peak, kind = peak_memory(pipe.device)
     summary = {
         "output": os.path.abspath(out), "task": res.task, "frames": res.frame_count, "fps": res.fps, "width": res.width,
         "height": res.height, "audio_samples": int(res.audio.shape[0]), "sample_rate": res.sample_rate,
@@ -306,7 +314,8 @@ def _generate(args: argparse.Namespace) -> int:
         "steps": res.steps, "seed": args.seed, "sampler": args.sampler, "scheduler": args.scheduler, "cfg": args.cfg,
         "cache_mode": args.cache_mode, "reused_steps": res.reused_steps,
         "timings": timings, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-        "device": str(device), "compute_dtype": compute, "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""),
+        "device": str(pipe.device), "compute_dtype": args.compute_dtype,
+        "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""),
         "attention": args.attention, "cpu_threads": torch.get_num_threads(), "models": sources,
     }
     if res.frame_count != args.frames:
@@ -314,7 +323,25 @@ def _generate(args: argparse.Namespace) -> int:
     if args.progress:
         summary["step_seconds"] = [round(s, 4) for s in res.step_seconds]
     if args.profile_memory:
-        summary["memory"] = {"load": load_mem, **res.memory, "write": peak}
+        summary["memory"] = {"load": load_memory, **res.memory, "write": peak}
+    return summary
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    t_start = time.perf_counter()
+    resolve_args(args)
+    pipe, sources, seconds, load_mem = load_pipeline(args)
+    cb, close = _progress_callback(args.steps, args.progress)
+    try:
+        res, out, write_s = generate_clip(pipe, args, callback=cb)
+    finally:
+        close()
+    timings = {**seconds, **res.timings, "write": round(write_s, 4),
+               "total": round(time.perf_counter() - t_start, 4)}
+    summary = summary_of(args, res, out, pipe, sources, timings, load_mem)
     if not args.quiet:
         print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0

@@ -23,7 +23,6 @@ import argparse
 import difflib
 import json
 import math
-import os
 import re
 import sys
 import threading
@@ -219,55 +218,21 @@ class Service:
             self._lock.release()
 
     def _generate(self, ns: argparse.Namespace, *, queue_s: float, t_start: float) -> dict:
-        import torch
-
-        from h3direct.caches import CacheSettings
-        from h3direct.pipeline import peak_memory, video_soundtrack
-        from h3direct.vae.mp4 import write_mp4
+        from h3direct.generate import generate_clip, summary_of
 
         pipe = self.pipe
-        cache = None
-        if ns.cache_mode != "off":
-            cache = CacheSettings(ns.cache_mode, ns.cache_threshold, ns.cache_start_percent, ns.cache_end_percent,
-                                  ns.cache_subsample_factor)
         attention = pipe.attention
         pipe.attention = ns.attention  # per-request backend (checked in request_args); under the lock
         try:
-            res = pipe.generate(ns.prompt, text_embeds=ns.text_embeds, negative_prompt=ns.negative_prompt,
-                                width=ns.width, height=ns.height, frames=ns.frames, steps=ns.steps, seed=ns.seed,
-                                ref_images=ns.ref_image, ref_videos=ns.ref_video,
-                                ref_video_audios=[video_soundtrack(p) for p in ns.ref_video],
-                                ref_audios=ns.ref_audio, first_frame=ns.first_frame, last_frame=ns.last_frame,
-                                ref_image_size=ns.ref_image_size, sampler=ns.sampler, scheduler=ns.scheduler,
-                                cfg=ns.cfg, cache=cache)
+            res, out, write_s = generate_clip(pipe, ns)
         finally:
             pipe.attention = attention
-        t = time.perf_counter()
-        out = write_mp4(ns.output, res.frames, res.fps, res.audio, res.sample_rate, loglevel=ns.ffmpeg_loglevel)
-        write_s = time.perf_counter() - t
-        peak, kind = peak_memory(pipe.device)
-        # the keys of `h3direct generate`'s summary; timings: "queue" (wait for the lock) instead of the
-        # per-run "bundle"/"load" (paid once at startup: GET /health "load_seconds")
+        # timings: "queue" (wait for the lock) instead of the per-run "bundle"/"load" (paid once at startup:
+        # GET /health "load_seconds")
         timings = {"queue": round(queue_s, 4), **res.timings, "write": round(write_s, 4),
                    "total": round(time.perf_counter() - t_start, 4)}
-        summary = {
-            "output": os.path.abspath(out), "task": res.task, "frames": res.frame_count, "fps": res.fps,
-            "width": res.width, "height": res.height, "audio_samples": int(res.audio.shape[0]),
-            "sample_rate": res.sample_rate, "seconds_of_video": round(res.frame_count / res.fps, 4),
-            "steps": res.steps, "seed": ns.seed, "sampler": ns.sampler, "scheduler": ns.scheduler, "cfg": ns.cfg,
-            "cache_mode": ns.cache_mode, "reused_steps": res.reused_steps,
-            "timings": timings, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-            "device": str(pipe.device), "compute_dtype": self.args.compute_dtype,
-            "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""), "attention": ns.attention,
-            "cpu_threads": torch.get_num_threads(), "models": self.sources,
-        }
-        if res.frame_count != ns.frames:
-            summary["frames_requested"] = ns.frames
-        if ns.progress:
-            summary["step_seconds"] = [round(s, 4) for s in res.step_seconds]
-        if ns.profile_memory:
-            summary["memory"] = {"load": self.load_memory, **res.memory, "write": peak}
-        return summary
+        ns.compute_dtype = self.args.compute_dtype
+        return summary_of(ns, res, out, pipe, self.sources, timings, self.load_memory)
 
 
 # generate's messages name its flags; a request names fields (longest flag first: --ref-image-size)
@@ -298,12 +263,7 @@ def _check_type(name: str, value, kind: str) -> None:
 
 def load_service(args: argparse.Namespace) -> Service:
     """Validate the server's model flags with generate's checks, then load the pipeline once."""
-    import torch
-
-    from h3direct import bundled
-    from h3direct.dit.attention import check_backend
-    from h3direct.generate import resolve_args
-    from h3direct.pipeline import H3Pipeline, peak_memory, resolve_device
+    from h3direct.generate import load_pipeline, resolve_args
 
     ns = argparse.Namespace(**vars(_generate_parser().parse_args([])))
     for k in MODEL_FLAGS:
@@ -311,14 +271,6 @@ def load_service(args: argparse.Namespace) -> Service:
     resolve_args(ns)  # model files, --vae-config without --vae, vae dtype/tile size, threads, mlp chunks, ...
     for k in ("vae_dtype", "vae_tile_size"):  # environment-backed defaults, now filled
         setattr(args, k, getattr(ns, k))
-    device = resolve_device(args.device)
-    args.compute_dtype = args.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
-    check_backend(args.attention, torch.empty(0, device=device))
-    all_bundled = not (args.checkpoint or args.vae or args.audio_vae or args.text_encoder)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    elif all_bundled and device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(1)  # as generate: the tiny models only lose from threading
     out_dir = Path(args.output_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -326,26 +278,8 @@ def load_service(args: argparse.Namespace) -> Service:
         raise H3Error(f"--output-dir: cannot create it ({e.strerror})", path=out_dir) from None
     if not out_dir.is_dir():
         raise H3Error("--output-dir is not a directory", path=out_dir)
-
-    seconds = {}
-    t = time.perf_counter()
-    b = None
-    if not (args.checkpoint and args.vae and args.audio_vae and args.text_encoder):
-        b = bundled.ensure()
-    seconds["bundle"] = round(time.perf_counter() - t, 4)
-    sources = {"dit": args.checkpoint or "bundled", "video_vae": args.vae or "bundled",
-               "audio_vae": args.audio_vae or "bundled", "text_encoder": args.text_encoder or "bundled"}
-    t = time.perf_counter()
-    pipe = H3Pipeline.from_files(
-        args.checkpoint or b.dit, args.vae or b.video_vae, args.audio_vae or b.audio_vae,
-        args.text_encoder or b.text_encoder, tokenizer=args.tokenizer if args.text_encoder else b.tokenizer,
-        video_vae_config=args.vae_config if args.vae else b.video_vae_config,
-        audio_vae_config=(args.audio_vae_config or args.vae_config) if args.audio_vae else b.audio_vae_config,
-        compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode, device=device, attention=args.attention,
-        vae_dtype=args.vae_dtype, vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources)
-    seconds["load"] = round(time.perf_counter() - t, 4)
-    seconds.update({f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()})
-    return Service(args, pipe, sources, seconds, peak_memory(device)[0])
+    pipe, sources, seconds, load_memory = load_pipeline(args, text_encoder_always=True)
+    return Service(args, pipe, sources, seconds, load_memory)
 
 
 # ---- HTTP --------------------------------------------------------------------------------------
