@@ -33,7 +33,6 @@ def parse_args(argv=None):
     ap.add_argument("--sigma", type=float, default=0.8, help="sigma of the benchmarked step")
     ap.add_argument("--nvfp4-mode", choices=("w4a16", "w4a4"), default=None,
                     help="NVFP4 compute mode (default w4a16: what ComfyUI runs on Hopper)")
-    ap.add_argument("--builder", choices=("auto", "make_checkpoint", "direct"), default="auto")
     ap.add_argument("--mlp-chunks", type=int, default=1)
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel ceilings")
     ap.add_argument("--kernel-iters", type=int, default=5)
@@ -317,7 +316,7 @@ def main(argv=None) -> int:
             C.free_memory(dev)
             with run.phase(f"build {weights}"):
                 model, info = build_dit(config, weights, dev, compute_dtype=torch.bfloat16,
-                                        nvfp4_mode=args.nvfp4_mode, seed=args.seed, builder=args.builder)
+                                        nvfp4_mode=args.nvfp4_mode, seed=args.seed)
             info["resident_gib"] = C.allocated_gib(dev)
             run.data["builds"].append(info)
             C.log(f"built {weights} ({info['builder']}): {info['build_s']:.1f} s, weights "

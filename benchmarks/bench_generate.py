@@ -49,7 +49,6 @@ def parse_args(argv=None):
                          "pieces: conditioning/sampler/VAE calls driven here; auto: pipeline when importable, "
                          "falling back to pieces if it fails")
     ap.add_argument("--free-dit", action="store_true", help="pieces driver: free the DiT before the decodes")
-    ap.add_argument("--builder", choices=("auto", "make_checkpoint", "direct"), default="auto")
     return ap.parse_args(argv)
 
 
@@ -160,8 +159,7 @@ def main(argv=None) -> int:
         with run.phase("build DiT"):
             models["dit"], run.data["builds"]["dit"] = build_dit(config, args.weights, dev,
                                                                  compute_dtype=torch.bfloat16,
-                                                                 nvfp4_mode=preset.nvfp4_mode, seed=args.seed,
-                                                                 builder=args.builder)
+                                                                 nvfp4_mode=preset.nvfp4_mode, seed=args.seed)
         run.data["builds"]["dit"]["resident_gib"] = C.allocated_gib(dev)
         run.save()
 

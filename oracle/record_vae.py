@@ -25,34 +25,8 @@ from h3direct.errors import H3Error
 OPS = ("decode", "encode")
 
 # kind -> [(module path pattern, what is recorded)]: the sites of ../shared/oracle README section 3
-SITES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "video_decode": [
-        (r"post_quant_conv", ("in", "out")),
-        (r"decoder\.x_embedder", ("out",)),
-        (r"decoder\.transformer_blocks\.\d+", ("out",)),
-        (r"decoder\.norm_out", ("out",)),
-    ],
-    "video_encode": [  # encoder levels >= 3 only (the first levels are large)
-        (r"encoder\.down\.(?:[3-9]|\d{2,})\.block\.\d+", ("out",)),
-        (r"encoder\.down\.(?:[3-9]|\d{2,})\.downsample", ("out",)),
-        (r"encoder\.conv_out", ("out",)),
-        (r"quant_conv", ("out",)),
-    ],
-    "audio_decode": [
-        (r"dec_in_proj", ("out",)),
-        (r"decoder\.conv_pre", ("out",)),
-        (r"decoder\.ups\.\d+\.0", ("out",)),
-        (r"decoder\.resblocks\.[0-2]", ("out",)),  # stage 0
-        (r"decoder\.activation_post", ("in", "out")),
-        (r"decoder\.conv_post", ("out",)),  # before ComfyUI's in-place clamp (hooks clone)
-    ],
-    "audio_encode": [
-        (r"encoder\.block\.(?:[2-9]|\d{2,})", ("out",)),
-        (r"pre_block\.attn", ("out",)),
-        (r"pre_block", ("out",)),
-        (r"mean_proj", ("out",)),
-    ],
-}
+# the recorded module sites: the same table h3direct's trace-vae records (one vocabulary)
+from h3direct.vae.trace_vae import SITES  # noqa: E402
 
 # the input field of each kind in a `vae_inputs_*.safetensors` file
 INPUT_FIELD = {"video_decode": "latent", "audio_decode": "latent", "video_encode": "pixels",

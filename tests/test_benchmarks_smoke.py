@@ -60,28 +60,6 @@ def test_workload_seq_len_agrees_with_packed_layout():
     assert build_layout(256, t, h, w, wl["audio_latent"][-1], refs=refs).seq_len == wl["seq_len"]
 
 
-def test_direct_builder_matches_strict_loader_layout():
-    """The in-place builder must give the same keys, shapes and dtypes as loading the generator's state dict."""
-    import torch
-    from synthetic_gpu import _has_make_checkpoint, build_dit
-
-    from h3direct.config import H3Config
-
-    if not _has_make_checkpoint():
-        pytest.skip("h3direct.make_checkpoint.iter_dit_tensors is not available")
-    cfg = H3Config.from_name("tiny-curve")
-    for weights in ("bf16", "nvfp4"):
-        a, _ = build_dit(cfg, weights, "cpu", builder="direct")
-        b, _ = build_dit(cfg, weights, "cpu", builder="make_checkpoint")
-        sa, sb = a.state_dict(), b.state_dict()
-        assert sorted(sa) == sorted(sb)
-        diff = [k for k in sa if (sa[k].shape, sa[k].dtype) != (sb[k].shape, sb[k].dtype)]
-        assert not diff, f"{weights}: {[(k, sa[k].dtype, sb[k].dtype) for k in diff[:5]]}"
-        assert a.compute_dtype == b.compute_dtype == torch.bfloat16
-        n_q = sum(k.endswith(".comfy_quant") for k in sa)
-        assert n_q == (4 * cfg.num_layers if weights == "nvfp4" else 0)
-
-
 def test_bench_dit_tiny(tmp_path):
     d = _run("bench_dit", tmp_path, "--attention", "sdpa,cudnn_sdpa", "--steps", "2")
     assert d["workload"]["seq_len"] == d["workload"]["seq_len_layout"]

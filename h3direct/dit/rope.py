@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from h3direct.kitchen import kitchen_op
+
 
 def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """[S, 3] float64 positions, [L] fp32 inv_freq -> [S, 6L] fp32 angles (t|h|w, twice)."""
@@ -48,25 +50,10 @@ def rms_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tenso
     return torch.cat((rotate_split_half(x[..., :rot], table), x[..., rot:]), dim=-1)
 
 
-def _ck_fused():
-    global _CK_ROPE
-    if _CK_ROPE is False:
-        try:
-            import comfy_kitchen as ck
-
-            _CK_ROPE = ck.rms_rope_split_half_
-        except Exception:  # not installed, or its extension does not load with this torch
-            _CK_ROPE = None
-    return _CK_ROPE
-
-
-_CK_ROPE = False
-
-
 def rms_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                    table: torch.Tensor, eps: float) -> None:
     """In place on q, k [1, S, H, D] (views into the qkv buffer): per-head RMSNorm + partial split-half rope."""
-    fused = _ck_fused() if q.is_cuda else None
+    fused = kitchen_op("rms_rope_split_half_") if q.is_cuda else None
     if fused is not None:
         fused(q, k, table, q_weight, k_weight, epsilon=eps, rot_dim=table.shape[-3] * 2)
         return

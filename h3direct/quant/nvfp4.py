@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from h3direct.errors import CheckpointError
+from h3direct.kitchen import kitchen_op
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -143,20 +144,6 @@ def _pair_table(dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def _ck_dequantize():
-    """comfy-kitchen's dequantize_nvfp4 (CUDA), or None when comfy-kitchen is not installed."""
-    global _CK_DEQ
-    if _CK_DEQ is False:
-        try:
-            import comfy_kitchen as ck
-
-            _CK_DEQ = ck.dequantize_nvfp4
-        except Exception:  # not installed, or its extension does not load with this torch
-            _CK_DEQ = None
-    return _CK_DEQ
-
-
-_CK_DEQ = False
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -198,9 +185,9 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
     if cols % BLOCK:
         raise CheckpointError(f"NVFP4 packed weight [{rows}, {half}] holds {cols} columns, not a multiple of 16")
     nblocks = cols // BLOCK
-    if packed.is_cuda and _ck_dequantize() is not None:
+    if packed.is_cuda and kitchen_op("dequantize_nvfp4") is not None:
         # comfy-kitchen's CUDA kernel (the one ComfyUI calls on GPUs): same arithmetic, one pass
-        out = _ck_dequantize()(packed, global_scale, block_scale, out_dtype)
+        out = kitchen_op("dequantize_nvfp4")(packed, global_scale, block_scale, out_dtype)
     else:
         scales = unswizzle_block_scales(block_scale, rows, nblocks)  # [N16, K16/16] e4m3
         total = global_scale.to(out_dtype) * scales.to(out_dtype)
