@@ -461,20 +461,8 @@ class H3Pipeline:
 
 
 def _load_text_encoder(path, device: torch.device):
-    try:
-        from h3direct.text_encoder import load_text_encoder
-    except ImportError:  # pragma: no cover
-        raise H3Error("the text encoder needs transformers: pip install 'h3direct[text]'") from None
-    try:
-        enc = load_text_encoder(path)
-    except ImportError:
-        raise H3Error("the text encoder needs transformers: pip install 'h3direct[text]'") from None
-    enc.model.to(device)
-    if device.type != "cpu":  # QwenTextEncoder.encode builds its ids on the CPU
-        def ids_to_device(module, args, kwargs):
-            if isinstance(kwargs.get("input_ids"), torch.Tensor):
-                kwargs["input_ids"] = kwargs["input_ids"].to(device)
-            return args, kwargs
+    from h3direct.text_encoder import load_text_encoder
 
-        enc.model.register_forward_pre_hook(ids_to_device, with_kwargs=True)
+    enc = load_text_encoder(path)
+    enc.to(device)
     return enc
