@@ -178,3 +178,22 @@ def test_swiglu_order_gate_then_up():
     h = x @ mlp.fc1.weight.T
     want = (F.silu(h[:, :4]) * h[:, 4:]) @ mlp.fc2.weight.T
     torch.testing.assert_close(mlp(x), want)
+
+
+def test_odd_condition_latent_is_a_one_line_error():
+    """ComfyUI pads only the target latent; an odd keyframe/ref latent cannot be patchified (ComfyUI crashes)."""
+    from h3direct.dit.model import Conditioning
+    from h3direct.errors import H3Error
+
+    model = load_state_dict(_tiny_sd())
+    video, audio = torch.zeros(1, 24, 2, 4, 6), torch.zeros(1, 32, 2, 4)
+    cond = Conditioning(keyframes=[{"resolved_frame_index": 0, "latent": torch.zeros(1, 24, 1, 5, 7)}])
+    with pytest.raises(H3Error, match=r"keyframe 0 latent is 5x7"):
+        model.layout_for(4, video, audio, cond)
+
+
+def test_hidden_sized_text_states_are_cast_to_the_compute_dtype():
+    """ComfyUI casts the text states to the inference dtype before the (skipped) refiner."""
+    model = load_state_dict(_tiny_sd(), compute_dtype=torch.bfloat16)
+    states = torch.randn(1, 3, model.config.hidden_size)
+    assert model.preprocess_text(states).dtype == torch.bfloat16

@@ -29,6 +29,7 @@ from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_la
 from h3direct.dit.linear import Linear
 from h3direct.dit.rope import rope_angles, rotation_table
 from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, plan_timesteps
+from h3direct.errors import H3Error
 
 
 @dataclass
@@ -84,15 +85,22 @@ class H3DiT(nn.Module):
     # ---- text ------------------------------------------------------------------------------
     def preprocess_text(self, text_states: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
         """[1, L, text_dim] Qwen3-VL layer-50 states -> [1, L, hidden] refined (once per sampling run)."""
+        text_states = text_states.to(self.compute_dtype)  # ComfyUI casts to the inference dtype first
         if text_states.shape[-1] == self.config.hidden_size:
             return text_states  # ComfyUI treats hidden-sized states as already refined
-        x = text_states[0].to(self.compute_dtype)
-        return self.token_refiner(self.condition_proj(x), backend=backend).unsqueeze(0)
+        return self.token_refiner(self.condition_proj(text_states[0]), backend=backend).unsqueeze(0)
 
     # ---- pieces of the forward -------------------------------------------------------------
     def layout_for(self, context_len: int, video: torch.Tensor, audio: torch.Tensor,
                    cond: Conditioning) -> PackedLayout:
         t, h, w = video.shape[2], video.shape[3], video.shape[4]
+        _, ph, pw = self.config.patch_size
+        for what, items in (("keyframe", cond.keyframes), ("reference", cond.refs)):
+            for i, item in enumerate(items):
+                z = item.get("latent")
+                if z is not None and (z.shape[-2] % ph or z.shape[-1] % pw):
+                    raise H3Error(f"{what} {i} latent is {z.shape[-2]}x{z.shape[-1]}: condition latents must be "
+                                  f"multiples of the {ph}x{pw} patch (only the target latent is padded)")
         return build_layout(context_len, t, h + h % 2, w + w % 2, audio.shape[-1],
                             keyframes=cond.keyframes, refs=cond.refs)
 
