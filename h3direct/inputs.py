@@ -39,6 +39,37 @@ class H3Inputs:
         except KeyError:
             raise H3Error(f"inputs file has no tensor {name!r}", path=self.path) from None
 
+    get = __getitem__
+
+    @property
+    def sampler_seed(self) -> int:
+        """The sampler seed, also the payload seed of the condition-noise augmentation."""
+        return self.seed
+
+    @property
+    def text_states(self) -> torch.Tensor:
+        return self[self.meta.get("text_states", "text_states")]
+
+    @property
+    def token_tags(self) -> torch.Tensor:
+        return self[self.meta.get("token_tags", "token_tags")]
+
+    @property
+    def video_noise(self) -> torch.Tensor:
+        return self["video_noise"]
+
+    @property
+    def audio_noise(self) -> torch.Tensor:
+        return self["audio_noise"]
+
+    @property
+    def video_latent(self) -> torch.Tensor:
+        return self["video_latent"]
+
+    @property
+    def audio_latent(self) -> torch.Tensor:
+        return self["audio_latent"]
+
 
 def load_inputs(path: str | Path) -> H3Inputs:
     from safetensors import SafetensorError, safe_open

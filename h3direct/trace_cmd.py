@@ -30,12 +30,12 @@ def run(args) -> int:
     from h3direct.errors import H3Error
     from h3direct.evaluate import one_step
     from h3direct.inputs import load_inputs
-    from h3direct.trace_io import write_trace
+    from oracle.traces import save_trace
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise H3Error(f"--device {args.device}: no CUDA device is available")
-    probe = torch.empty(0, device=args.device)
-    check_backend(args.attention, probe)
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.compute_dtype]
+    check_backend(args.attention, torch.empty(0, device=args.device, dtype=compute))
     inputs = load_inputs(args.inputs)
     model = load_dit(args.checkpoint, compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode,
                      device=args.device)
@@ -55,6 +55,7 @@ def run(args) -> int:
         "device": args.device,
         "config": model.config.comfy_dict(),
     }
-    summary = write_trace(args.out, tracer.tensors, tracer.dtypes, manifest)
-    print(json.dumps(summary), file=sys.stdout)
+    path = save_trace(args.out, tracer.tensors, manifest)
+    print(json.dumps({"trace": str(path), "manifest": str(path.with_suffix(".json")),
+                      "tensors": len(tracer.tensors)}), file=sys.stdout)
     return 0

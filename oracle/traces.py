@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,7 @@ from safetensors.torch import save_file
 from h3direct.errors import H3Error
 
 TRACE_FORMAT = "h3-trace/1"
-INPUTS_SCHEMA = "h3-oracle-inputs/1"
-INPUTS_METADATA_KEY = "h3_inputs"
 
-# conditioning fields of an inputs file whose string value names a tensor of the same file
-_TENSOR_FIELDS = frozenset({"latent", "audio_latent", "video", "audio", "text_states", "token_tags"})
 
 
 def manifest_path(path: str | Path) -> Path:
@@ -218,52 +214,9 @@ def _json_default(obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- inputs files
-
-
-@dataclass
-class Inputs:
-    """A self-describing inputs file (schema h3-oracle-inputs/1) with tensor names resolved to tensors."""
-
-    path: Path
-    task: str
-    variant: str
-    sigma: float
-    sampler_seed: int
-    tensors: dict[str, torch.Tensor]
-    refs: list[dict[str, Any]] = field(default_factory=list)
-    keyframes: list[dict[str, Any]] = field(default_factory=list)
-    denoise_mask: dict[str, torch.Tensor] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def get(self, name: str) -> torch.Tensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise H3Error(f"inputs file has no tensor {name!r}", path=self.path) from None
-
-    @property
-    def text_states(self) -> torch.Tensor:
-        return self.get(self.meta.get("text_states", "text_states"))
-
-    @property
-    def token_tags(self) -> torch.Tensor:
-        return self.get(self.meta.get("token_tags", "token_tags"))
-
-    @property
-    def video_noise(self) -> torch.Tensor:
-        return self.get("video_noise")
-
-    @property
-    def audio_noise(self) -> torch.Tensor:
-        return self.get("audio_noise")
-
-    @property
-    def video_latent(self) -> torch.Tensor:
-        return self.get("video_latent")
-
-    @property
-    def audio_latent(self) -> torch.Tensor:
-        return self.get("audio_latent")
+# One reader for the self-describing inputs files, shared with the runtime (`h3direct.inputs`).
+from h3direct.inputs import H3Inputs as Inputs  # noqa: E402, F401 (re-exported)
+from h3direct.inputs import load_inputs  # noqa: E402, F401 (re-exported)
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -275,65 +228,6 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             return {k: f.get_tensor(k) for k in f.keys()}, meta
     except Exception as exc:
         raise H3Error(f"cannot read safetensors ({exc})", path=path) from None
-
-
-def _resolve(value: Any, tensors: Mapping[str, torch.Tensor], path: Path, where: str) -> Any:
-    """Replace tensor-name strings under the known tensor fields by the tensors."""
-    if isinstance(value, list):
-        return [_resolve(v, tensors, path, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if k in _TENSOR_FIELDS and isinstance(v, str):
-                if v not in tensors:
-                    raise H3Error(
-                        f"h3_inputs field {where}.{k} names tensor {v!r}, which is not in the file", path=path
-                    )
-                out[k] = tensors[v]
-            else:
-                out[k] = _resolve(v, tensors, path, f"{where}.{k}")
-        return out
-    return value
-
-
-def load_inputs(path: str | Path) -> Inputs:
-    """Read an `inputs_*.safetensors` file and its `h3_inputs` metadata."""
-    path = Path(path)
-    tensors, meta = _read_safetensors(path)
-    raw = meta.get(INPUTS_METADATA_KEY)
-    if raw is None:
-        raise H3Error(f"no '{INPUTS_METADATA_KEY}' metadata: not a self-describing inputs file", path=path)
-    try:
-        desc = json.loads(raw)
-    except json.JSONDecodeError:
-        raise H3Error(f"metadata '{INPUTS_METADATA_KEY}' is not JSON", path=path) from None
-    if desc.get("schema") != INPUTS_SCHEMA:
-        raise H3Error(f"h3_inputs schema={desc.get('schema')!r}, expected {INPUTS_SCHEMA!r}", path=path)
-    for key in ("task", "sigma", "sampler_seed"):
-        if key not in desc:
-            raise H3Error(f"h3_inputs lacks field {key!r}", path=path)
-    if desc["task"] not in ("t2va", "fl2va", "ref2va"):
-        raise H3Error(f"h3_inputs task={desc['task']!r} is not one of t2va, fl2va, ref2va", path=path)
-    for name in ("video_noise", "audio_noise", "video_latent", "audio_latent"):
-        if name not in tensors:
-            raise H3Error(f"inputs file lacks tensor {name!r}", path=path)
-    mask = desc.get("denoise_mask")
-    return Inputs(
-        path=path,
-        task=desc["task"],
-        variant=desc.get("variant", desc["task"]),
-        sigma=float(desc["sigma"]),
-        sampler_seed=int(desc["sampler_seed"]),
-        tensors=tensors,
-        refs=_resolve(desc.get("refs") or [], tensors, path, "refs"),
-        keyframes=_resolve(desc.get("keyframes") or [], tensors, path, "keyframes"),
-        denoise_mask=(
-            {k: v for k, v in _resolve(mask, tensors, path, "denoise_mask").items() if k in ("video", "audio")}
-            if mask
-            else None
-        ),
-        meta=desc,
-    )
 
 
 def load_vae_inputs(path: str | Path) -> dict[str, dict[str, dict[str, torch.Tensor]]]:

@@ -6,7 +6,7 @@ explicit names (`blocks.i.attn.rope_q`, `dit_inner.*`, `dit_forward.*`, `sampler
 The input of an `out_proj` (the attention output) is named `<path>.in`, as in the oracle traces.
 
 Tensors are cloned when recorded (the forward updates its residual stream in place) and kept in the dtype
-they were produced in; `dtypes` remembers it, the trace file stores float32 (and float64 positions).
+they were produced in (the trace file stores them widened to float32, the manifest keeps the produced dtype).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ class Tracer:
         """inputs_for: regex of module paths whose positional inputs are recorded (default all)."""
         self.model = model
         self.tensors: dict[str, torch.Tensor] = {}
-        self.dtypes: dict[str, str] = {}
         self._calls: dict[str, int] = {}
         self._handles = []
         self._names = {m: n for n, m in model.named_modules() if n}
@@ -37,7 +36,6 @@ class Tracer:
                 k += 1
             name = f"{name}#{k}"
         self.tensors[name] = tensor.detach().clone().cpu()
-        self.dtypes[name] = str(tensor.dtype).replace("torch.", "")
 
     def record_tensor(self, module: nn.Module, suffix: str, tensor: torch.Tensor) -> None:
         self.record(f"{self._call_name(module)}.{suffix}", tensor)
