@@ -71,6 +71,17 @@ def _manifest(path: Path) -> dict | None:
     return m if isinstance(m, dict) else None
 
 
+def _traces(folder: Path, accept) -> dict[Path, dict]:
+    """{trace .safetensors: manifest} for the manifests of `folder` that `accept` and whose tensors exist."""
+    out = {}
+    for j in sorted(folder.glob("*.json")):
+        m = _manifest(j)
+        st = j.with_suffix(".safetensors")
+        if m and accept(m) and st.is_file():
+            out[st] = m
+    return out
+
+
 def _compute(m: dict) -> str:
     req = str(m.get("compute_dtype_requested") or m.get("compute_dtype") or "")
     if req in ("fp32", "bf16", "fp16"):
@@ -142,12 +153,7 @@ def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
     """(cases, problems): problems are traces that could not be paired, as one-line reasons."""
     cases, problems = [], []
     for folder in trace_dirs(roots):
-        metas = {}
-        for j in sorted(folder.glob("*.json")):
-            m = _manifest(j)
-            st = j.with_suffix(".safetensors")
-            if m and "unet_config_detected" in m and st.is_file() and "checkpoint" in m:
-                metas[st] = m
+        metas = _traces(folder, lambda m: "unet_config_detected" in m and "checkpoint" in m)
         for st, m in metas.items():
             ckpt = folder / Path(m["checkpoint"]).name
             if not ckpt.is_file():
@@ -173,12 +179,7 @@ def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
 
     cases, problems = [], []
     for folder in trace_dirs(roots):
-        metas = {}
-        for j in sorted(folder.glob("*.json")):
-            m = _manifest(j)
-            st = j.with_suffix(".safetensors")
-            if m and m.get("kind") in VAE_KINDS and st.is_file():
-                metas[st] = m
+        metas = _traces(folder, lambda m: m.get("kind") in VAE_KINDS)
         if not metas:
             continue
         weights = {}
@@ -234,26 +235,15 @@ class GenerateCase:
 
     @property
     def weights(self) -> str:
-        from safetensors import safe_open
-
-        with safe_open(str(self.checkpoint), "pt") as f:
-            quant = any(k.endswith(".comfy_quant") for k in f.keys())
-        return f"nvfp4_{self.manifest.get('nvfp4_mode', 'w4a16')}" if quant else "bf16"
+        return _weights_label(self.checkpoint, self.manifest)
 
 
 def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
     cases, problems = [], []
     for folder in trace_dirs(roots):
-        for j in sorted(folder.glob("*.json")):
-            try:
-                m = json.loads(j.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(m, dict) or m.get("kind") != "generate":
-                continue
-            st = j.with_suffix(".safetensors")
+        for st, m in _traces(folder, lambda m: m.get("kind") == "generate").items():
             ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
-            missing = [p.name for p in (st, ckpt, inputs) if not p.is_file()]
+            missing = [p.name for p in (ckpt, inputs) if not p.is_file()]
             if missing:
                 problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
                 continue
