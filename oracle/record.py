@@ -141,17 +141,17 @@ def _layout_fields(payload: dict) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def open_run(args: argparse.Namespace):
+    """(checkpoint path, inputs, ComfyUI environment, common manifest fields) of a DiT recording command."""
     from oracle.comfy_env import open_comfy
-    from oracle.traces import load_inputs, save_trace
+    from oracle.traces import load_inputs
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_file():
         raise H3Error("checkpoint not found", path=checkpoint)
     inputs = load_inputs(args.inputs)
     env = open_comfy(args.comfy_root, device=args.device, compute_dtype=args.compute_dtype, attention=args.attention)
-    tensors, fields = record_dit(env, checkpoint, inputs, detail=args.detail)
-    manifest = {
+    common = {
         "comfyui_commit": env.commit,
         "checkpoint": checkpoint.name,
         "checkpoint_sha256": file_sha256(checkpoint),
@@ -160,9 +160,20 @@ def run(args: argparse.Namespace) -> int:
         "variant": inputs.variant,
         "seed": inputs.sampler_seed,
         "sampler_seed": inputs.sampler_seed,
-        "sigma": inputs.sigma,
         "compute_dtype_requested": args.compute_dtype,
         "bf16_patched": env.bf16_patched,
+    }
+    return checkpoint, inputs, env, common
+
+
+def run(args: argparse.Namespace) -> int:
+    from oracle.traces import save_trace
+
+    checkpoint, inputs, env, common = open_run(args)
+    tensors, fields = record_dit(env, checkpoint, inputs, detail=args.detail)
+    manifest = {
+        **common,
+        "sigma": inputs.sigma,
         **fields,
         "trace_detail": args.detail,
         "environment": env.describe(),

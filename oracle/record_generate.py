@@ -102,30 +102,16 @@ def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str
 
 
 def run(args: argparse.Namespace) -> int:
-    from oracle.comfy_env import open_comfy
-    from oracle.record import file_sha256
-    from oracle.traces import load_inputs, save_trace
+    from oracle.record import open_run
+    from oracle.traces import save_trace
 
-    checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_file():
-        raise H3Error("checkpoint not found", path=checkpoint)
-    inputs = load_inputs(args.inputs)
-    env = open_comfy(args.comfy_root, device=args.device, compute_dtype=args.compute_dtype, attention=args.attention)
+    checkpoint, inputs, env, common = open_run(args)
     items, facts = record_generation(env, checkpoint, inputs, steps=args.steps, sampler=args.sampler,
                                      scheduler=args.scheduler, shift_video=args.shift_video,
                                      shift_audio=args.shift_audio)
     manifest = {
         "kind": "generate",
-        "comfyui_commit": env.commit,
-        "checkpoint": checkpoint.name,
-        "checkpoint_sha256": file_sha256(checkpoint),
-        "inputs": Path(args.inputs).name,
-        "task": inputs.task,
-        "variant": inputs.variant,
-        "seed": inputs.sampler_seed,
-        "sampler_seed": inputs.sampler_seed,
-        "compute_dtype_requested": args.compute_dtype,
-        "bf16_patched": env.bf16_patched,
+        **common,
         **facts,
         "environment": env.describe(),
         "notes": "sampler.step{i}.x = the sampler state at sigma_i handed to the model (packed sampler space, audio "
