@@ -15,17 +15,6 @@ from h3direct import bundled, cli
 av = pytest.importorskip("av")
 
 
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    """A bundled-model cache shared by this module's runs (built once, in-process)."""
-    root = tmp_path_factory.mktemp("h3cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("H3_CACHE_DIR", str(root))
-    for k in ("H3_VAE_DTYPE", "H3_VAE_TILE_SIZE"):
-        mp.delenv(k, raising=False)
-    bundled.ensure()
-    yield root
-    mp.undo()
 
 
 def _run(argv, capsys):

@@ -26,12 +26,8 @@ WIRING_RTOL = 1e-5
 
 
 @pytest.fixture(scope="session")
-def bundle_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("h3cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("H3_CACHE_DIR", str(root))
-    yield bundled.ensure().root
-    mp.undo()
+def bundle_dir(cache_env):
+    return bundled.ensure().root
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3direct import bundled, cli
+from h3direct import cli
 from h3direct.serve import MAX_BODY_BYTES, H3Server, load_service
 
 av = pytest.importorskip("av")
@@ -28,16 +28,6 @@ BUNDLED = {"dit": "bundled", "video_vae": "bundled", "audio_vae": "bundled", "te
 VOLATILE = {"output", "timings", "peak_memory_bytes"}
 
 
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("h3cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("H3_CACHE_DIR", str(root))
-    for k in ("H3_VAE_DTYPE", "H3_VAE_TILE_SIZE"):
-        mp.delenv(k, raising=False)
-    bundled.ensure()
-    yield root
-    mp.undo()
 
 
 @pytest.fixture(scope="module")
