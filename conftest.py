@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent
-FIXTURES = ROOT / "fixtures"
-SHARED_ORACLE = ROOT.parent / "shared" / "oracle"
 
 MARKERS = {
     "parity": "compares h3direct with ComfyUI traces (the merge gate)",
@@ -44,20 +42,6 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-
-
-def trace_roots(config) -> list[Path]:
-    given = config.getoption("--trace-dir")
-    if given:
-        roots = [Path(p) for p in given]
-        missing = [str(p) for p in roots if not p.is_dir()]
-        if missing:
-            raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
-        return roots
-    roots = [FIXTURES] if FIXTURES.is_dir() else []
-    if SHARED_ORACLE.is_dir():
-        roots.append(SHARED_ORACLE)
-    return roots
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import trace_roots
-from parity_tests.discovery import find_dit_cases, find_vae_cases
+from parity_tests.discovery import find_dit_cases, find_vae_cases, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()

@@ -16,6 +16,28 @@ from pathlib import Path
 import torch
 
 VAE_KINDS = ("video_decode", "video_encode", "audio_decode", "audio_encode")
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
+
+
+def trace_roots(config) -> list[Path]:
+    """The --trace-dir folders of a pytest run; default: fixtures/ and, when present, ../shared/oracle."""
+    from pytest import UsageError
+
+    given = config.getoption("--trace-dir")
+    if given:
+        roots = [Path(p) for p in given]
+        missing = [str(p) for p in roots if not p.is_dir()]
+        if missing:
+            raise UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
+        return roots
+    roots = [FIXTURES] if FIXTURES.is_dir() else []
+    if SHARED_ORACLE.is_dir():
+        roots.append(SHARED_ORACLE)
+    return roots
+
+
 
 
 @dataclass(frozen=True)
