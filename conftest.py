@@ -42,6 +42,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    missing = [p for p in config.getoption("--trace-dir") or [] if not Path(p).is_dir()]
+    if missing:  # one line from pytest, before any collection
+        raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
 
 
 def pytest_collection_modifyitems(config, items):
