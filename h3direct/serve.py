@@ -379,7 +379,10 @@ def _reject_constant(name: str):
 
 
 class H3Server(ThreadingHTTPServer):
-    daemon_threads = True  # a stuck client never blocks exit; graceful shutdown waits via Service.wait_idle
+    # request threads are joined by server_close(), so no thread is still inside torch/PyAV while the interpreter
+    # shuts down (that aborted the process now and then); a stuck client is bounded by the socket timeout
+    daemon_threads = False
+    block_on_close = True
 
     def __init__(self, service: Service, host: str, port: int, *, no_queue: bool = False, quiet: bool = False):
         self.service, self.no_queue, self.quiet = service, no_queue, quiet
@@ -414,9 +417,9 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
             stop.set()
 
+        worker = threading.Thread(target=server.serve_forever, name="h3direct-serve", daemon=True)
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            worker = threading.Thread(target=server.serve_forever, name="h3direct-serve", daemon=True)
             worker.start()
             print(json.dumps({"url": server.url, "device": str(service.pipe.device), "models": service.sources},
                              separators=(",", ":")), flush=True)
@@ -426,7 +429,9 @@ def run(args: argparse.Namespace) -> int:
             server.shutdown()
             service.wait_idle()
         finally:
-            server.server_close()
+            server.server_close()  # joins the request threads
+            if worker.is_alive():
+                worker.join(timeout=10)
             for s, h in previous.items():
                 signal.signal(s, h)
         return 0

@@ -335,8 +335,9 @@ def test_command_startup_line_and_graceful_sigterm(cache_env, tmp_path):
         proc.send_signal(signal.SIGTERM)
         t.join(TIMEOUT)
         assert results["a"][0] == 200, results["a"]
-        assert proc.wait(TIMEOUT) == 0
+        rc = proc.wait(TIMEOUT)
         err = proc.stderr.read()
+        assert rc == 0, err
         assert "SIGTERM" in err and "Traceback" not in err, err
         assert _probe(tmp_path / "out" / "last.mp4")["frames"] == 22
     finally:
