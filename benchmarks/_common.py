@@ -92,10 +92,10 @@ def resolve_common(args):
 def workload(width: int, height: int, frames: int, text_len: int) -> dict:
     """Ref2VA geometry: one reference image at the target canvas, `text_len` text tokens.
 
-    Latent shapes come from `h3direct.conditioning.latent_shapes`; rows are counted independently of the
+    Latent shapes come from `h3direct.sampling.conditioning.latent_shapes`; rows are counted independently of the
     DiT's layout code (2x2 patches per video latent frame, stereo audio = 2 rows per latent frame).
     """
-    from h3direct.conditioning import latent_shapes
+    from h3direct.sampling.conditioning import latent_shapes
 
     frame_count, vshape, ashape = latent_shapes(width, height, frames)
     _, c, t, h, w = vshape

@@ -142,7 +142,7 @@ def _bench_attention(run: C.Run, dev, backends: list[str], heads: int, seq: int,
 def _bench_dequant(dev, name: str, n: int, k: int) -> dict:
     import torch
 
-    from h3direct.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
     q4 = quantize_nvfp4(_randn(dev, n, k))
     r = C.time_calls(lambda: dequantize_nvfp4(q4.packed, q4.block_scale, q4.global_scale, torch.bfloat16),

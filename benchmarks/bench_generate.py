@@ -1,11 +1,11 @@
 """One Ref2VA 960x544x124 generation end to end with synthetic weights and few steps (default 2).
 
 Stages (each timed with device synchronisation, peak memory reset per stage):
-reference image encode (resize + video VAE encode, through `h3direct.conditioning.ref2va`) -> text states
+reference image encode (resize + video VAE encode, through `h3direct.sampling.conditioning.ref2va`) -> text states
 (random [1, 256, text_dim] like a `--text-embeds` file; no text encoder on the GPU) -> token refiner ->
-initial noise -> sampler (`h3direct.sampler.sample` + `Denoiser`, Euler, cfg 1) -> video decode (fp16, tiled)
+initial noise -> sampler (`h3direct.sampling.sampler.sample` + `Denoiser`, Euler, cfg 1) -> video decode (fp16, tiled)
 -> audio decode (fp32). Building the synthetic models is timed separately and is not part of end-to-end.
-Two drivers: `pipeline` (default when `h3direct.pipeline` exists: `H3Pipeline(...).generate` on the built models,
+Two drivers: `pipeline` (default when `h3direct.app.pipeline` exists: `H3Pipeline(...).generate` on the built models,
 what a user runs) and `pieces` (the same calls driven here; the fallback if the pipeline fails). The DiT stays
 resident during the decodes (as a warm server; `--free-dit` frees it, pieces driver only).
 
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--scheduler", default="simple")
     ap.add_argument("--vae-dtype", choices=("fp16", "fp32"), default="fp16")
     ap.add_argument("--driver", choices=("auto", "pipeline", "pieces"), default="auto",
-                    help="pipeline: h3direct.pipeline.H3Pipeline.generate on the built models (what users run); "
+                    help="pipeline: h3direct.app.pipeline.H3Pipeline.generate on the built models (what users run); "
                          "pieces: conditioning/sampler/VAE calls driven here; auto: pipeline when importable, "
                          "falling back to pieces if it fails")
     ap.add_argument("--free-dit", action="store_true", help="pieces driver: free the DiT before the decodes")
@@ -94,10 +94,10 @@ def _encoders(video_vae, audio_vae, vae_dtype: str):
 
 
 def reference_conditioning(wl: dict, video_vae, audio_vae, vae_dtype: str, seed: int):
-    """Ref2VA with one random reference image at the target canvas -> h3direct.conditioning.H3Conditioning."""
+    """Ref2VA with one random reference image at the target canvas -> h3direct.sampling.conditioning.H3Conditioning."""
     import torch
 
-    from h3direct.conditioning import ref2va
+    from h3direct.sampling.conditioning import ref2va
 
     g = torch.Generator(device="cpu").manual_seed(seed + 3)
     img = torch.rand(1, wl["height"], wl["width"], 3, generator=g)
@@ -105,7 +105,7 @@ def reference_conditioning(wl: dict, video_vae, audio_vae, vae_dtype: str, seed:
     try:
         import PIL  # noqa: F401  (ref2va resizes with Pillow's Lanczos)
     except ImportError:
-        from h3direct.conditioning import RefBlock, t2va
+        from h3direct.sampling.conditioning import RefBlock, t2va
 
         C.log("Pillow missing: the reference image (already at the canvas size) is encoded without resizing")
         cond = t2va(wl["width"], wl["height"], wl["frames"])
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         if reason is True:
             driver = "pipeline"
         elif args.driver == "pipeline":
-            raise SystemExit(f"--driver pipeline: h3direct.pipeline is not importable ({reason})")
+            raise SystemExit(f"--driver pipeline: h3direct.app.pipeline is not importable ({reason})")
         else:
             driver = "pieces"
     run.data.update(env=C.env_info(dev), config=config.comfy_dict(), workload=wl, flops_per_step=flops,
@@ -204,9 +204,9 @@ def main(argv=None) -> int:
 
 
 def _pipeline_importable():
-    """True, or why `h3direct.pipeline.H3Pipeline` cannot be imported."""
+    """True, or why `h3direct.app.pipeline.H3Pipeline` cannot be imported."""
     try:
-        from h3direct.pipeline import H3Pipeline  # noqa: F401
+        from h3direct.app.pipeline import H3Pipeline  # noqa: F401
     except ImportError as exc:
         return str(exc)
     return True
@@ -217,7 +217,7 @@ def _text_states(args, config):
     import torch
 
     if args.text_embeds:
-        from h3direct.text_encoder import load_text_embeds
+        from h3direct.text.encoder import load_text_embeds
 
         tc = load_text_embeds(args.text_embeds)
         return tc.states, tc.tags
@@ -229,8 +229,8 @@ def _drive_pipeline(run: C.Run, args, wl: dict, models: dict, text, tags) -> Non
     """H3Pipeline.generate on the synthetic models; its per-stage timings mapped onto this benchmark's stages."""
     import torch
 
-    from h3direct.pipeline import H3Pipeline
-    from h3direct.text_encoder import TextConditioning
+    from h3direct.app.pipeline import H3Pipeline
+    from h3direct.text.encoder import TextConditioning
 
     dev = args.device
     pipe = H3Pipeline(models["dit"], models["video_vae"], models["audio_vae"], device=dev, attention=args.attention,
@@ -277,9 +277,9 @@ def _drive_pieces(run: C.Run, args, wl: dict, models: dict, text, tags, stage: S
 
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
     from h3direct.dit.model import Conditioning
-    from h3direct.noise import initial_noise
-    from h3direct.sampler import sample
-    from h3direct.schedules import sigmas_for
+    from h3direct.sampling.noise import initial_noise
+    from h3direct.sampling.sampler import sample
+    from h3direct.sampling.schedules import sigmas_for
     from h3direct.vae import decode_audio, decode_video
 
     dev = args.device

@@ -1,6 +1,6 @@
 """Full-size synthetic H3 models built directly on the target device (no disk, no full fp32 copy).
 
-DiT (`build_dit`): the checkpoint generator's own recipe (`h3direct.make_checkpoint.iter_dit_tensors`), one
+DiT (`build_dit`): the checkpoint generator's own recipe (`h3direct.checkpoint.synthetic.iter_dit_tensors`), one
 tensor at a time on the device, then `h3direct.dit.loader.load_state_dict` (strict, ComfyUI's dtype policy) —
 exactly what loading the same file from disk would give.
 
@@ -53,8 +53,8 @@ def build_dit(config, weights: str, device, *, compute_dtype=None, nvfp4_mode: s
 
 
 def _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mode, seed):
+    from h3direct.checkpoint.synthetic import iter_dit_tensors
     from h3direct.dit.loader import load_state_dict
-    from h3direct.make_checkpoint import iter_dit_tensors
 
     quant = "nvfp4" if weights == "nvfp4" else "none"
     sd = {}

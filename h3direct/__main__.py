@@ -1,3 +1,3 @@
-from h3direct.cli import main
+from h3direct.app.cli import main
 
 raise SystemExit(main())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oracle.metrics import Comparison, compare
-from oracle.traces import Trace
+from h3direct.traces.format import Trace
+from h3direct.traces.metrics import Comparison, compare
 
 
 @dataclass

@@ -13,8 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from h3direct.traces.format import load_trace
     from oracle.compare import diff_traces
-    from oracle.traces import load_trace
 
     d = diff_traces(load_trace(args.result), load_trace(args.reference))
     rows = d.rows if args.all else sorted(d.rows, key=lambda r: r.rel_l2, reverse=True)[:5]

@@ -2,7 +2,7 @@
 
 Path (all ComfyUI's own code): `comfy.sd.load_diffusion_model` -> `CFGGuider` (cfg 1, positive only) ->
 `KSAMPLER` with a one-step function that calls the model once at sigma. Conditioning and latents come from a
-self-describing inputs file (oracle/traces.py `load_inputs`).
+self-describing inputs file (h3direct/traces/format.py `load_inputs`).
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ def _layout_fields(payload: dict) -> dict:
 
 def open_run(args: argparse.Namespace):
     """(checkpoint path, inputs, ComfyUI environment, common manifest fields) of a DiT recording command."""
+    from h3direct.traces.inputs import load_inputs
     from oracle.comfy_env import open_comfy
-    from oracle.traces import load_inputs
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_file():
@@ -167,7 +167,7 @@ def open_run(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from oracle.traces import save_trace
+    from h3direct.traces.format import save_trace
 
     checkpoint, inputs, env, common = open_run(args)
     tensors, fields = record_dit(env, checkpoint, inputs, detail=args.detail)

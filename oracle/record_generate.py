@@ -102,8 +102,8 @@ def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str
 
 
 def run(args: argparse.Namespace) -> int:
+    from h3direct.traces.format import save_trace
     from oracle.record import open_run
-    from oracle.traces import save_trace
 
     checkpoint, inputs, env, common = open_run(args)
     items, facts = record_generation(env, checkpoint, inputs, steps=args.steps, sampler=args.sampler,

@@ -26,7 +26,7 @@ OPS = ("decode", "encode")
 
 # kind -> [(module path pattern, what is recorded)]: the sites of ../shared/oracle README section 3
 # the recorded module sites: the same table h3direct's trace-vae records (one vocabulary)
-from h3direct.vae.trace_vae import SITES  # noqa: E402
+from h3direct.traces.trace_vae import SITES  # noqa: E402
 
 # the input field of each kind in a `vae_inputs_*.safetensors` file
 INPUT_FIELD = {"video_decode": "latent", "audio_decode": "latent", "video_encode": "pixels",
@@ -237,9 +237,9 @@ def _set_name(config: Path | None) -> str | None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from h3direct.traces.format import load_vae_inputs, save_trace
     from oracle.comfy_env import open_comfy
     from oracle.record import file_sha256
-    from oracle.traces import load_vae_inputs, save_trace
 
     weights = Path(args.weights)
     if not weights.is_file():

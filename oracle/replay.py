@@ -3,7 +3,7 @@
 ComfyUI side: the checkpoint named in the manifest is loaded with `comfy.sd.load_diffusion_model` under the
 manifest's compute dtype, the module at the layer's path is called with the recorded `<layer>.in.N` tensors (cast
 back to the dtype ComfyUI produced) and non-tensor inputs from the manifest's `static_inputs`.
-h3direct side (`--direct`): the parity gate's teacher-forced site for that tensor (`h3direct.replay`).
+h3direct side (`--direct`): the parity gate's teacher-forced site for that tensor (`h3direct.traces.replay`).
 `--layer` takes a module path (`blocks.1.mlp.fc2`) or a recorded tensor name (`blocks.1.attn.rope_q`).
 """
 
@@ -163,15 +163,15 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
                   device: str = "cpu") -> list[tuple[str, Any, str]]:
     """Re-run `layer` with h3direct from the recorded inputs: [(tensor name, output, site kind)].
 
-    Uses the teacher-forced sites of `h3direct.replay` (the parity gate's own): the h3direct layer is fed
+    Uses the teacher-forced sites of `h3direct.traces.replay` (the parity gate's own): the h3direct layer is fed
     ComfyUI's recorded inputs, narrowed back to the dtype ComfyUI produced.
     """
     import torch
 
     from h3direct.dit.loader import load_dit
-    from h3direct.evaluate import conditioning_of
-    from h3direct.inputs import load_inputs
-    from h3direct.replay import sites
+    from h3direct.traces.evaluate import conditioning_of
+    from h3direct.traces.inputs import load_inputs
+    from h3direct.traces.replay import sites
 
     names = tensor_names(trace, layer)
     ckpt = find_checkpoint(trace, checkpoint)
@@ -203,14 +203,14 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
 
 def find_inputs(trace) -> Path | None:
     """The inputs file of a trace: the manifest's `inputs`, else the folder's file that reproduces sampler.x_in."""
-    from parity_tests.discovery import _find_inputs
+    from h3direct.traces.discovery import _find_inputs
 
     return _find_inputs(trace.path.parent, trace.manifest, trace.path)
 
 
 def budget_for(trace, kind: str, attention: str = "sdpa", budgets_path: str | None = None):
-    from parity_tests.budgets import load_budgets
-    from parity_tests.discovery import _compute, _weights_label
+    from h3direct.traces.budgets import load_budgets
+    from h3direct.traces.discovery import _compute, _weights_label
 
     table = load_budgets(budgets_path)
     weights = "bf16"
@@ -230,8 +230,8 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, budget_of) -> tupl
     """outputs: [(recorded name, tensor)]; budget_of(name) -> Budget. One line per output."""
     import torch
 
-    from oracle.metrics import compare
-    from parity_tests.budgets import verdict
+    from h3direct.traces.budgets import verdict
+    from h3direct.traces.metrics import compare
 
     ok, lines = True, []
     for name, g in outputs:
@@ -249,7 +249,7 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, budget_of) -> tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    from oracle.traces import load_trace
+    from h3direct.traces.format import load_trace
 
     trace = load_trace(args.trace)
     dtype = trace.manifest.get("compute_dtype_requested", "fp32")
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
 
     def budget_of(name):
         if args.budget is not None:
-            from parity_tests.budgets import Budget
+            from h3direct.traces.budgets import Budget
 
             return Budget(match={}, rel_l2=args.budget, provenance="--budget")
         return budget_for(trace, kinds.get(name, "*"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity_tests.discovery import find_dit_cases, find_vae_cases, trace_roots
+from h3direct.traces.discovery import find_dit_cases, find_vae_cases, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()
@@ -52,7 +52,7 @@ def trace_problems(request):
 @pytest.fixture(scope="session")
 def gate_options(request):
     c = request.config
-    from parity_tests.budgets import load_budgets
+    from h3direct.traces.budgets import load_budgets
 
     return {"attention": c.getoption("--attention"), "device": c.getoption("--device"),
             "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root")}

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from oracle import metrics
-from oracle.traces import Trace, load_trace
-from parity_tests.budgets import BudgetTable, load_budgets, verdict
-from parity_tests.discovery import DitCase
+from h3direct.traces import metrics
+from h3direct.traces.budgets import BudgetTable, load_budgets, verdict
+from h3direct.traces.discovery import DitCase
+from h3direct.traces.format import Trace, load_trace
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
 
@@ -123,8 +123,8 @@ def _compare(name, kind, mode, ours, ref_trace: Trace, budgets: BudgetTable, cas
 
 
 def _setup(case: DitCase, device: str):
-    from h3direct.evaluate import conditioning_of
-    from h3direct.inputs import load_inputs
+    from h3direct.traces.evaluate import conditioning_of
+    from h3direct.traces.inputs import load_inputs
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
@@ -138,8 +138,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
                  comfy_root: str | None = None) -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor)."""
     from h3direct.dit.tracing import Tracer
-    from h3direct.evaluate import one_step
-    from h3direct.replay import available_sites
+    from h3direct.traces.evaluate import one_step
+    from h3direct.traces.replay import available_sites
 
     budgets = budgets or load_budgets()
     base_trace, inputs, model, cond = _setup(case, device)

@@ -50,7 +50,7 @@ def _manifest(trace: Path) -> dict:
 
 def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
     """Re-record every pairable trace of `roots` with ComfyUI at `comfy_root`; returns the folder of new traces."""
-    from parity_tests.discovery import find_dit_cases, find_generate_cases, find_vae_cases
+    from h3direct.traces.discovery import find_dit_cases, find_generate_cases, find_vae_cases
 
     out = Path(tempfile.mkdtemp(prefix="h3_live_traces_"))
     log = out / "record.log"

@@ -1,7 +1,8 @@
 """End-to-end parity (issue 7): h3direct's sampler + denoiser over a short generation against ComfyUI's, step by step.
 
 A generation trace is what `python -m oracle record-generate` writes (manifest `kind: generate`); its checkpoint and
-inputs file lie beside it. h3direct runs `h3direct.sampler.sample` with `h3direct.dit.denoiser.Denoiser` on the same
+inputs file lie beside it. h3direct runs `h3direct.sampling.sampler.sample` with `h3direct.dit.denoiser.Denoiser`
+on the same
 inputs (noise, latents, conditioning, mask), the same sampler / scheduler / shift / steps, and every recorded tensor
 (`sampler.sigmas`, `sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`) is compared under the budget
 of mode "e2e" in budgets.toml.
@@ -14,9 +15,9 @@ import math
 import pytest
 import torch
 
-from oracle import metrics
-from parity_tests.budgets import verdict
-from parity_tests.discovery import GenerateCase, find_generate_cases  # noqa: F401 (re-exported)
+from h3direct.traces import metrics
+from h3direct.traces.budgets import verdict
+from h3direct.traces.discovery import GenerateCase, find_generate_cases  # noqa: F401 (re-exported)
 from parity_tests.gate import CaseResult, LayerResult
 
 pytestmark = pytest.mark.parity
@@ -30,11 +31,11 @@ def E2EResult(case: GenerateCase, attention: str) -> CaseResult:  # noqa: N802 (
 def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> CaseResult:
     """`trace`: an in-memory ComfyUI trace to compare with instead of the file (sensitivity tests)."""
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
-    from h3direct.evaluate import conditioning_of, expand_mask
-    from h3direct.inputs import load_inputs
-    from h3direct.sampler import sample
-    from h3direct.schedules import sigmas_for
-    from oracle.traces import load_trace
+    from h3direct.sampling.sampler import sample
+    from h3direct.sampling.schedules import sigmas_for
+    from h3direct.traces.evaluate import conditioning_of, expand_mask
+    from h3direct.traces.format import load_trace
+    from h3direct.traces.inputs import load_inputs
     from parity_tests.gate import _model
 
     m = case.manifest
@@ -122,7 +123,7 @@ def test_e2e_per_step_latents(gen_case, gate_options, report):
 
 def test_e2e_gate_catches_a_perturbed_step(gen_case, gate_options):
     """A 1e-3 relative error in one recorded mid-run step makes the e2e gate fail there."""
-    from oracle.traces import Trace, load_trace
+    from h3direct.traces.format import Trace, load_trace
 
     name = f"sampler.step{int(gen_case.manifest['steps']) // 2}.denoised.video"
     trace = load_trace(gen_case.trace)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from oracle.traces import Trace
-from parity_tests.discovery import find_dit_cases
+from h3direct.traces.discovery import find_dit_cases
+from h3direct.traces.format import Trace
 from parity_tests.gate import run_dit_case
 
 pytestmark = pytest.mark.parity
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.parity
 
 @pytest.fixture(scope="module")
 def fp32_case(request):
-    from parity_tests.discovery import trace_roots
+    from h3direct.traces.discovery import trace_roots
 
     cases, _ = find_dit_cases(trace_roots(request.config))
     full = [c for c in cases if c.compute == "fp32" and c.weights == "bf16"
@@ -37,9 +37,9 @@ def _perturbed(trace: Trace, name: str, factor: float) -> Trace:
 
 
 def _one_site_per_kind(case):
-    from h3direct.evaluate import conditioning_of
-    from h3direct.inputs import load_inputs
-    from h3direct.replay import available_sites
+    from h3direct.traces.evaluate import conditioning_of
+    from h3direct.traces.inputs import load_inputs
+    from h3direct.traces.replay import available_sites
     from parity_tests.gate import _model, _trace
 
     trace = _trace(str(case.trace))

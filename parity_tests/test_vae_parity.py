@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.traces import Trace
-from parity_tests.discovery import find_vae_cases
+from h3direct.traces.discovery import find_vae_cases
+from h3direct.traces.format import Trace
 from parity_tests.vae_gate import h3direct_trace, run_vae_case
 
 pytestmark = pytest.mark.parity
@@ -25,7 +25,7 @@ def test_vae_keys_frames_waveform(vae_case, gate_options, report):
 
 @pytest.fixture(scope="module")
 def fp32_vae_cases(request):
-    from parity_tests.discovery import trace_roots
+    from h3direct.traces.discovery import trace_roots
 
     cases, _ = find_vae_cases(trace_roots(request.config))
     by_kind = {}
@@ -68,8 +68,8 @@ def test_other_tile_geometry_fails(fp32_vae_cases):
 
     import torch
 
+    from h3direct.traces.format import load_vae_inputs
     from h3direct.vae import decode_video, load_vae
-    from oracle.traces import load_vae_inputs
 
     case = fp32_vae_cases.get("video_decode")
     if case is None:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from oracle import metrics
-from oracle.traces import Trace, load_trace
-from parity_tests.budgets import BudgetTable, load_budgets, verdict
-from parity_tests.discovery import VaeCase
+from h3direct.traces import metrics
+from h3direct.traces.budgets import BudgetTable, load_budgets, verdict
+from h3direct.traces.discovery import VaeCase
+from h3direct.traces.format import Trace, load_trace
 from parity_tests.gate import CaseResult, LayerResult
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
@@ -53,7 +53,7 @@ def _trace(path: str) -> Trace:
 @lru_cache(maxsize=8)
 def h3direct_trace(weights: str, config: str, inputs: str, dtype: str, op: str) -> Trace:
     """Run `h3direct trace-vae` (its own `run`, in process) and read back what it wrote."""
-    from h3direct.vae import trace_vae
+    from h3direct.traces import trace_vae
 
     with tempfile.TemporaryDirectory(prefix="h3_vae_gate_") as tmp:
         out = Path(tmp) / "ours.safetensors"

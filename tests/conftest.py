@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(scope="session")
 def cache_env(tmp_path_factory):
     """A bundled-model cache for the whole session (built once), with the VAE environment knobs unset."""
-    from h3direct import bundled
+    from h3direct.app import bundled
 
     root = tmp_path_factory.mktemp("h3cache")
     mp = pytest.MonkeyPatch()

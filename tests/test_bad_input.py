@@ -9,7 +9,7 @@ import sys
 import malformed
 import pytest
 
-from h3direct.cli import main
+from h3direct.app.cli import main
 
 CASES = malformed.corpus()
 PY = os.environ.get("H3_PYTHON", sys.executable)

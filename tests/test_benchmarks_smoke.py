@@ -128,7 +128,7 @@ def test_bench_generate_tiny_pieces(tmp_path):
 
 
 def test_bench_generate_tiny_pipeline(tmp_path):
-    pytest.importorskip("h3direct.pipeline", reason="h3direct.pipeline is not in this checkout")
+    pytest.importorskip("h3direct.app.pipeline", reason="h3direct.app.pipeline is not in this checkout")
     d = _run("bench_generate", tmp_path, "--steps", "2", "--driver", "pipeline")
     assert d["driver"] == "pipeline"
     _check_generate(d)

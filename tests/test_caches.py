@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from h3direct import caches, schedules
-from h3direct import noise as hnoise
-from h3direct import sampler as hs
 from h3direct.errors import H3Error
+from h3direct.sampling import caches, schedules
+from h3direct.sampling import noise as hnoise
+from h3direct.sampling import sampler as hs
 
 VS, AS = (1, 24, 3, 16, 16), (1, 32, 2, 10)
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3direct import conditioning as hc
 from h3direct.errors import H3Error
+from h3direct.sampling import conditioning as hc
 
 try:
     from comfy_defs import load, needs_comfy

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3direct.checkpoint_layout import dit_tensor_layout
-from h3direct.cli import main as cli
+from h3direct.app.cli import main as cli
+from h3direct.checkpoint.layout import dit_tensor_layout
 from h3direct.config import PRESETS, H3Config
 from h3direct.dit.attention import attention, available_backends, check_backend
 from h3direct.dit.blocks import MLP
@@ -21,7 +21,7 @@ from h3direct.dit.layout import build_layout
 from h3direct.dit.loader import build_model, load_state_dict
 from h3direct.dit.rope import rms_norm_rope
 from h3direct.errors import BackendUnavailable, CheckpointError
-from h3direct.inputs import load_inputs
+from h3direct.traces.inputs import load_inputs
 
 SHARED = Path(os.environ.get("H3_SHARED_ORACLE", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -75,7 +75,7 @@ def test_model_keys_equal_the_checkpoint_layout_table(preset, quant):
 
 
 def _tiny_sd():
-    from h3direct.make_checkpoint import iter_dit_tensors
+    from h3direct.checkpoint.synthetic import iter_dit_tensors
 
     return dict(iter_dit_tensors(PRESETS["tiny"], "none", seed=0))
 

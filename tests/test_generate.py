@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3direct import bundled, cli
+from h3direct.app import bundled, cli
 
 av = pytest.importorskip("av")
 

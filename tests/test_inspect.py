@@ -10,9 +10,9 @@ import malformed
 import pytest
 from malformed import TINY, TINY_CURVE, T, h3_tensors, nvfp4_tensors, write
 
-from h3direct.cli import main
+from h3direct.app.cli import main
+from h3direct.checkpoint.safetensors_header import read_header, validate
 from h3direct.errors import H3Error
-from h3direct.safetensors_header import read_header, validate
 
 SHARED = Path("/work/shared/oracle")
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared oracle data not found at {SHARED}")

@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from h3direct.checkpoint_layout import dit_tensor_layout, nvfp4_layer_names
-from h3direct.cli import main as cli_main
+from h3direct.app.cli import main as cli_main
+from h3direct.checkpoint.layout import dit_tensor_layout, nvfp4_layer_names
+from h3direct.checkpoint.quant import NVFP4_MARKER
+from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, unswizzle_block_scales
+from h3direct.checkpoint.synthetic import dit_plan, write_dit_checkpoint, write_state_dict
 from h3direct.config import H3Config
-from h3direct.make_checkpoint import dit_plan, write_dit_checkpoint, write_state_dict
-from h3direct.quant import NVFP4_MARKER
-from h3direct.quant.nvfp4 import dequantize_nvfp4, unswizzle_block_scales
 
 ORACLE = Path(os.environ.get("H3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
 needs_oracle = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"shared oracle data not found at {ORACLE}")
@@ -203,7 +203,7 @@ def test_streaming_writer_is_read_by_safetensors(tmp_path):
 
 
 def test_writer_rejects_a_tensor_that_breaks_its_plan(tmp_path):
-    from h3direct.make_checkpoint import write_safetensors_stream
+    from h3direct.checkpoint.synthetic import write_safetensors_stream
 
     plan = [("x", "float32", (2, 2), 16)]
     with pytest.raises(AssertionError, match="expected x"):
@@ -286,7 +286,7 @@ def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln):
     O(1) activations through all blocks (8 layers here)."""
     from safetensors.torch import load_file
 
-    from h3direct.make_checkpoint import resolve_config
+    from h3direct.checkpoint.synthetic import resolve_config
 
     env = _open_comfy()
     cfg = resolve_config("tiny", None, adaln).replace(num_layers=8)
@@ -329,7 +329,7 @@ def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln):
     ("full", "curve", "full-curve"), ("full-curve", "full", "full"), ("tiny", None, "tiny"),
 ])
 def test_adaln_switch_gives_the_matching_preset(preset, adaln, expected):
-    from h3direct.make_checkpoint import resolve_config
+    from h3direct.checkpoint.synthetic import resolve_config
 
     got = resolve_config(preset, None, adaln)
     assert got.comfy_dict() == H3Config.from_name(expected).comfy_dict()

@@ -1,4 +1,4 @@
-"""oracle.metrics against hand-computed values and textbook identities."""
+"""h3direct.traces.metrics against hand-computed values and textbook identities."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from oracle.metrics import compare, cosine, max_abs, psnr, rel_l2, sqnr_db
+from h3direct.traces.metrics import compare, cosine, max_abs, psnr, rel_l2, sqnr_db
 
 
 def test_rel_l2_hand_values() -> None:

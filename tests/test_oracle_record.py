@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3direct.traces.format import load_trace
 from oracle.compare import diff_traces
 from oracle.replay import report
-from oracle.traces import load_trace
 
 SHARED = Path("/work/shared/oracle")
 ROUND_OFF = 1e-6  # fp32 round-off between machines (rel-L2 per key), the DONE criterion
@@ -66,8 +66,8 @@ def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path) -> None
 
 
 def test_replay_report_fails_on_injected_error() -> None:
-    from oracle.traces import Trace
-    from parity_tests.budgets import Budget
+    from h3direct.traces.budgets import Budget
+    from h3direct.traces.format import Trace
 
     ref = torch.randn(8, 4)
     trace = Trace(Path("x.safetensors"), {"x.out": ref}, {})

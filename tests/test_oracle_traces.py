@@ -1,4 +1,4 @@
-"""oracle.traces reads every shared oracle file and round-trips its own format."""
+"""h3direct.traces.format reads every shared oracle file and round-trips its own format."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from h3direct.errors import H3Error
-from oracle.traces import TRACE_FORMAT, load_inputs, load_trace, load_vae_inputs, save_trace
+from h3direct.traces.format import TRACE_FORMAT, load_trace, load_vae_inputs, save_trace
+from h3direct.traces.inputs import load_inputs
 
 SHARED = Path("/work/shared/oracle")
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared oracle data not found at {SHARED}")

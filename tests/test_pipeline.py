@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from h3direct import bundled
-from h3direct.caches import CacheSettings
+from h3direct.app import bundled
 from h3direct.errors import H3Error
+from h3direct.sampling.caches import CacheSettings
 
 ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
 W, H, FRAMES = 96, 64, 5
@@ -32,7 +32,7 @@ def bundle_dir(cache_env):
 
 @pytest.fixture(scope="session")
 def pipe(bundle_dir):
-    from h3direct.pipeline import H3Pipeline
+    from h3direct.app.pipeline import H3Pipeline
 
     b = bundled.ensure(bundle_dir)
     return H3Pipeline.from_files(b.dit, b.video_vae, b.audio_vae, b.text_encoder, tokenizer=b.tokenizer,
@@ -147,7 +147,7 @@ def test_same_seed_same_latents_other_seed_differs(pipe):
 
 
 def test_text_embeds_equal_encoding_the_prompt(pipe):
-    from h3direct.text_encoder import TextConditioning
+    from h3direct.text.encoder import TextConditioning
 
     text = pipe.text_states("a red ball")
     a = _gen(pipe, text_embeds=TextConditioning(text.states.clone(), text.tags.clone()))
@@ -194,7 +194,7 @@ def test_request_errors(pipe):
                     (dict(scheduler="karras"), "not supported")):
         with pytest.raises(H3Error, match=msg):
             _gen(pipe, **kw)
-    from h3direct.text_encoder import TextConditioning
+    from h3direct.text.encoder import TextConditioning
 
     with pytest.raises(H3Error, match="text_dim"):
         _gen(pipe, text_embeds=TextConditioning(torch.zeros(1, 4, 50), torch.ones(4, dtype=torch.long)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3direct.quant import nvfp4
+from h3direct.checkpoint.quant import nvfp4
 
 ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the `kitchen` extra) is the NVFP4 reference")
 from comfy_kitchen.float_utils import from_blocked, to_blocked  # noqa: E402

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h3direct.checkpoint.quant import FORMATS, NVFP4_MARKER, fp8, int8
 from h3direct.errors import CheckpointError
-from h3direct.quant import FORMATS, NVFP4_MARKER, fp8, int8
 
 ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the `kitchen` extra) is the reference")
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorWiseINT8Layout  # noqa: E402

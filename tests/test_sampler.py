@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from h3direct import noise as hnoise
-from h3direct import sampler as hs
-from h3direct import schedules
 from h3direct.errors import H3Error
+from h3direct.sampling import noise as hnoise
+from h3direct.sampling import sampler as hs
+from h3direct.sampling import schedules
 
 try:
     from comfy_defs import load, needs_comfy

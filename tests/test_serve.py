@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3direct import cli
-from h3direct.serve import MAX_BODY_BYTES, H3Server, load_service
+from h3direct.app import cli
+from h3direct.app.serve import MAX_BODY_BYTES, H3Server, load_service
 
 av = pytest.importorskip("av")
 

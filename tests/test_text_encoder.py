@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3direct import text_encoder as hte
-from h3direct.conditioning import PresentationItem
 from h3direct.errors import H3Error
+from h3direct.sampling.conditioning import PresentationItem
+from h3direct.text import encoder as hte
 
 try:
     from comfy_defs import needs_comfy
@@ -72,8 +72,8 @@ def test_bf16_file_stays_bf16_and_computes_in_fp32(tmp_path):
 def _awq_file(tmp_path, enc, layers):
     """A ComfyUI mixed-precision file: `layers` NVFP4 with an AWQ pre_quant_scale; returns (path, dense fp32 sd
     whose quantized weights are the NVFP4 decodes divided back by nothing: the dense reference)."""
-    from h3direct.quant import NVFP4_MARKER
-    from h3direct.quant.nvfp4 import quantize_nvfp4
+    from h3direct.checkpoint.quant import NVFP4_MARKER
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
     g = torch.Generator().manual_seed(7)
     sd = hte.comfy_state_dict(enc)
@@ -90,7 +90,7 @@ def _awq_file(tmp_path, enc, layers):
 
 
 def test_nvfp4_awq_linear_is_exact_decode_of_the_file(tmp_path):
-    from h3direct.quant.nvfp4 import e2m1_table, unpack_codes, unswizzle_block_scales
+    from h3direct.checkpoint.quant.nvfp4 import e2m1_table, unpack_codes, unswizzle_block_scales
 
     enc = hte.make_tiny_text_encoder(1)
     layer = "model.layers.0.mlp.gate_proj"
@@ -117,7 +117,7 @@ def _with_weights(seed: int, weights: dict) -> hte.QwenTextEncoder:
 
 
 def test_nvfp4_awq_encoder_vs_dense(tmp_path):
-    from h3direct.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
     enc = hte.make_tiny_text_encoder(2)
     layers = [f"model.layers.{i}.{m}" for i in range(2) for m in
@@ -204,7 +204,7 @@ def _direct_resample_f64(x: np.ndarray, orig: int, new: int, lpw: int = 6, rollo
 
 @pytest.mark.parametrize("rates", [(44100, 32000), (48000, 32000), (16000, 32000), (22050, 32000)], ids=str)
 def test_resample_matches_direct_windowed_sinc(rates):
-    from h3direct.media import resample
+    from h3direct.sampling.media import resample
 
     orig, new = rates
     g = torch.Generator().manual_seed(orig)
@@ -221,7 +221,7 @@ def test_resample_matches_direct_windowed_sinc(rates):
 
 
 def test_resample_keeps_a_band_limited_tone():
-    from h3direct.media import resample
+    from h3direct.sampling.media import resample
 
     t = torch.arange(4410, dtype=torch.float64) / 44100
     y = resample(torch.sin(2 * math.pi * 1000 * t).float(), 44100, 32000)
@@ -232,7 +232,7 @@ def test_resample_keeps_a_band_limited_tone():
 
 def test_load_audio_resamples_like_resample(tmp_path):
     av = pytest.importorskip("av")
-    from h3direct.media import load_audio, resample
+    from h3direct.sampling.media import load_audio, resample
 
     sr, n = 44100, 4410
     tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(n) / sr)).astype(np.float32)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3direct import qwen_vision as qv
-from h3direct import text_encoder as hte
-from h3direct.conditioning import PresentationItem
+from h3direct.sampling.conditioning import PresentationItem
+from h3direct.text import encoder as hte
+from h3direct.text import vision as qv
 
 try:
     from comfy_defs import needs_comfy
@@ -175,8 +175,8 @@ AWQ_LAYERS = [f"model.layers.{i}.{m}" for i in (0, 3) for m in ("self_attn.q_pro
 
 def _awq_state_dict(enc) -> dict:
     """Our weights with AWQ_LAYERS as ComfyUI NVFP4 layers (comfy_quant marker, AWQ pre_quant_scale)."""
-    from h3direct.quant import NVFP4_MARKER
-    from h3direct.quant.nvfp4 import quantize_nvfp4
+    from h3direct.checkpoint.quant import NVFP4_MARKER
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
     g = torch.Generator().manual_seed(9)
     sd = hte.comfy_state_dict(enc)

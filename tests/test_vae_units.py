@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3direct.cli import main as cli_main
+from h3direct.app.cli import main as cli_main
 from h3direct.errors import H3Error
 from h3direct.vae import (
     AUDIO_PRESETS,

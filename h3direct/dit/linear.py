@@ -5,7 +5,7 @@ is *held* in is the loader's dtype policy (`loader.py`).
 
 NVFP4 layers hold the checkpoint's tensors under the checkpoint's names (`weight` uint8 [N, K/2],
 `weight_scale` float8_e4m3fn swizzled block scales, `weight_scale_2` fp32 global scale, `comfy_quant`
-JSON marker) and run in one of two modes (see `h3direct.quant.nvfp4`):
+JSON marker) and run in one of two modes (see `h3direct.checkpoint.quant.nvfp4`):
 
 - ``w4a16``: dequantize the weight to the activation dtype every call, unquantized activations — what
   ComfyUI does wherever FP4 compute is unsupported: GPUs with compute capability < 10 (H100/H200) and the
@@ -61,7 +61,7 @@ class NVFP4Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "w4a16"):
         super().__init__()
-        from h3direct.quant.nvfp4 import storage_shapes
+        from h3direct.checkpoint.quant.nvfp4 import storage_shapes
 
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode = mode
@@ -73,7 +73,7 @@ class NVFP4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from h3direct.quant import nvfp4
+        from h3direct.checkpoint.quant import nvfp4
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -83,7 +83,7 @@ class NVFP4Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
-        from h3direct.quant import nvfp4
+        from h3direct.checkpoint.quant import nvfp4
 
         w = nvfp4.dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype)
         return w[: self.out_features, : self.in_features]

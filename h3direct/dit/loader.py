@@ -47,7 +47,7 @@ def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     if not path.is_file():
         raise CheckpointError("no such file", path=path)
     try:
-        from h3direct.safetensors_header import read_header, validate
+        from h3direct.checkpoint.safetensors_header import read_header, validate
     except ImportError:  # pragma: no cover - the header module is part of the package
         read_header = validate = None
     if read_header is not None:

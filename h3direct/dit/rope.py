@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from h3direct.kitchen import kitchen_op
+from h3direct.checkpoint.quant.kitchen import kitchen_op
 
 
 def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -5,17 +5,19 @@
     result = pipe.generate("a cat plays the piano", width=960, height=544, frames=124, steps=8, seed=1)
     result.frames  # uint8 [T, H, W, 3];  result.audio  # float32 [L, 2] at result.sample_rate
 
-`H3Pipeline.bundled()` uses the embedded tiny models (`h3direct.bundled`).
+`H3Pipeline.bundled()` uses the embedded tiny models (`h3direct.app.bundled`).
 
 One generation, in ComfyUI's order (`nodes_minimax_h3.py` + KSampler):
 1. task from the references: none -> t2va; first/last frame -> fl2va (keyframes); reference images / videos /
-   audio -> ref2va. Geometry (17k+5 frames, latent shapes) and reference preprocessing: `h3direct.conditioning`,
+   audio -> ref2va. Geometry (17k+5 frames, latent shapes) and reference preprocessing:
+   `h3direct.sampling.conditioning`,
    references encoded with our VAEs;
 2. text: the presentation (reference labels + vision pads, then the prompt) through the text encoder, or given
    states (`text_embeds`); the DiT's condition_proj + token refiner run once (`H3DiT.preprocess_text`);
-3. initial noise from the seed exactly as ComfyUI draws it (`h3direct.noise`), zero clean latent;
-4. sigma schedule (`h3direct.schedules`, the DiT's video shift), sampler (`h3direct.sampler`) around the
-   `Denoiser` (optionally wrapped by a step cache, `h3direct.caches`); the conditioning payload seed is the
+3. initial noise from the seed exactly as ComfyUI draws it (`h3direct.sampling.noise`), zero clean latent;
+4. sigma schedule (`h3direct.sampling.schedules`, the DiT's video shift), sampler (`h3direct.sampling.sampler`)
+   around the
+   `Denoiser` (optionally wrapped by a step cache, `h3direct.sampling.caches`); the conditioning payload seed is the
    sampler seed, as ComfyUI's `extra_conds`;
 5. decode: video VAE -> uint8 frames, audio VAE -> stereo waveform.
 """
@@ -53,7 +55,7 @@ class StepEvent:
     total: int
     sigma: float
     seconds: float  # wall time since the previous step's event (or since sampling started)
-    info: Any = None  # h3direct.sampler.StepInfo (sampler-space tensors)
+    info: Any = None  # h3direct.sampling.sampler.StepInfo (sampler-space tensors)
 
 
 @dataclass
@@ -132,7 +134,7 @@ def make_tokenizer(spec) -> Callable[[str], list]:
     if callable(spec):
         return spec
     if spec == "bytes":
-        from h3direct.bundled import byte_tokenize
+        from h3direct.app.bundled import byte_tokenize
 
         return byte_tokenize
     if spec is None:
@@ -154,7 +156,7 @@ def make_tokenizer(spec) -> Callable[[str], list]:
 
 
 def _as_image(x: ImageLike, what: str) -> torch.Tensor:
-    from h3direct import media
+    from h3direct.sampling import media
 
     if isinstance(x, torch.Tensor):
         if x.ndim == 3:
@@ -166,7 +168,7 @@ def _as_image(x: ImageLike, what: str) -> torch.Tensor:
 
 
 def _as_video(x: ImageLike, what: str) -> torch.Tensor:
-    from h3direct import media
+    from h3direct.sampling import media
 
     if isinstance(x, torch.Tensor):
         return _as_image(x, what)
@@ -174,7 +176,7 @@ def _as_video(x: ImageLike, what: str) -> torch.Tensor:
 
 
 def _as_audio(x: AudioLike | None) -> dict | None:
-    from h3direct import media
+    from h3direct.sampling import media
 
     if x is None or isinstance(x, dict):
         return x
@@ -185,7 +187,7 @@ def video_soundtrack(path) -> dict | None:
     """The soundtrack of a video file at 32 kHz, or None when it has no audio stream."""
     import av
 
-    from h3direct import media
+    from h3direct.sampling import media
 
     try:
         with av.open(str(path)) as box:
@@ -272,7 +274,7 @@ class H3Pipeline:
     @classmethod
     def bundled(cls, *, text_encoder: bool = True, **kw) -> H3Pipeline:
         """The embedded tiny models (made and cached on first use)."""
-        from h3direct import bundled
+        from h3direct.app import bundled
 
         b = bundled.ensure()
         src = {"dit": "bundled", "video_vae": "bundled", "audio_vae": "bundled",
@@ -294,7 +296,7 @@ class H3Pipeline:
 
     def text_states(self, prompt: str, presentation: Sequence = ()):
         """TextConditioning (states [1, L, D], tags [L]) of `prompt` after the task's presentation items."""
-        from h3direct.text_encoder import build_presentation
+        from h3direct.text.encoder import build_presentation
 
         if self.text_encoder is None:
             raise H3Error("no text encoder is loaded: pass --text-encoder FILE or --text-embeds FILE")
@@ -314,7 +316,7 @@ class H3Pipeline:
     def build_conditioning(self, width: int, height: int, frames: int, *, ref_images=(), ref_videos=(),
                            ref_video_audios=(), ref_audios=(), first_frame=None, last_frame=None,
                            ref_image_size: str = "match"):
-        from h3direct import conditioning as hc
+        from h3direct.sampling import conditioning as hc
 
         hc.check_request(width, height, frames)
         refs = bool(ref_images or ref_videos or ref_audios)
@@ -350,11 +352,11 @@ class H3Pipeline:
                  cfg: float = 1.0, cache=None, callback: Callable[[StepEvent], None] | None = None,
                  decode: bool = True) -> Result:
         """One clip. `text_embeds`: a TextConditioning (or a file for `load_text_embeds`) instead of encoding
-        `prompt`. `cache`: an `h3direct.caches.CacheSettings` (None / mode 'off' = no cache code at all)."""
-        from h3direct import caches, noise, schedules
-        from h3direct import sampler as hs
+        `prompt`. `cache`: an `h3direct.sampling.caches.CacheSettings` (None / mode 'off' = no cache code at all)."""
         from h3direct.dit.denoiser import Denoiser, audio_scale_of
-        from h3direct.text_encoder import TextConditioning, load_text_embeds
+        from h3direct.sampling import caches, noise, schedules
+        from h3direct.sampling import sampler as hs
+        from h3direct.text.encoder import TextConditioning, load_text_embeds
 
         if steps < 1:
             raise H3Error(f"steps={steps}: need at least 1 sampling step")
@@ -461,7 +463,7 @@ class H3Pipeline:
 
 
 def _load_text_encoder(path, device: torch.device):
-    from h3direct.text_encoder import load_text_encoder
+    from h3direct.text.encoder import load_text_encoder
 
     enc = load_text_encoder(path)
     enc.to(device)

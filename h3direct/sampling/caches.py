@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3direct.errors import H3Error
-from h3direct.schedules import SHIFT_VIDEO, FlowSigmas
+from h3direct.sampling.schedules import SHIFT_VIDEO, FlowSigmas
 
 CACHE_MODES = ("off", "easycache", "h3_cache")
 

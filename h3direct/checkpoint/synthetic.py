@@ -1,6 +1,6 @@
 """`h3direct make-checkpoint`: a deterministic synthetic checkpoint in ComfyUI's exact format.
 
-DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint_layout.dit_tensor_layout`.
+DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint.layout.dit_tensor_layout`.
 Initialisation (the recipe of `../shared/oracle/checkpoint_info*.json`, which gives O(1) activations through
 all blocks): one `torch.Generator(device).manual_seed(seed)`, master tensors drawn in sorted key order of the
 dense layout, fp32 master values cast to the storage dtype:
@@ -152,7 +152,7 @@ def init_master(spec, config, g, device):
 def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
     """Stored specs in production order: dense keys sorted (the draw order); an NVFP4 layer's weight is
     followed by its block scale, global scale and `comfy_quant` marker."""
-    from h3direct.checkpoint_layout import dit_tensor_layout
+    from h3direct.checkpoint.layout import dit_tensor_layout
 
     stored = dit_tensor_layout(config, quant, nvfp4_refiner)
     dense = dit_tensor_layout(config, "none")
@@ -171,9 +171,9 @@ def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "
     """(key, tensor) in `dit_plan` order, generated one master tensor at a time."""
     import torch
 
-    from h3direct.checkpoint_layout import dit_tensor_layout
-    from h3direct.quant import NVFP4_MARKER
-    from h3direct.quant.nvfp4 import quantize_nvfp4
+    from h3direct.checkpoint.layout import dit_tensor_layout
+    from h3direct.checkpoint.quant import NVFP4_MARKER
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
     stored = dit_tensor_layout(config, quant, nvfp4_refiner)
     g = torch.Generator(device=device).manual_seed(seed)

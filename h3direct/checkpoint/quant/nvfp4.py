@@ -40,8 +40,8 @@ import einops
 import torch
 import torch.nn.functional as F
 
+from h3direct.checkpoint.quant.kitchen import kitchen_op
 from h3direct.errors import CheckpointError
-from h3direct.kitchen import kitchen_op
 
 BLOCK = 16
 E2M1_MAX = 6.0

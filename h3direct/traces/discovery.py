@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 VAE_KINDS = ("video_decode", "video_encode", "audio_decode", "audio_encode")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: h3direct/traces/ -> repo root
 FIXTURES = ROOT / "fixtures"
 SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
 

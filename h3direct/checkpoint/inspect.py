@@ -120,7 +120,7 @@ class _Reader:
         self.spent = 0
 
     def small(self, name: str, limit: int) -> bytes | None:
-        from h3direct.safetensors_header import read_tensor_bytes
+        from h3direct.checkpoint.safetensors_header import read_tensor_bytes
 
         t = self.header.tensors[name]
         if t.nbytes > limit or self.spent + t.nbytes > SCALE_CHECK_BUDGET:
@@ -380,7 +380,7 @@ def _listing(names) -> str:
 # ---------------------------------------------------------------- the report ----
 def inspect_checkpoint(path: str | Path) -> dict:
     """Validate `path` and build the full inspect report (a JSON-serialisable dict)."""
-    from h3direct.safetensors_header import TORCH_DTYPE_NAMES, read_header
+    from h3direct.checkpoint.safetensors_header import TORCH_DTYPE_NAMES, read_header
 
     path = Path(path)
     header = read_header(path)

@@ -28,9 +28,9 @@ def run(args) -> int:
     from h3direct.dit.loader import load_dit
     from h3direct.dit.tracing import Tracer
     from h3direct.errors import H3Error
-    from h3direct.evaluate import one_step
-    from h3direct.inputs import load_inputs
-    from oracle.traces import save_trace
+    from h3direct.traces.evaluate import one_step
+    from h3direct.traces.format import save_trace
+    from h3direct.traces.inputs import load_inputs
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise H3Error(f"--device {args.device}: no CUDA device is available")

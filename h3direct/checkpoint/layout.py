@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3direct.checkpoint.quant import NVFP4_MARKER
+from h3direct.checkpoint.quant.nvfp4 import storage_shapes
 from h3direct.config import H3Config
-from h3direct.quant import NVFP4_MARKER
-from h3direct.quant.nvfp4 import storage_shapes
 
 ROLES = ("bf16", "fp32_island", "buffer", "nvfp4_weight", "nvfp4_block_scale", "nvfp4_global_scale", "comfy_quant")
 QUANT_MODES = ("none", "nvfp4")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3direct.quant.nvfp4 import dequantize_nvfp4
+from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4
 
 PATCH, MERGE, TEMPORAL = 16, 2, 2
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056

@@ -12,8 +12,8 @@ from __future__ import annotations
 import einops
 import torch
 
+from h3direct.checkpoint.quant.nvfp4 import unswizzle_block_scales
 from h3direct.errors import CheckpointError
-from h3direct.quant.nvfp4 import unswizzle_block_scales
 
 MX_BLOCK = 32
 

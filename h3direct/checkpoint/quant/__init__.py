@@ -2,10 +2,10 @@
 
 One module per format family, each bitwise equal to the comfy-kitchen function ComfyUI calls:
 
-- :mod:`h3direct.quant.nvfp4` — NVFP4 (`comfy_quant` format ``nvfp4``): dequantize, quantize, W4A16 / W4A4
+- :mod:`h3direct.checkpoint.quant.nvfp4` — NVFP4 (`comfy_quant` format ``nvfp4``): dequantize, quantize, W4A16 / W4A4
   linears, and which of the two ComfyUI runs on which hardware;
-- :mod:`h3direct.quant.int8` — ``int8_tensorwise`` (tensor-wise or per-row scale, optional ConvRot rotation);
-- :mod:`h3direct.quant.fp8` — ``float8_e4m3fn`` / ``float8_e5m2`` scaled weights and ``mxfp8``.
+- :mod:`h3direct.checkpoint.quant.int8` — ``int8_tensorwise`` (tensor-wise or per-row scale, optional ConvRot rotation);
+- :mod:`h3direct.checkpoint.quant.fp8` — ``float8_e4m3fn`` / ``float8_e5m2`` scaled weights and ``mxfp8``.
 
 `FORMATS` maps each `comfy_quant` format name to its checkpoint companions (suffixes after the layer
 prefix), the storage dtype of ``.weight`` and whether ComfyUI can also store an ``input_scale``.

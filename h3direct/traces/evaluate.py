@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from h3direct.dit.attention import DEFAULT_BACKEND
 from h3direct.dit.denoiser import Denoiser, audio_scale_of
 from h3direct.dit.model import Conditioning, H3DiT
-from h3direct.inputs import H3Inputs
+from h3direct.traces.inputs import H3Inputs
 
 
 def conditioning_of(inputs: H3Inputs) -> Conditioning:

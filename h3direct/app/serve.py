@@ -70,7 +70,7 @@ class Busy(Exception):
 
 
 def _generate_parser() -> argparse.ArgumentParser:
-    from h3direct import generate
+    from h3direct.app import generate
 
     p = argparse.ArgumentParser(prog="h3direct generate", add_help=False)
     generate.add_arguments(p)
@@ -145,7 +145,7 @@ class Service:
     # ---- one request ----
     def request_args(self, body: dict) -> argparse.Namespace:
         """The JSON body as the `h3direct generate` arguments it stands for, validated by generate's checks."""
-        from h3direct.generate import resolve_args
+        from h3direct.app.generate import resolve_args
 
         if not isinstance(body, dict):
             raise H3Error(f"the body must be a JSON object of request fields, got a JSON {_json_type(body)}")
@@ -218,7 +218,7 @@ class Service:
             self._lock.release()
 
     def _generate(self, ns: argparse.Namespace, *, queue_s: float, t_start: float) -> dict:
-        from h3direct.generate import generate_clip, summary_of
+        from h3direct.app.generate import generate_clip, summary_of
 
         pipe = self.pipe
         attention = pipe.attention
@@ -263,7 +263,7 @@ def _check_type(name: str, value, kind: str) -> None:
 
 def load_service(args: argparse.Namespace) -> Service:
     """Validate the server's model flags with generate's checks, then load the pipeline once."""
-    from h3direct.generate import load_pipeline, resolve_args
+    from h3direct.app.generate import load_pipeline, resolve_args
 
     ns = argparse.Namespace(**vars(_generate_parser().parse_args([])))
     for k in MODEL_FLAGS:

@@ -213,10 +213,6 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
-# ----------------------------------------------------------------------------------------------- inputs files
-# One reader for the self-describing inputs files, shared with the runtime (`h3direct.inputs`).
-from h3direct.inputs import H3Inputs as Inputs  # noqa: E402, F401 (re-exported)
-from h3direct.inputs import load_inputs  # noqa: E402, F401 (re-exported)
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -95,10 +95,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from h3direct.errors import H3Error
+    from h3direct.traces.format import load_vae_inputs, save_trace
     from h3direct.vae.api import decode_audio, decode_video, encode_audio, encode_video
     from h3direct.vae.audio import AudioVAE
     from h3direct.vae.loader import load_vae, read_constructor_args
-    from oracle.traces import load_vae_inputs, save_trace
 
     constructor_args = read_constructor_args(args.config)
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[args.dtype]

@@ -68,9 +68,9 @@ def _bundle(root: Path) -> Bundle:
 def _write_all(dest: Path, seed: int) -> None:
     import torch
 
+    from h3direct.checkpoint.synthetic import write_dit_checkpoint, write_state_dict
     from h3direct.config import H3Config
-    from h3direct.make_checkpoint import write_dit_checkpoint, write_state_dict
-    from h3direct.text_encoder import make_tiny_text_encoder
+    from h3direct.text.encoder import make_tiny_text_encoder
     from h3direct.vae.synthetic import make_state_dict
 
     write_dit_checkpoint(dest / FILES["dit"], H3Config.from_name(DIT_PRESET), seed=seed)

@@ -1,6 +1,6 @@
 """`h3direct generate`: prompt + references in, mp4 (H.264, 24 fps) with AAC stereo audio out.
 
-With no model arguments at all, the bundled tiny random models are used (`h3direct.bundled`), with small
+With no model arguments at all, the bundled tiny random models are used (`h3direct.app.bundled`), with small
 defaults (96×64, 22 frames, 4 steps) that run in seconds on a CPU. Each model argument that is left out
 falls back to its bundled counterpart (so `--checkpoint tiny.safetensors` alone works for a tiny DiT).
 
@@ -128,9 +128,9 @@ def _check_files(args: argparse.Namespace) -> None:
 
 
 def _check_request(args: argparse.Namespace) -> None:
-    from h3direct.caches import CACHE_MODES
-    from h3direct.sampler import SAMPLERS
-    from h3direct.schedules import SCHEDULERS
+    from h3direct.sampling.caches import CACHE_MODES
+    from h3direct.sampling.sampler import SAMPLERS
+    from h3direct.sampling.schedules import SCHEDULERS
 
     for name in ("width", "height"):
         v = getattr(args, name)
@@ -182,7 +182,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.vae_tile_size = _env_int("H3_VAE_TILE_SIZE")
     bundled_dit = args.checkpoint is None
     if bundled_dit:
-        from h3direct import bundled
+        from h3direct.app import bundled
 
         defaults = {"width": bundled.DEFAULT_WIDTH, "height": bundled.DEFAULT_HEIGHT,
                     "frames": bundled.DEFAULT_FRAMES, "steps": bundled.DEFAULT_STEPS}
@@ -238,9 +238,9 @@ def load_pipeline(args: argparse.Namespace, *, text_encoder_always: bool = False
 
     import torch
 
-    from h3direct import bundled
+    from h3direct.app import bundled
+    from h3direct.app.pipeline import H3Pipeline, peak_memory, resolve_device
     from h3direct.dit.attention import check_backend
-    from h3direct.pipeline import H3Pipeline, peak_memory, resolve_device
 
     device = resolve_device(args.device)
     args.compute_dtype = args.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -280,8 +280,8 @@ def generate_clip(pipe, args: argparse.Namespace, callback=None):
     """One request on a loaded pipeline: generate, write the mp4 atomically. Returns (Result, path, write seconds)."""
     import time
 
-    from h3direct.caches import CacheSettings
-    from h3direct.pipeline import video_soundtrack
+    from h3direct.app.pipeline import video_soundtrack
+    from h3direct.sampling.caches import CacheSettings
     from h3direct.vae.mp4 import write_mp4
 
     cache = None
@@ -304,7 +304,7 @@ def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings:
     """The one-line JSON summary of a generation (shared by the CLI and the HTTP service)."""
     import torch
 
-    from h3direct.pipeline import peak_memory
+    from h3direct.app.pipeline import peak_memory
 
     peak, kind = peak_memory(pipe.device)
     summary = {

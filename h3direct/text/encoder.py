@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3direct.errors import CheckpointError, H3Error
-from h3direct.qwen_vision import VISION_PRESETS, Linear, QwenVisionTower, VisionConfig, merged_tokens
+from h3direct.text.vision import VISION_PRESETS, Linear, QwenVisionTower, VisionConfig, merged_tokens
 
 PAD_ID = 151643
 VISION_START = 151652
@@ -388,8 +388,8 @@ def _quant_layers(sd: dict, path) -> dict:
 
 
 def _prepare_nvfp4(net: QwenVL, sd: dict, layers: dict, path) -> None:
-    from h3direct.quant import FORMATS
-    from h3direct.quant.nvfp4 import storage_shapes
+    from h3direct.checkpoint.quant import FORMATS
+    from h3direct.checkpoint.quant.nvfp4 import storage_shapes
 
     fmt = FORMATS["nvfp4"]
     modules = dict(net.named_modules())

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from h3direct.errors import H3Error
 
-DEFAULT_PATH = Path(__file__).with_name("budgets.toml")
+# The one tolerance table stays where users edit it: parity_tests/budgets.toml (installed beside this package).
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "parity_tests" / "budgets.toml"
 KEYS = ("mode", "kind", "compute", "weights", "attention")
 
 

@@ -14,13 +14,13 @@ from h3direct.errors import H3Error
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("h3direct.inspect", "validate a safetensors checkpoint header and report its H3 layout and config"),
-    "make-checkpoint": ("h3direct.make_checkpoint", "write a deterministic synthetic checkpoint in ComfyUI's format"),
-    "trace": ("h3direct.trace_cmd", "run one denoiser evaluation from an inputs file and record a per-layer trace"),
-    "trace-vae": ("h3direct.vae.trace_vae", "run every VAE case of an inputs file and record a trace"),
+    "inspect": ("h3direct.checkpoint.inspect", "validate a checkpoint header; report its H3 layout and config"),
+    "make-checkpoint": ("h3direct.checkpoint.synthetic", "write a seeded synthetic checkpoint in ComfyUI's format"),
+    "trace": ("h3direct.traces.trace_dit", "one denoiser evaluation from an inputs file, traced per layer"),
+    "trace-vae": ("h3direct.traces.trace_vae", "run every VAE case of an inputs file and record a trace"),
     "decode-latent": ("h3direct.vae.decode_latent", "decode a video (+ audio) latent file to an mp4"),
-    "generate": ("h3direct.generate", "generate a clip with stereo audio from a prompt and references"),
-    "serve": ("h3direct.serve", "serve generations over HTTP with the models kept loaded"),
+    "generate": ("h3direct.app.generate", "generate a clip with stereo audio from a prompt and references"),
+    "serve": ("h3direct.app.serve", "serve generations over HTTP with the models kept loaded"),
 }
 
 
