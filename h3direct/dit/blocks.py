@@ -1,13 +1,21 @@
 """H3 transformer layers. Attribute names are ComfyUI's checkpoint keys (`blocks.7.attn.qkv_proj`, …).
 
-In-place updates mirror ComfyUI's order of operations (modulation on the norm output, gated residual
-accumulated into the stream), so bf16 results round the same way.
+Each sublayer of a DiT block computes, for the rows of one modulation run with adaLN row r,
+
+    h = norm(x) ⊙ (1 + scale_r) + shift_r,        x ← x + sublayer(h) ⊙ gate_r,
+
+with the modulation applied in place on the norm output and the gated residual accumulated into the stream
+in place. That order (multiply, then add, then addcmul into x) is also the oracle's, so bf16 results round
+the same way.
 """
 
 from __future__ import annotations
 
+from functools import partial, reduce
+
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from h3direct.dit import fused
@@ -40,23 +48,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None = None, *,
                 backend: str = DEFAULT_BACKEND) -> torch.Tensor:
-        # x: [S, hidden] -> [S, hidden]; qkv rows are contiguous q | k | v thirds
-        s, h, d = x.shape[0], self.heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split(h * d, dim=-1)
-        if rope_table is not None:
-            # fused per-head RMSNorm + partial rope, written back into the qkv buffer like ComfyUI's kernel
-            q, k = q.view(1, s, h, d), k.view(1, s, h, d)
-            rms_norm_rope_(q, k, self.q_norm.weight, self.k_norm.weight, rope_table, self.q_norm.eps)
-            q, k = q[0], k[0]
+        # x: [S, hidden] -> [S, hidden]. The projection's features are q | k | v, each split into heads.
+        seq = x.shape[0]
+        q, k, v = (third.view(seq, self.heads, self.head_dim) for third in self.qkv_proj(x).chunk(3, dim=-1))
+        if rope_table is None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            # q and k stay views into the projection output; the kernel normalises and rotates them there
+            rms_norm_rope_(q[None], k[None], self.q_norm.weight, self.k_norm.weight, rope_table, self.q_norm.eps)
             if self.tracer is not None:
                 self.tracer.record_tensor(self, "rope_q", q)
                 self.tracer.record_tensor(self, "rope_k", k)
-        else:
-            q, k = self.q_norm(q.view(s, h, d)), self.k_norm(k.view(s, h, d))
-        v = v.reshape(s, h, d).clone()
-        out = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)
-        return self.out_proj(out[0])
+        v = v.contiguous()  # a dense copy of the strided v slice for the attention kernels
+        q, k, v = (rearrange(t, "s h d -> 1 h s d") for t in (q, k, v))
+        return self.out_proj(attention(q, k, v, backend)[0])
 
 
 class MLP(nn.Module):
@@ -102,9 +107,10 @@ class AdalnProj(nn.Module):
         self.linear = Linear(t_dim, expand * hidden * modalities, bias=True, island=curve)
 
     def forward(self, t_emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        x = self.linear(F.silu(t_emb) if self.apply_silu else t_emb)
-        x = x.view(x.shape[0] * self.modalities, self.expand * self.hidden)
-        return x.chunk(self.expand, dim=-1)
+        # t_emb: [M, t_dim]. The linear's features are laid out (modality, expand, hidden).
+        feats = self.linear(F.silu(t_emb) if self.apply_silu else t_emb)
+        table = rearrange(feats, "m (g e d) -> e (m g) d", g=self.modalities, e=self.expand)
+        return tuple(table.unbind(0))
 
 
 def modulate_(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, runs: list[ModRun]) -> torch.Tensor:
@@ -132,9 +138,10 @@ class RefinerBlock(nn.Module):
         self.mlp = MLP(hidden, ffn)
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
-        # x: [L, hidden]
-        x = self.attn(self.norm1(x), backend=backend).add_(x)
-        return self.mlp(self.norm2(x)).add_(x)
+        # x: [L, hidden] -> [L, hidden]; x ← sublayer(norm(x)) + x, the sum taken into the fresh output
+        for norm, sublayer in ((self.norm1, partial(self.attn, backend=backend)), (self.norm2, self.mlp)):
+            x = sublayer(norm(x)).add_(x)
+        return x
 
 
 class TokenRefiner(nn.Module):
@@ -145,9 +152,9 @@ class TokenRefiner(nn.Module):
         self.final_norm = RMSNorm(hidden, final_eps)
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x, backend=backend)
-        return self.final_norm(x)
+        # x: [L, hidden] text features -> refined [L, hidden]
+        refined = reduce(lambda h, layer: layer(h, backend=backend), self.blocks, x)
+        return self.final_norm(refined)
 
 
 class DiTBlock(nn.Module):
@@ -162,11 +169,13 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, runs: list[ModRun], rope_table: torch.Tensor, *,
                 backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-        h = modulate_(self.norm1(x), shift_msa, scale_msa, runs)
-        x = gated_residual_(x, gate_msa, self.attn(h, rope_table, backend=backend), runs)
-        h = modulate_(self.norm2(x), shift_mlp, scale_mlp, runs)
-        return gated_residual_(x, gate_mlp, self.mlp(h, chunks=mlp_chunks), runs)
+        mods = self.adaln_proj(t_emb)  # shift, scale, gate of the attention, then the same three of the MLP
+        sublayers = ((self.norm1, partial(self.attn, rope_table=rope_table, backend=backend)),
+                     (self.norm2, partial(self.mlp, chunks=mlp_chunks)))
+        for i, (norm, sublayer) in enumerate(sublayers):
+            shift, scale, gate = mods[3 * i:3 * i + 3]
+            x = gated_residual_(x, gate, sublayer(modulate_(norm(x), shift, scale, runs)), runs)
+        return x
 
 
 class FinalLayer(nn.Module):
@@ -181,9 +190,11 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, video_seg: tuple[int, int, int],
                 audio_seg: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        # segments: (start, stop, timestep_row); returns fp32 [n_video, C·4], [n_audio, C_audio]
+        # x: [S, hidden]; each target is (start, stop, time-embedding row) -> fp32 [rows, video_dim / audio_dim]
+        # y = head(norm(x) ⊙ (1 + scale_r) + shift_r), the head in fp32
         shift, scale = self.adaln_proj(t_emb)
-        (va, vb, vrow), (aa, ab, arow) = video_seg, audio_seg
-        hv = (self.norm(x[va:vb]) * (1.0 + scale[vrow]) + shift[vrow]).to(torch.float32)
-        ha = (self.norm(x[aa:ab]) * (1.0 + scale[arow]) + shift[arow]).to(torch.float32)
-        return self.video_out(hv), self.audio_out(ha)
+        outs = []
+        for (lo, hi, r), head in ((video_seg, self.video_out), (audio_seg, self.audio_out)):
+            y = self.norm(x[lo:hi]).mul(1.0 + scale[r]).add(shift[r])
+            outs.append(head(y.float()))
+        return outs[0], outs[1]

@@ -19,7 +19,8 @@ import torch
 
 from h3direct.dit.attention import DEFAULT_BACKEND
 from h3direct.dit.model import Conditioning, H3DiT
-from h3direct.dit.timesteps import sigma_from_timestep, time_shift_sigma
+from h3direct.dit.timesteps import sigma_from_timestep
+from h3direct.sampling.schedules import audio_sigma
 
 
 def audio_scale_of(model: H3DiT) -> float:
@@ -34,7 +35,7 @@ def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timest
     if audio_scale != 1.0:
         c = model.config
         sigma_v = sigma_from_timestep(timestep)
-        sigma_a = time_shift_sigma(sigma_v, c.sigma_shift_video, c.sigma_shift_audio)
+        sigma_a = audio_sigma(sigma_v, c.sigma_shift_video, c.sigma_shift_audio)
         carry = (sigma_a / sigma_v).to(audio.dtype)
         audio = carried * carry
     model._record("dit_inner.in.video", video)

@@ -56,8 +56,21 @@ def condition_rows(video_latents: list[torch.Tensor], audio_latents: list[torch.
     return (torch.cat(v) if v else None), (torch.cat(a) if a else None)
 
 
+def sinusoid_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 [M] -> [M, dim]: (cos(t·ω_0), …, cos(t·ω_{n−1}), sin(t·ω_0), …, sin(t·ω_{n−1})), n = dim / 2.
+
+    The angular frequencies are geometric from 1 down towards 1/10000: ω_j = 10000^(−j/n), computed as
+    exp(j · (−ln 10000) / n) in float32, j = 0..n−1.
+    """
+    n = dim // 2
+    j = torch.arange(n, dtype=torch.float32, device=t.device)
+    omega = torch.exp(-math.log(10000.0) * j / n)
+    phase = torch.outer(t.to(torch.float32), omega)  # [M, n]
+    return torch.cat([phase.cos(), phase.sin()], dim=1)
+
+
 class TimeEmbedder(nn.Module):
-    """Sinusoidal (cos, sin) features of t ∈ [0, 1] -> SiLU MLP. fp32 island of the checkpoint."""
+    """t ∈ [0, 1] -> proj_out(SiLU(proj_in(sinusoid_features(t)))). Both linears are fp32 in the checkpoint."""
 
     def __init__(self, freq_dim: int, hidden: int, out: int):
         super().__init__()
@@ -66,12 +79,9 @@ class TimeEmbedder(nn.Module):
         self.proj_out = Linear(hidden, out, bias=True, island=True)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        # t: [M] float32 -> [M, out] in proj_out's compute dtype (float32)
-        half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-        args = t.to(torch.float32)[:, None] * freqs[None]
-        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.proj_out(F.silu(self.proj_in(features)))
+        # t: [M] -> [M, out] float32
+        hidden = F.silu(self.proj_in(sinusoid_features(t, self.freq_dim)))
+        return self.proj_out(hidden)
 
 
 def curve_embedding(table: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,16 @@ Rows, in order: text | fl2va keyframes (video rows, then audio rows, per keyfram
   max(audio length, its video span); the targets start after all references;
 - a keyframe at pixel frame f sits at target origin + 5/3 · f.
 
-Facts from ComfyUI's `comfy/ldm/minimax/model.py` (PackedLayout); float64 arithmetic is done in the same
-order so positions are bit-identical.
+The positions are facts of the checkpoint (ComfyUI's `PackedLayout` is the oracle); the float64 sums and
+products below are evaluated in an order that reproduces the oracle's positions bit for bit, which the parity
+gate checks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import cycle, islice
 
 import torch
 
@@ -35,9 +37,15 @@ REF_KINDS = ("image", "audio", "video", "video_audio")
 
 @dataclass(frozen=True)
 class Segment:
+    """Rows [start, stop) of the packed sequence, all of one kind.
+
+    Kinds: "text" (prompt tokens), "cond"/"cond_audio" (keyframe latents), "ref_img"/"ref_audio" (reference
+    latents; a reference video's frames are "ref_img" rows too) and the two denoised targets "audio", "video".
+    """
+
     start: int
     stop: int
-    kind: str  # text | cond | cond_audio | ref_img | ref_audio | audio | video
+    kind: str
 
     @property
     def rows(self) -> int:
@@ -67,10 +75,16 @@ class PackedLayout:
 
 
 def grid_axis(dim: int, sqrt_area: float, patch: int = 2) -> torch.Tensor:
-    """Area-normalised coordinates of the `dim // patch` patch centres along one axis, float64."""
-    ratio = dim / sqrt_area
-    n = dim // patch
-    return (torch.arange(n, dtype=torch.float64) * (ratio / n) + (1.0 - ratio) / 2.0) * 32.0
+    """float64 [dim // patch] coordinates of one spatial axis.
+
+    The axis is measured in units of the frame's geometric-mean side sqrt(h·w): it covers a window of width
+    r = dim / sqrt(h·w) centred on 1/2, i.e. [(1 − r)/2, (1 + r)/2), sampled at its n = dim/patch left edges
+    (step r/n), and scaled by 32. A square frame thus spans [0, 32) on both axes whatever its size.
+    """
+    width = dim / sqrt_area
+    count = dim // patch
+    left_edge = (1.0 - width) / 2.0
+    return (torch.arange(count, dtype=torch.float64) * (width / count) + left_edge) * 32.0
 
 
 def frame_grid(latent_h: int, latent_w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,38 +96,47 @@ def frame_grid(latent_h: int, latent_w: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def video_spans(n_frames: int) -> list[float]:
-    return [FRAME_RESCALE * FRAME_PER_TOKEN[k % len(FRAME_PER_TOKEN)] for k in range(n_frames)]
+    """t extent of each of `n_frames` latent frames: 5/3 per pixel frame it holds (1, 4, 4, 4, 4, 1, 4, …)."""
+    return [FRAME_RESCALE * pixel_frames for pixel_frames in islice(cycle(FRAME_PER_TOKEN), n_frames)]
 
 
 def video_positions(n_frames: int, frame: torch.Tensor, origin: float) -> torch.Tensor:
-    """[n_frames · rows_per_frame, 3]: frame k at origin + sum of the spans before it."""
-    spans = torch.tensor(video_spans(n_frames), dtype=torch.float64)
-    t = float(origin) + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
-    pos = torch.empty(n_frames, frame.shape[0], 3, dtype=torch.float64)
-    pos[:, :, 0] = t[:, None]
-    pos[:, :, 1:] = frame[None]
-    return pos.reshape(-1, 3)
+    """float64 [n_frames · P, 3] for a clip whose frames each have the P (h, w) rows of `frame` [P, 2].
+
+    Latent frame k starts at t_k = origin + Σ_{j<k} span_j (an exclusive prefix sum of `video_spans`).
+    """
+    starts = torch.zeros(n_frames, dtype=torch.float64)
+    starts[1:] = torch.tensor(video_spans(n_frames)[:-1], dtype=torch.float64).cumsum(0)
+    starts = float(origin) + starts
+    per_frame = frame.shape[0]
+    t_col = starts.repeat_interleave(per_frame)[:, None]
+    return torch.cat([t_col, frame.repeat(n_frames, 1)], dim=1)
 
 
 def audio_positions(origin: float, n_frames: int, w_left: float, w_right: float) -> torch.Tensor:
-    """[2 · n_frames, 3] channel-major stereo rows."""
-    pos = torch.zeros(2 * n_frames, 3, dtype=torch.float64)
-    pos[:, 0] = (origin + torch.arange(n_frames, dtype=torch.float64)).repeat(2)
-    pos[:n_frames, 2] = w_left
-    pos[n_frames:, 2] = w_right
-    return pos
+    """float64 [2·T, 3] for T stereo latent frames, left channel's T rows first.
+
+    Row (c, j) sits at t = origin + j, h = 0, w = w_left for c = 0 and w_right for c = 1.
+    """
+    t_col = (origin + torch.arange(n_frames, dtype=torch.float64)).repeat(2)
+    w_col = torch.tensor([w_left, w_right], dtype=torch.float64).repeat_interleave(n_frames)
+    return torch.stack([t_col, torch.zeros_like(t_col), w_col], dim=1)
 
 
 def ref_span(ref: dict) -> float:
-    """Length along t that a reference block occupies."""
+    """t extent L of one reference block, which shifts everything packed after it.
+
+    L = 1 for an image; for an audio clip of T_a latent frames L = T_a; for a video (with or without its
+    soundtrack) L = max(T_a, Σ video_spans); a kind outside REF_KINDS takes no room.
+    """
     kind = ref["kind"]
+    if kind not in REF_KINDS:
+        return 0.0
     if kind == "image":
         return 1.0
-    if kind == "audio":
-        return float(ref["ref_audio_t"])
-    if kind in ("video", "video_audio"):
-        return max(float(ref["ref_audio_t"]), sum(video_spans(ref["latent_t"])))
-    return 0.0
+    soundtrack = float(ref["ref_audio_t"])
+    picture = 0.0 if kind == "audio" else sum(video_spans(ref["latent_t"]))
+    return max(soundtrack, picture)
 
 
 def build_layout(text_len: int, latent_t: int, latent_h: int, latent_w: int, audio_t: int,

@@ -7,16 +7,18 @@ the time embeddings; each adaLN projection emits `3` rows per timestep (one per 
 0 video, 1 text, 2 audio), so a segment's modulation row is t_index · 3 + tag. Text rows take their tag
 from the presentation (vision pads carry tag 0), split into runs.
 
-Arithmetic on σ is done in float32 tensors as ComfyUI does, then turned into Python floats.
+Arithmetic on σ is done in float32 tensors (the oracle's precision), then turned into Python floats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
 from h3direct.dit.layout import PackedLayout
+from h3direct.sampling.schedules import audio_sigma
 
 VISUAL_COND_TIMESTEP = 0.999
 AUDIO_COND_TIMESTEP = 1.0
@@ -24,12 +26,7 @@ TAG_VIDEO, TAG_TEXT, TAG_AUDIO = 0, 1, 2
 MODALITIES = 3
 SEGMENT_TAG = {"text": TAG_TEXT, "video": TAG_VIDEO, "cond": TAG_VIDEO, "ref_img": TAG_VIDEO,
                "audio": TAG_AUDIO, "cond_audio": TAG_AUDIO, "ref_audio": TAG_AUDIO}
-
-
-def time_shift_sigma(sigma, from_shift: float, to_shift: float):
-    """Map σ between two flow shifts: undo σ = s·b/(1 + (s−1)·b) for `from_shift`, re-apply `to_shift`."""
-    base = sigma / (from_shift + sigma * (1.0 - from_shift))
-    return to_shift * base / (1.0 + (to_shift - 1.0) * base)
+CONDITION_KINDS = ("cond", "ref_img", "cond_audio", "ref_audio")  # rows that are given, never denoised
 
 
 def sigma_from_timestep(timestep: torch.Tensor) -> torch.Tensor:
@@ -60,35 +57,38 @@ def plan_timesteps(layout: PackedLayout, timestep: torch.Tensor, *, shift_video:
                    shift_audio: float = 3.0, text_tags: torch.Tensor | None = None,
                    visual_cond_aug: float = VISUAL_COND_TIMESTEP,
                    audio_cond_aug: float = AUDIO_COND_TIMESTEP) -> TimestepPlan:
+    """Which time embedding and which adaLN row modulates each row of `layout`.
+
+    t(kind) = 1 − σ of the kind's stream (σ_v for video and text, σ_a for audio); condition rows take
+    max(t, aug) with aug = `visual_cond_aug` / `audio_cond_aug`. The distinct t values, ascending, are the
+    rows of the time embedding; a run's adaLN row is index(t) · MODALITIES + tag.
+    """
     sigma_v = sigma_from_timestep(timestep)
-    sigma_a = time_shift_sigma(sigma_v, shift_video, shift_audio)
-    t_v = float(1.0 - sigma_v)
-    t_a = float(1.0 - sigma_a)
-    seg_t = {"text": t_v, "video": t_v, "audio": t_a,
-             "cond": max(t_v, float(visual_cond_aug)), "ref_img": max(t_v, float(visual_cond_aug)),
-             "cond_audio": max(t_a, float(audio_cond_aug)), "ref_audio": max(t_a, float(audio_cond_aug))}
-    distinct = {t_v, t_a}
-    if layout.has("cond", "ref_img"):
-        distinct.add(seg_t["cond"])
-    if layout.has("cond_audio", "ref_audio"):
-        distinct.add(seg_t["ref_audio"])
-    values = sorted(distinct)
-    index = {t: i for i, t in enumerate(values)}
+    sigma_a = audio_sigma(sigma_v, shift_video, shift_audio)
+    t_video, t_audio = float(1.0 - sigma_v), float(1.0 - sigma_a)
+    floor = {TAG_VIDEO: float(visual_cond_aug), TAG_TEXT: None, TAG_AUDIO: float(audio_cond_aug)}
+
+    def t_of(kind: str) -> float:
+        tag = SEGMENT_TAG[kind]
+        t = t_audio if tag == TAG_AUDIO else t_video
+        return max(t, floor[tag]) if kind in CONDITION_KINDS else t
+
+    # the targets are always present, so t_video and t_audio always get a row
+    values = sorted({t_video, t_audio} | {t_of(seg.kind) for seg in layout.segments})
+    row_of = {t: i for i, t in enumerate(values)}
 
     tags = None if text_tags is None else [int(v) for v in text_tags.reshape(-1).tolist()]
     runs: list[ModRun] = []
     for seg in layout.segments:
-        base = index[seg_t[seg.kind]] * MODALITIES
-        if seg.kind == "text" and tags is not None:
-            if len(tags) != seg.rows:
-                raise ValueError(f"token tags cover {len(tags)} tokens, text segment has {seg.rows}")
-            i = 0
-            while i < seg.rows:  # one run per maximal span of equal tags
-                j = i
-                while j < seg.rows and tags[j] == tags[i]:
-                    j += 1
-                runs.append(ModRun(seg.start + i, seg.start + j, base + tags[i]))
-                i = j
-        else:
-            runs.append(ModRun(seg.start, seg.stop, base + SEGMENT_TAG[seg.kind]))
-    return TimestepPlan(values, runs, index[t_v], index[t_a], sigma_v, sigma_a)
+        first_row = row_of[t_of(seg.kind)] * MODALITIES
+        if seg.kind != "text" or tags is None:
+            runs.append(ModRun(seg.start, seg.stop, first_row + SEGMENT_TAG[seg.kind]))
+            continue
+        if len(tags) != seg.rows:
+            raise ValueError(f"token tags cover {len(tags)} tokens, text segment has {seg.rows}")
+        at = seg.start
+        for tag, same in groupby(tags):  # vision pads inside the prompt carry the video tag
+            width = sum(1 for _ in same)
+            runs.append(ModRun(at, at + width, first_row + tag))
+            at += width
+    return TimestepPlan(values, runs, row_of[t_video], row_of[t_audio], sigma_v, sigma_a)

@@ -23,13 +23,15 @@ import torch
 
 from h3direct.errors import H3Error
 
-CANVAS_MULTIPLE = 32
-BASE_SHORT_EDGE = 768
-MAX_PIXELS = 768 * 1344
-REF_IMAGE_SHORT_EDGE = 2048
+# time: pixel frames per second, audio latent frames per second, audio samples per second
 FPS = 24
 AUDIO_LATENT_FPS = 40
 AUDIO_SAMPLE_RATE = 32000
+# space: the generation canvas and reference image sizes, in pixels
+BASE_SHORT_EDGE = 768
+MAX_PIXELS = BASE_SHORT_EDGE * 1344
+CANVAS_MULTIPLE = 32
+REF_IMAGE_SHORT_EDGE = 2048
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
 FRAME_RESCALE = 5.0 / 3.0  # pixel frames → audio latent frames on the shared time axis
 MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS = 9, 3, 3
@@ -115,12 +117,14 @@ class H3Conditioning:
 # ---- geometry -------------------------------------------------------------------------------
 
 def align_frame_count(n: int) -> int:
-    """Smallest 17k+5 ≥ n."""
+    """Smallest frame count of the form 17k + 5 that is ≥ n."""
     return n + (5 - n) % 17
 
 
 def video_latent_frames(frame_count: int) -> int:
-    return 2 if frame_count <= 5 else (frame_count - 5) // 17 * 5 + 2
+    """Video latent length T for 17k + 5 pixel frames: 2 + 5k (5 frames -> 2, 22 -> 7, 39 -> 12, …)."""
+    k = max(0, (frame_count - 5) // 17)
+    return 2 + 5 * k
 
 
 def frames_of_latent(latent_t: int) -> int:
@@ -129,23 +133,34 @@ def frames_of_latent(latent_t: int) -> int:
 
 
 def temporal_shape(length: int) -> tuple:
-    """(frame_count, video latent T, audio latent T) for a requested length in frames."""
-    frames = align_frame_count(max(5, length))
-    return frames, video_latent_frames(frames), round(frames / FPS * AUDIO_LATENT_FPS)
+    """(n, T, T_a) for a requested length: n = the aligned frame count (≥ 5), T its video latent length,
+    T_a = round(n / 24 s⁻¹ · 40 s⁻¹) audio latent frames over the same duration."""
+    n = align_frame_count(max(5, length))
+    seconds = n / FPS
+    return n, video_latent_frames(n), round(seconds * AUDIO_LATENT_FPS)
 
 
 def _round32(v: float) -> int:
-    return max(CANVAS_MULTIPLE, round(v / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+    """v rounded to the nearest multiple of 32 (ties to even), at least 32."""
+    return max(CANVAS_MULTIPLE, CANVAS_MULTIPLE * round(v / CANVAS_MULTIPLE))
 
 
 def adapt_canvas(width: int, height: int) -> tuple:
-    """768-short-edge canvas, area capped at 768·1344, each side rounded to 32."""
-    aspect = width / height
-    w, h = (BASE_SHORT_EDGE * aspect, BASE_SHORT_EDGE) if aspect >= 1.0 else (BASE_SHORT_EDGE, BASE_SHORT_EDGE / aspect)
-    if w * h > MAX_PIXELS:
-        k = math.sqrt(MAX_PIXELS / (w * h))
-        w, h = w * k, h * k
-    return _round32(w), _round32(h)
+    """(W, H) of the generation canvas for a requested size.
+
+    Keep the aspect a = width / height and put the short edge at 768: the long edge is 768·a (landscape)
+    or 768/a (portrait). If W·H exceeds 768·1344 pixels, shrink both edges by sqrt(768·1344 / (W·H)).
+    Each edge is then rounded to a multiple of 32 on its own (`_round32`).
+    """
+    a = width / height
+    landscape = a >= 1.0
+    long_edge = BASE_SHORT_EDGE * a if landscape else BASE_SHORT_EDGE / a
+    edges = (long_edge, BASE_SHORT_EDGE) if landscape else (BASE_SHORT_EDGE, long_edge)
+    area = edges[0] * edges[1]
+    if area > MAX_PIXELS:
+        shrink = math.sqrt(MAX_PIXELS / area)
+        edges = (edges[0] * shrink, edges[1] * shrink)
+    return _round32(edges[0]), _round32(edges[1])
 
 
 def check_request(width: int, height: int, length: int) -> None:
@@ -227,29 +242,30 @@ def add_guide(cond: H3Conditioning, frame_idx: int, *, image: torch.Tensor | Non
               encode_audio: EncodeAudio | None = None) -> H3Conditioning:
     """MiniMaxH3AddGuide: anchor an image / 17k+5-frame clip and/or audio at `frame_idx` (negative = from end)."""
     if image is None and audio is None:
-        raise H3Error("a guide needs an image or an audio to anchor")
+        raise H3Error("add_guide: give an image, an audio clip, or both")
+    if image is not None and encode_video is None:
+        raise H3Error("add_guide: a guide image is encoded with the video VAE; none was given")
+    if audio is not None and encode_audio is None:
+        raise H3Error("add_guide: guide audio is encoded with the audio VAE; none was given")
     frames = frames_of_latent(cond.video_shape[2])
-    n = 1
-    if image is not None:
-        if encode_video is None:
-            raise H3Error("anchoring a guide image needs the video VAE")
-        n = image.shape[0]
-        n = 1 if n < 5 else n - (n - 5) % 17
+    # an image batch of m ≥ 5 frames anchors its first 17k + 5 frames as a clip; fewer anchor one still
+    m = 0 if image is None else image.shape[0]
+    n = m - (m - 5) % 17 if m >= 5 else 1
     at = frame_idx if frame_idx >= 0 else frames + frame_idx
     if at < 0 or at + n > frames:
         what = "frame_idx" if n == 1 else f"a {n} frame guide clip at frame_idx"
         raise H3Error(f"{what} {frame_idx} does not fit in the video's {frames} frames")
+    # pixel frame f sits at 5/3·f on the audio latent axis, so audio anchored there has this many frames left
+    audio_room = math.floor(cond.audio_shape[-1] - FRAME_RESCALE * at)
+    if audio is not None and audio_room < 1:
+        raise H3Error(f"frame_idx {frame_idx}: the audio track ({cond.audio_shape[-1]} latent frames) ends "
+                      "before it; anchor the audio earlier")
     kf = Keyframe(at)
     if image is not None:
         kf.latent = encode_video(resize_frames(image[:n], cond.width, cond.height, center_crop=True))
     if audio is not None:
-        if encode_audio is None:
-            raise H3Error("anchoring guide audio needs the audio VAE")
         z, zt = encode_ref_audio(encode_audio, audio)
-        room = math.floor(cond.audio_shape[-1] - FRAME_RESCALE * at)
-        if room < 1:
-            raise H3Error(f"frame_idx {frame_idx} is past the end of the video's audio track")
-        kf.audio_latent = z[..., :room].clone() if zt > room else z
+        kf.audio_latent = z if zt <= audio_room else z[..., :audio_room].clone()
     cond.keyframes.append(kf)
     return cond
 

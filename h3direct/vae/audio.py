@@ -58,12 +58,10 @@ class AttnProjection(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int, heads: int, mlp_ratio: int):
         super().__init__()
-        self.norm1 = nn.LayerNorm(in_dim)
-        self.attn = CausalAttention(in_dim, out_dim, heads)
-        self.proj = nn.Linear(in_dim, out_dim)
-        self.norm3 = nn.LayerNorm(in_dim)
-        self.norm2 = nn.LayerNorm(out_dim)
-        self.mlp = GeGluMlp(out_dim, int(out_dim * mlp_ratio))
+        # skip path: proj(norm3(x)); attention path: attn(norm1(x)); then the MLP on norm2 of their sum
+        self.proj, self.norm3 = nn.Linear(in_dim, out_dim), nn.LayerNorm(in_dim)
+        self.attn, self.norm1 = CausalAttention(in_dim, out_dim, heads), nn.LayerNorm(in_dim)
+        self.mlp, self.norm2 = GeGluMlp(out_dim, int(out_dim * mlp_ratio)), nn.LayerNorm(out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [N, T, in_dim] -> [N, T, out_dim]

@@ -46,23 +46,30 @@ class SnakeBeta(nn.Module):
         return snake(x, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None])
 
 
+def _kaiser_beta(attenuation_db: float) -> float:
+    """Kaiser's empirical window shape β for a stop-band attenuation A (dB):
+    0.1102·(A − 8.7) above 50 dB, 0.5842·(A − 21)^0.4 + 0.07886·(A − 21) from 21 to 50 dB, else 0."""
+    if attenuation_db > 50.0:
+        return 0.1102 * (attenuation_db - 8.7)
+    if attenuation_db < 21.0:
+        return 0.0
+    excess = attenuation_db - 21
+    return 0.5842 * excess ** 0.4 + 0.07886 * (attenuation_db - 21.0)
+
+
 @functools.lru_cache(maxsize=64)
 def _kaiser_sinc_filter_cached(cutoff: float, half_width: float, kernel_size: int) -> torch.Tensor:
-    """Low-pass FIR [1, 1, K]: kaiser-windowed sinc (Kaiser's β formula for the transition width), unit DC gain."""
+    """Low-pass FIR [1, 1, K] with unit DC gain.
+
+    h[n] ∝ w[n] · 2f_c · sinc(2f_c · τ_n), with w a Kaiser window whose β follows from Kaiser's length
+    estimate A = 2.285 · (K/2 − 1) · π · Δ + 7.95 for a transition width Δ = 4 · half_width; the taps sit at
+    τ_n = n − K/2 + 1/2 for even K (symmetric about the centre gap) and τ_n = n − ⌊K/2⌋ for odd K.
+    """
     half = kernel_size // 2
-    attenuation = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95
-    if attenuation > 50.0:
-        beta = 0.1102 * (attenuation - 8.7)
-    elif attenuation >= 21.0:
-        beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
-    else:
-        beta = 0.0
-    window = torch.kaiser_window(kernel_size, periodic=False, beta=beta)
-    if kernel_size % 2 == 0:
-        t = torch.arange(-half, half) + 0.5
-    else:
-        t = torch.arange(kernel_size) - half
-    taps = 2 * cutoff * window * torch.sinc(2 * cutoff * t)
+    window = torch.kaiser_window(kernel_size, periodic=False,
+                                 beta=_kaiser_beta(2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95))
+    offsets = torch.arange(-half, half) + 0.5 if kernel_size % 2 == 0 else torch.arange(kernel_size) - half
+    taps = 2 * cutoff * window * torch.sinc(2 * cutoff * offsets)
     return (taps / taps.sum()).view(1, 1, kernel_size)
 
 

@@ -28,10 +28,11 @@ GROUP_NORM_EPS = 1e-6
 
 
 class CausalConv3d(nn.Module):
-    """Conv3d with reflect padding in space and causal (front, zero) padding in time.
+    """y = conv3d(pad(x)): space padded by reflection (p_h, p_w on both sides), time by 2·p_t zero frames
+    in front only, so output frame i depends on input frames ≤ i.
 
-    A single-frame input uses only the last temporal tap of the kernel: the zero frames in front
-    would contribute nothing, so they are skipped.
+    With T = 1 the kernel's first k_t − 1 temporal taps would only ever meet the zero frames, so the
+    convolution runs with the last tap alone and no time padding (the same sum without the zero terms).
     """
 
     def __init__(self, cin: int, cout: int, kernel: int, stride=(1, 1, 1), pad=(0, 0, 0)):
@@ -43,20 +44,19 @@ class CausalConv3d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [B, Cin, T, H, W] -> [B, Cout, T', H', W']
-        if self.pad_t == self.pad_h == self.pad_w == 0:
-            return F.conv3d(x, self.weight, self.bias, self.stride)
         if self.pad_h or self.pad_w:
             x = F.pad(x, (self.pad_w, self.pad_w, self.pad_h, self.pad_h, 0, 0), mode="reflect")
-        weight = self.weight
+        if self.pad_t == 0:
+            return F.conv3d(x, self.weight, self.bias, self.stride)
         if x.shape[2] == 1:
-            weight = weight[:, :, -1:]
-        else:
-            x = F.pad(x, (0, 0, 0, 0, 2 * self.pad_t, 0))
-        return F.conv3d(x, weight, self.bias, self.stride)
+            return F.conv3d(x, self.weight[:, :, -1:], self.bias, self.stride)
+        history = x.new_zeros(x.shape[0], x.shape[1], 2 * self.pad_t, *x.shape[3:])
+        return F.conv3d(torch.cat([history, x], dim=2), self.weight, self.bias, self.stride)
 
 
 class FrameGroupNorm(nn.GroupNorm):
-    """GroupNorm(32) whose statistics are taken per frame (time folded into the batch)."""
+    """GroupNorm(32) of each frame on its own: mean and variance over (a group's channels, H, W) of one
+    frame, never across frames."""
 
     def __init__(self, channels: int):
         super().__init__(GROUPS, channels, eps=GROUP_NORM_EPS)
@@ -93,10 +93,10 @@ class Downsample3D(nn.Module):
                                  pad=(1, 0, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [B, C, T, H, W] -> [B, C, T/ts, H/ss, W/ss]
-        if self.space_stride == 2:
-            x = F.pad(x, (0, 1, 0, 1, 0, 0), mode="reflect")
-        return self.conv(x)
+        # [B, C, T, H, W] -> [B, C, T/ts, H/ss, W/ss]; a stride-2 3-tap conv over H needs one extra
+        # (reflected) row and column at the far edge to produce exactly H/2 × W/2 outputs
+        extra = 1 if self.space_stride == 2 else 0
+        return self.conv(F.pad(x, (0, extra, 0, extra, 0, 0), mode="reflect") if extra else x)
 
 
 class EncoderLevel(nn.Module):

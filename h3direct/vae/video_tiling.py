@@ -122,12 +122,19 @@ def token_frames(index: int, cfg: VideoVAEConfig) -> int:
 
 
 def plan_decode(t_lat: int, cfg: VideoVAEConfig) -> DecodePlan:
+    """Chunking of a T-token latent for the decoder (c = tokens_chunk_size, d = token_drop, o = token_overlap).
+
+    The latent is extended by p repeated last tokens so that T + d + p is a multiple of c; chunk i covers
+    tokens [i·c, i·c + c + o) (clipped to T + p), for n = (T + d + p)/c − [d > 0] chunks, and at least one:
+    a latent shorter than that gets c more padding tokens. The output keeps every chunk's main frames and the
+    last chunk's tail, minus the frames the padding tokens produced.
+    """
     if t_lat == 1:
         return DecodePlan(1, 0, ((0, 1),), 1)
     size, drop = cfg.tokens_chunk_size, cfg.token_drop
     pad = (-(t_lat + drop)) % size
     n = (t_lat + drop + pad) // size - (1 if drop > 0 else 0)
-    if n < 1:  # too few tokens for one chunk: pad a whole extra chunk
+    if n < 1:  # e.g. T = 2: n would be 0
         pad += size
         n += 1
     total = t_lat + pad
