@@ -136,8 +136,7 @@ def temporal_shape(length: int) -> tuple:
     """(n, T, T_a) for a requested length: n = the aligned frame count (≥ 5), T its video latent length,
     T_a = round(n / 24 s⁻¹ · 40 s⁻¹) audio latent frames over the same duration."""
     n = align_frame_count(max(5, length))
-    seconds = n / FPS
-    return n, video_latent_frames(n), round(seconds * AUDIO_LATENT_FPS)
+    return n, video_latent_frames(n), round(n / FPS * AUDIO_LATENT_FPS)  # T_a spans the same n / 24 seconds
 
 
 def _round32(v: float) -> int:
