@@ -1,0 +1,102 @@
+"""Dependencies point one way: the runtime stands alone, the oracle and the gate stand on it.
+
+h3direct/ imports neither oracle nor parity_tests; oracle/ does not import parity_tests. Every import is
+checked, wherever it stands (module level, inside a function, under `if TYPE_CHECKING`), relative imports
+resolved, and `importlib.import_module("…")` / `__import__("…")` calls with a literal name included.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FORBIDDEN = {  # package -> packages it must never import
+    "h3direct": ("oracle", "parity_tests"),
+    "oracle": ("parity_tests",),
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file at `path` (a module under `root`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from . import x / from ..a import b
+                base = package[:len(package) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            found.append((node.lineno, stem))
+            found += [(node.lineno, f"{stem}.{alias.name}") for alias in node.names if alias.name != "*"]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def violations(root: Path, forbidden: dict[str, tuple[str, ...]] = FORBIDDEN) -> list[str]:
+    """'file:line imports module' for every import that breaks the direction rules."""
+    out = []
+    for package, banned in forbidden.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for line, module in imported_modules(path, root):
+                top = module.split(".")[0]
+                if top in banned:
+                    out.append(f"{path.relative_to(root)}:{line} imports {module} ({package} must not import {top})")
+    return sorted(set(out))
+
+
+def test_runtime_and_oracle_import_one_way():
+    bad = violations(REPO)
+    assert not bad, "imports against the dependency direction:\n" + "\n".join(bad)
+
+
+def test_checked_packages_exist():
+    for package in FORBIDDEN:
+        assert list((REPO / package).rglob("*.py")), f"{package}/ has no Python files: is REPO right ({REPO})?"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import oracle.traces\n", "oracle.traces"),
+    ("from parity_tests.discovery import x\n", "parity_tests.discovery"),
+    ("def f():\n    from oracle import record\n    return record\n", "oracle"),  # lazy, inside a function
+    ("import importlib\nm = importlib.import_module('parity_tests.budgets')\n", "parity_tests.budgets"),
+    ("from ...oracle import traces\n", "oracle"),  # relative, climbing out of h3direct
+], ids=["import", "from", "lazy", "import_module", "relative"])
+def test_checker_catches_a_forbidden_import(tmp_path, source, expected):
+    pkg = tmp_path / "h3direct" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "h3direct" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("from h3direct.errors import H3Error\n" + source)
+    bad = violations(tmp_path)
+    assert bad and all(b.startswith("h3direct/sub/mod.py:") for b in bad), bad
+    assert any(f"imports {expected}" in b for b in bad), bad
+
+
+def test_checker_allows_the_right_direction(tmp_path):
+    for package, source in (("oracle", "import h3direct.traces.format\nfrom h3direct import errors\n"),
+                            ("h3direct", "from . import errors\nimport torch\n")):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / "mod.py").write_text(source)
+    assert violations(tmp_path) == []
