@@ -27,27 +27,50 @@ def audio_scale_of(model: H3DiT) -> float:
     return model.config.sigma_shift_video / model.config.sigma_shift_audio
 
 
-def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
-                  context: torch.Tensor, cond: Conditioning, *, audio_scale: float,
-                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None):
-    """ComfyUI's MiniMaxH3Model.forward: sampler-space (carried) audio in and out."""
-    carried = audio
-    if audio_scale != 1.0:
+@dataclass(frozen=True)
+class AudioCarry:
+    """How the sampler's audio variable y relates to the audio stream's own latent a at one step.
+
+    With σ_a the audio stream's own sigma for the step's video sigma σ_v (`audio_sigma`), the model sees
+    a = r·y, r = σ_a / σ_v (cast to the latent's dtype). Its output u (the negated velocity of a) is handed
+    back to the sampler as u_y = (1 − k)·a + (1 + (k − 1)·σ_a)·u, with k = audio_scale; this map is a fact of
+    the oracle's H3 model wrapper, reproduced in the same float order.
+    """
+
+    ratio: torch.Tensor
+    sigma_a: torch.Tensor
+    scale: float
+
+    @classmethod
+    def at(cls, model: H3DiT, timestep: torch.Tensor, scale: float, dtype: torch.dtype) -> AudioCarry:
         c = model.config
         sigma_v = sigma_from_timestep(timestep)
         sigma_a = audio_sigma(sigma_v, c.sigma_shift_video, c.sigma_shift_audio)
-        carry = (sigma_a / sigma_v).to(audio.dtype)
-        audio = carried * carry
-    model._record("dit_inner.in.video", video)
-    model._record("dit_inner.in.audio", audio)
-    model._record("dit_inner.in.timestep", timestep)
-    model._record("dit_inner.in.context", context)
-    out_v, out_a = model.forward_inner(video, audio, timestep, context, cond, backend=backend,
+        return cls((sigma_a / sigma_v).to(dtype), sigma_a, scale)
+
+    def own(self, carried: torch.Tensor) -> torch.Tensor:
+        return carried * self.ratio
+
+    def output_for_sampler(self, own: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        latent_weight = 1.0 - self.scale
+        output_weight = (1.0 + (self.scale - 1.0) * self.sigma_a).to(out.dtype)
+        return latent_weight * own + output_weight * out
+
+
+def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
+                  context: torch.Tensor, cond: Conditioning, *, audio_scale: float,
+                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None):
+    """One model call on sampler-space (carried) audio: audio in and out are the sampler's variable y."""
+    carry = AudioCarry.at(model, timestep, audio_scale, audio.dtype) if audio_scale != 1.0 else None
+    own_audio = audio if carry is None else carry.own(audio)
+    for name, tensor in (("video", video), ("audio", own_audio), ("timestep", timestep), ("context", context)):
+        model._record(f"dit_inner.in.{name}", tensor)
+    out_v, out_a = model.forward_inner(video, own_audio, timestep, context, cond, backend=backend,
                                        mlp_chunks=mlp_chunks, layout=layout)
     model._record("dit_inner.out.video", out_v)
     model._record("dit_inner.out.audio", out_a)
-    if audio_scale != 1.0:
-        out_a = (1.0 - audio_scale) * (carried * carry) + (1.0 + (audio_scale - 1.0) * sigma_a).to(out_a.dtype) * out_a
+    if carry is not None:
+        out_a = carry.output_for_sampler(own_audio, out_a)
     return out_v, out_a
 
 

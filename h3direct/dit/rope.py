@@ -15,23 +15,31 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from h3direct.checkpoint.quant.kitchen import kitchen_op
 
 
 def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """[S, 3] float64 positions, [L] fp32 inv_freq -> [S, 6L] fp32 angles (t|h|w, twice)."""
+    """[S, 3] float64 positions, [L] fp32 inv_freq -> [S, 6L] fp32 angles.
+
+    θ[s, a·L + j] = p[s, a] · ω_j for the axes a = t, h, w and j < L (positions rounded to fp32 first);
+    the 3L angles then appear twice, once per half of the split-half rotated dims.
+    """
     pos = position_ids.to(torch.float32).to(inv_freq.device)
-    per_axis = pos.unsqueeze(-1) * inv_freq.view(1, 1, -1)  # [S, 3, L]
-    half = torch.cat(per_axis.unbind(dim=1), dim=-1)  # [S, 3L]
-    return torch.cat((half, half), dim=-1)
+    theta = rearrange(pos[:, :, None] * inv_freq[None, None, :], "s a l -> s (a l)")
+    return theta.repeat(1, 2)
 
 
 def rotation_table(angles: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[S, 6L] angles -> [1, S, 1, 3L, 2, 2] rotation matrices [[cos, −sin], [sin, cos]] in `dtype`."""
-    half = angles.shape[-1] // 2
-    c, s = torch.cos(angles[:, :half]), torch.sin(angles[:, :half])
-    return torch.stack([c, -s, s, c], dim=-1).reshape(1, angles.shape[0], 1, half, 2, 2).to(dtype)
+    """[S, 6L] angles -> [1, S, 1, 3L, 2, 2] rotation matrices R(θ) = [[cos θ, −sin θ], [sin θ, cos θ]] in `dtype`.
+
+    Only the first half of the angles is read: the second half repeats it.
+    """
+    theta = angles[:, :angles.shape[-1] // 2]
+    cos, sin = theta.cos(), theta.sin()
+    rows = torch.stack([torch.stack([cos, -sin], dim=-1), torch.stack([sin, cos], dim=-1)], dim=-2)  # [S, 3L, 2, 2]
+    return rearrange(rows, "s r i j -> 1 s 1 r i j").to(dtype)
 
 
 def rotate_split_half(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
