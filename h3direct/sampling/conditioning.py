@@ -312,12 +312,12 @@ def ref2va(width: int, height: int, length: int, encode_video: EncodeVideo, enco
         n = px.shape[0]
         if n < 5:
             raise H3Error(f"ref video {k + 1} has {n} frames; H3 reference videos need at least 5 (~0.2 s at 24 fps)")
-        px = px[: n - (n - 5) % 17]
+        px = px[: n - (n - 5) % 17]  # the longest 17k + 5 prefix
         z = encode_video(px)
-        za, zt = (None, 0)
-        if track is not None:
-            za, zt = encode_ref_audio(encode_audio, track)
+        soundtrack = None if track is None else encode_ref_audio(encode_audio, track)
+        if soundtrack is not None:  # a clip's soundtrack is presented (labelled) just before the clip
             cond.presentation.append(PresentationItem("audio"))
+        za, zt = soundtrack or (None, 0)
         picks = list(range(0, px.shape[0], FPS // 2))
         cond.presentation.append(PresentationItem("video", px[picks], [i / 2.0 for i in range(len(picks))]))
         cond.refs.append(RefBlock("video_audio" if zt else "video", latent=z, audio_latent=za, latent_t=int(z.shape[2]),

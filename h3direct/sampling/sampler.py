@@ -84,54 +84,61 @@ def _flow_noise_scaling(sigma: torch.Tensor, noise: torch.Tensor, latent: torch.
 
 
 def _derivative(x: torch.Tensor, sigma: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """The probability-flow slope dx/dσ = (x − x0) / σ, σ broadcast over x's trailing dims."""
     return (x - x0) / sigma[(...,) + (None,) * (x.ndim - sigma.ndim)]
 
 
 def _euler(model, x, sigmas, on_step):
+    """First order: x ← x + (dx/dσ)·(σ_next − σ)."""
     ones = x.new_ones([x.shape[0]])
-    for i in range(len(sigmas) - 1):
-        s = sigmas[i]
+    for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
         x0 = model(x, s * ones)
-        d = _derivative(x, s, x0)
         on_step(i, x, x0)
-        x = x + d * (sigmas[i + 1] - s)
+        x = x + _derivative(x, s, x0) * (s_next - s)
     return x
 
 
 def _heun(model, x, sigmas, on_step):
+    """Second order (trapezoid): an Euler predictor x̃ = x + d·Δσ, then x ← x + (d + d̃)/2·Δσ with d̃ the slope
+    at (x̃, σ_next). The step to σ = 0 keeps the Euler predictor (the slope is undefined at σ = 0)."""
     ones = x.new_ones([x.shape[0]])
-    for i in range(len(sigmas) - 1):
-        s, s_next = sigmas[i], sigmas[i + 1]
+    for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
         x0 = model(x, s * ones)
-        d = _derivative(x, s, x0)
         on_step(i, x, x0)
-        dt = s_next - s
+        slope, dt = _derivative(x, s, x0), s_next - s
+        predicted = x + slope * dt
         if s_next == 0:
-            x = x + d * dt
+            x = predicted
             continue
-        x_pred = x + d * dt
-        d_pred = _derivative(x_pred, s_next, model(x_pred, s_next * ones))
-        x = x + (d + d_pred) / 2 * dt
+        slope_end = _derivative(predicted, s_next, model(predicted, s_next * ones))
+        x = x + (slope + slope_end) / 2 * dt
     return x
 
 
 def _dpmpp_2m(model, x, sigmas, on_step):
+    """DPM-Solver++(2M): second-order multistep in λ = −log σ.
+
+    With h = λ_next − λ: x ← (e^(−λ_next) / e^(−λ))·x − (e^(−h) − 1)·D. D is the model's x0 on the first step
+    and on the step to σ = 0; otherwise the linear extrapolation D = (1 + 1/(2r))·x0 − 1/(2r)·x0_prev through
+    the previous step's x0, with r = h_prev / h.
+    """
     ones = x.new_ones([x.shape[0]])
-    lam = lambda sig: sig.log().neg()  # noqa: E731  log-SNR-like time t = −log σ
-    prev_x0 = None
+
+    def lam(i: int) -> torch.Tensor:
+        return sigmas[i].log().neg()
+
+    x0_prev = None
     for i in range(len(sigmas) - 1):
         x0 = model(x, sigmas[i] * ones)
         on_step(i, x, x0)
-        t, t_next = lam(sigmas[i]), lam(sigmas[i + 1])
-        h = t_next - t
-        ratio = t_next.neg().exp() / t.neg().exp()
-        if prev_x0 is None or sigmas[i + 1] == 0:
-            x = ratio * x - (-h).expm1() * x0
-        else:
-            r = (t - lam(sigmas[i - 1])) / h
-            x0_mix = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * prev_x0
-            x = ratio * x - (-h).expm1() * x0_mix
-        prev_x0 = x0
+        lam_now, lam_next = lam(i), lam(i + 1)
+        h = lam_next - lam_now
+        target = x0
+        if x0_prev is not None and sigmas[i + 1] != 0:
+            w = 1 / (2 * ((lam_now - lam(i - 1)) / h))  # 1 / (2r)
+            target = (1 + w) * x0 - w * x0_prev
+        x = (lam_next.neg().exp() / lam_now.neg().exp()) * x - (-h).expm1() * target
+        x0_prev = x0
     return x
 
 
