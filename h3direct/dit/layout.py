@@ -67,9 +67,6 @@ class PackedLayout:
         """The (single) segment of a target stream: 'audio' or 'video'."""
         return next(s for s in self.segments if s.kind == kind)
 
-    def has(self, *kinds: str) -> bool:
-        return any(s.kind in kinds for s in self.segments)
-
     def manifest(self) -> list[list]:
         return [[s.start, s.stop, s.kind] for s in self.segments]
 

@@ -63,6 +63,9 @@ class FlowSigmas:
     shift: float = SHIFT_VIDEO
     levels: int = TIMESTEPS
 
+    def __post_init__(self):
+        object.__setattr__(self, "shift", float(self.shift))
+
     @cached_property
     def table(self) -> torch.Tensor:
         """float32 [N], ascending: σ_k = shift_s(k / N). Each k / N passes through timestep units (×1000,
@@ -122,7 +125,7 @@ def scheduler_sigmas(scheduler: str, steps: int, shift: float = SHIFT_VIDEO) -> 
     fs = FlowSigmas(shift)
     build = {"simple": _simple,
              "normal": _uniform_timesteps,
-             "sgm_uniform": lambda table, n: _uniform_timesteps(table, n, sgm=True)}.get(scheduler)
+             "sgm_uniform": lambda fs_, n: _uniform_timesteps(fs_, n, sgm=True)}.get(scheduler)
     if build is None:
         raise H3Error(f"scheduler {scheduler!r} is not supported; use one of {', '.join(SCHEDULERS)}")
     return build(fs, steps)
