@@ -1,13 +1,14 @@
 """Build-time pip helpers of Dockerfile.spark (stdlib only; runs in the base image before h3direct is installed).
 
-    python pip_setup.py constraints --pyproject pyproject.toml --out FILE [--require SPEC ...]
-        Checks the base image (CUDA >= 13 torch that satisfies the project's torch requirement, Python the
-        project supports) and writes a pip constraints file that keeps the base's torch: `torch==<its version>`,
-        the base's own constraints ($PIP_CONSTRAINT, as NGC images set it) and each --require line.
+    python pip_setup.py constraints --pyproject pyproject.toml --out FILE [--require SPEC ...] [--extras A,B]
+        Checks that no extra to be installed (--extras) pins a package against a --require line, and the base
+        image (a CUDA >= 13 torch that satisfies the project's torch requirement, a Python the project supports);
+        then writes a pip constraints file that keeps the base's torch: `torch==<its version>`, the base's own
+        constraints ($PIP_CONSTRAINT, as NGC images set it) and each --require line.
     python pip_setup.py extra NAME --pyproject pyproject.toml [--exclude PKG ...]
         Prints the requirements of one optional-dependency group, minus the excluded packages, one a line.
 
-A base that does not fit is one line on stderr and exit 2, before anything is installed.
+A base or a pin that does not fit is one line on stderr and exit 2, before anything is installed.
 """
 
 from __future__ import annotations
@@ -73,8 +74,28 @@ def check_base(project: dict) -> str:
     return torch.__version__
 
 
+def check_requires(project: dict, extras: list[str], required: list[str]) -> None:
+    """One line and exit 2 when an installed extra pins a package (`==`) to a version a --require line excludes."""
+    Requirement, Version = _packaging()
+    groups = project.get("optional-dependencies", {})
+    for extra_name in extras:
+        if extra_name not in groups:
+            continue  # pip warns about an unknown extra itself
+        for dep in groups[extra_name]:
+            pinned = Requirement(dep)
+            for spec in required:
+                want = Requirement(spec)
+                if _name(want.name) != _name(pinned.name):
+                    continue
+                exact = [s.version for s in pinned.specifier if s.operator == "=="]
+                if exact and not want.specifier.contains(Version(exact[0]), prereleases=True):
+                    _fail(f"pyproject's extra {extra_name!r} pins {dep!r}, but this image needs {spec!r}; "
+                          f"bump the pin in pyproject.toml")
+
+
 def constraints(args) -> int:
     project = _project(args.pyproject)
+    check_requires(project, [e for e in args.extras.split(",") if e], args.require)
     lines = [f"torch=={check_base(project)}"]
     base = os.environ.get("PIP_CONSTRAINT", "")
     for path in base.split():
@@ -108,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--pyproject", default="pyproject.toml")
     c.add_argument("--out", required=True)
     c.add_argument("--require", action="append", default=[], metavar="SPEC")
+    c.add_argument("--extras", default="", help="comma-separated extras that will be installed (checked against "
+                                                "--require)")
     e = sub.add_parser("extra")
     e.add_argument("name")
     e.add_argument("--pyproject", default="pyproject.toml")

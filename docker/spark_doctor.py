@@ -68,11 +68,15 @@ def _run_probe(name: str, q, k, v) -> dict:
 def attention_report(mode: str, on_gpu: bool) -> dict[str, dict]:
     """Per backend: runnable or the registry's reason; in `full` mode the outcome of a real call."""
     from h3direct.dit.attention import backends, unavailable_reason
+    from h3direct.errors import H3Error
 
     q, k, v = _probe_inputs(on_gpu)
     report = {}
     for name in backends():
-        reason = unavailable_reason(name, q)
+        try:
+            reason = unavailable_reason(name, q)
+        except H3Error as exc:  # a bad H3_* option of that backend: report it, keep diagnosing the others
+            reason = str(exc)
         entry: dict = {"available": reason is None}
         if reason is not None:
             entry["reason"] = reason

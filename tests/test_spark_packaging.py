@@ -142,8 +142,8 @@ def dockerfile_problems(instrs: list[Instruction]) -> list[str]:
         flags = dict(zip(words, words[1:]))
         if flags.get("--arch") != "12.1":
             problems.append(f"{SAGE_SCRIPT} is not called with --arch 12.1 (sm_121): {sage_runs[0].args}")
-        if "--src" not in flags or "--out" not in flags:
-            problems.append(f"{SAGE_SCRIPT} needs --src DIR --out WHEELDIR: {sage_runs[0].args}")
+        if "--out" not in flags:
+            problems.append(f"{SAGE_SCRIPT} needs --out WHEELDIR: {sage_runs[0].args}")
         if sage_stage == final:
             problems.append("SageAttention is compiled in the final stage (a build stage keeps nvcc's mess out)")
         copied = [s for i in in_stage(instrs, sage_stage, "COPY") for s in copy_sources(i)[0]]
@@ -169,8 +169,14 @@ def dockerfile_problems(instrs: list[Instruction]) -> list[str]:
     m = re.search(r"pip install -e '?\.\[([a-z,]+)\]", run_text)
     if not m:
         problems.append("the project is not pip-installed (editable) with extras")
-    elif not RUNTIME_EXTRAS <= set(m.group(1).split(",")):
-        problems.append(f"extras {sorted(RUNTIME_EXTRAS - set(m.group(1).split(',')))} are not installed")
+    else:
+        installed = set(m.group(1).split(","))
+        if not RUNTIME_EXTRAS <= installed:
+            problems.append(f"extras {sorted(RUNTIME_EXTRAS - installed)} are not installed")
+        checked = re.search(r"pip_setup\.py constraints[^\n]*--extras\s+([a-z,]+)", run_text)
+        if not checked or set(checked.group(1).split(",")) != installed:
+            problems.append("pip_setup.py constraints --extras does not name the extras pip installs "
+                            f"({checked.group(1) if checked else 'none'} vs {m.group(1)})")
     if not re.search(r"pip install[^\n]*sageattention-\*\.whl", run_text):
         problems.append("the SageAttention2 wheel from the sage stage is not installed")
     kitchen = re.findall(r"comfy-kitchen\s*>=\s*([0-9.]+)", run_text)
@@ -228,7 +234,15 @@ def interpolate(value, env: dict[str, str]):
 
 
 def load_compose(text: str, env: dict[str, str] | None = None) -> dict:
-    return interpolate(yaml.safe_load(text), env or {})
+    """The document as compose sees it with `env` as the host's environment: variables substituted, and each
+    pass-through `environment:` entry (a name with no value) given the host's value, or left None (unset)."""
+    env = env or {}
+    doc = interpolate(yaml.safe_load(text), env)
+    for svc in (doc.get("services") or {}).values():
+        e = svc.get("environment")
+        if isinstance(e, dict):
+            svc["environment"] = {k: env.get(k) if v is None else v for k, v in e.items()}
+    return doc
 
 
 def _command(svc) -> list[str]:
@@ -236,11 +250,12 @@ def _command(svc) -> list[str]:
     return shlex.split(c) if isinstance(c, str) else [str(x) for x in c]
 
 
-def _env(svc) -> dict[str, str]:
+def _env(svc) -> dict[str, str | None]:
+    """name -> value; None: passed through from the host and unset there, so the container does not get it."""
     e = svc.get("environment") or {}
     if isinstance(e, list):
-        return dict(x.split("=", 1) if "=" in x else (x, "") for x in e)
-    return {k: "" if v is None else str(v) for k, v in e.items()}
+        return dict(x.split("=", 1) if "=" in x else (x, None) for x in e)
+    return {k: None if v is None else str(v) for k, v in e.items()}
 
 
 def _volumes(svc) -> list[tuple[str, str, bool]]:
@@ -414,25 +429,17 @@ def test_compose_meets_the_contract(compose):
     assert compose_problems(compose) == []
 
 
-def test_compose_knob_defaults_are_the_runtimes_own(compose, monkeypatch):
-    """Each H3_* default compose passes changes nothing: the service starts as the runtime would by itself."""
-    from h3direct.dit import attention
-
-    for k in list(os.environ):
-        if k.startswith("H3_"):
-            monkeypatch.delenv(k)
-    own = (attention._sol_options(), attention._slice_settings())
-    for k, v in _env(compose["services"]["h3-hot-runtime"]).items():
-        monkeypatch.setenv(k, v)
-    assert (attention._sol_options(), attention._slice_settings()) == own
+def test_compose_knobs_pass_through_and_default_to_the_runtimes_own(compose):
+    """Unset on the host, no knob reaches the container: the runtime starts with its own defaults."""
+    env = _env(compose["services"]["h3-hot-runtime"])
+    knobs = runtime_env_names()
+    assert knobs and {k: env[k] for k in knobs} == dict.fromkeys(knobs)
 
 
 def test_runtime_default_attention_backend_is_registered(compose):
     from h3direct.dit.attention import backends
 
-    cmd = _command(compose["services"]["h3-hot-runtime"])
-    assert _flag(cmd, "--attention") in backends()
-    assert _env(compose["services"]["h3-hot-runtime"])["H3_HEAD_SLICE_BACKEND"] in backends()
+    assert _flag(_command(compose["services"]["h3-hot-runtime"]), "--attention") in backends()
 
 
 def test_compose_overrides_reach_the_service():
@@ -440,7 +447,7 @@ def test_compose_overrides_reach_the_service():
                                              "H3_SERVE_ARGS": "--checkpoint /models/dit.safetensors"})
     rt = doc["services"]["h3-hot-runtime"]
     assert ("127.0.0.1", "9000", SERVICE_PORT) in _ports(rt)
-    assert _env(rt)["H3_SOL_TAU"] == "2.0"
+    assert _env(rt)["H3_SOL_TAU"] == "2.0" and _env(rt)["H3_SOL_MIN_TOKENS"] is None
     assert _flag(_command(rt), "--checkpoint") == "/models/dit.safetensors"
 
 
@@ -511,6 +518,8 @@ DOCKERFILE_MUTATIONS = [
     pytest.param(_replace(f'CMD ["python", "{IMAGE_DOCKER_DIR}/healthcheck.py"]', "CMD curl -f localhost:8188/"),
                  "HEALTHCHECK", id="healthcheck-not-ready"),
     pytest.param(_replace("[test,kitchen,media,text,serve]", "[test,kitchen]"), "not installed", id="extras-dropped"),
+    pytest.param(_replace("--extras test,kitchen,media,text,serve", "--extras test"), "--extras",
+                 id="constraints-check-other-extras"),
     pytest.param(_replace("FROM ${BASE} AS runtime", "FROM ubuntu:24.04 AS runtime"), "does not build on",
                  id="runtime-not-on-base"),
     pytest.param(_replace("COPY --from=sage /wheels /tmp/wheels", "COPY docker/ /tmp/nothing"), "COPY --from=sage",
@@ -557,10 +566,72 @@ def test_build_context_has_every_copy_source_and_no_host_data(dockerfile):
 
 @pytest.mark.skipif(not (ROOT / SAGE_SCRIPT).exists(),
                     reason=f"{SAGE_SCRIPT} is written on the GPU-gate branch (issue 12); not merged here yet")
-def test_sage_build_script_takes_the_flags_the_dockerfile_passes():
+def test_sage_build_script_takes_the_flags_the_dockerfile_passes(dockerfile):
+    run = next(i for i in dockerfile if i.cmd == "RUN" and SAGE_SCRIPT in i.args)
+    flags = [w for w in shlex.split(run.args) if w.startswith("--")]
+    assert flags
     text = (ROOT / SAGE_SCRIPT).read_text()
-    for flag in ("--arch", "--src", "--out"):
-        assert flag in text, f"{SAGE_SCRIPT} does not handle {flag}"
+    for flag in flags:
+        assert re.search(rf"(^|\s){re.escape(flag)}\)", text, re.MULTILINE), f"{SAGE_SCRIPT} does not parse {flag}"
+    assert re.search(r"12\.1\b", text), f"{SAGE_SCRIPT} does not accept --arch 12.1"
+
+
+# ---- docker/pip_setup.py: the build's base check and constraints --------------------------------------------
+
+def _pip_setup(*args, cwd=ROOT, **env):
+    return subprocess.run([sys.executable, str(DOCKER_DIR / "pip_setup.py"), *args], cwd=cwd, env=_cpu_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_pip_setup_lists_the_oracle_requirements_without_its_kitchen_pin():
+    r = _pip_setup("extra", "oracle", "--exclude", "comfy-kitchen")
+    assert r.returncode == 0, r.stderr
+    reqs = r.stdout.split()
+    assert "torchsde>=0.2.6" in reqs and not [x for x in reqs if x.lower().startswith("comfy-kitchen")]
+    r = _pip_setup("extra", "no-such-extra")
+    assert r.returncode == 2 and "no extra 'no-such-extra'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_pip_setup_refuses_a_base_without_cuda_13(tmp_path):
+    r = _pip_setup("constraints", "--out", str(tmp_path / "c.txt"))  # this venv: CPU torch
+    assert r.returncode == 2 and "CUDA" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "c.txt").exists()
+
+
+@pytest.mark.parametrize("kitchen_pin, refused", [("comfy-kitchen==0.2.31", True), ("comfy-kitchen==0.2.40", False),
+                                                  ("comfy-kitchen>=0.2.31", False)])
+def test_pip_setup_refuses_an_extra_pinned_below_the_images_kitchen(tmp_path, kitchen_pin, refused):
+    (tmp_path / "pyproject.toml").write_text(
+        f'[project]\nname = "x"\ndependencies = []\n[project.optional-dependencies]\nkitchen = ["{kitchen_pin}"]\n')
+    r = _pip_setup("constraints", "--extras", "kitchen", "--require", "comfy-kitchen>=0.2.40", "--out",
+                   str(tmp_path / "c.txt"), cwd=tmp_path)
+    assert r.returncode == 2
+    assert ("bump the pin" in r.stderr) == refused, r.stderr  # not refused: it goes on to the base (CPU) check
+
+
+def test_pip_setup_pins_the_base_torch_and_keeps_the_bases_constraints(tmp_path, monkeypatch):
+    import torch
+
+    base = tmp_path / "base-constraints.txt"
+    base.write_text("# the base's pins\ntorch==0.0.1\nnumpy<3\n")
+    monkeypatch.setenv("PIP_CONSTRAINT", str(base))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # a CUDA 13 base, as far as the check can tell
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\nrequires-python = ">=3.8"\n'
+                                             'dependencies = ["torch>=2"]\n')
+    sys.path.insert(0, str(DOCKER_DIR))
+    try:
+        import pip_setup
+        out = tmp_path / "etc" / "c.txt"
+        assert pip_setup.main(["constraints", "--pyproject", str(tmp_path / "pyproject.toml"), "--out", str(out),
+                               "--require", "comfy-kitchen>=0.2.40"]) == 0
+        assert out.read_text().splitlines() == [f"torch=={torch.__version__}", "numpy<3", "comfy-kitchen>=0.2.40"]
+        (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["torch>=99"]\n')
+        with pytest.raises(SystemExit) as exc:
+            pip_setup.main(["constraints", "--pyproject", str(tmp_path / "pyproject.toml"), "--out", str(out)])
+        assert exc.value.code == 2
+    finally:
+        sys.path.remove(str(DOCKER_DIR))
+        sys.modules.pop("pip_setup", None)
 
 
 # ---- the scripts under docker/, run for real -------------------------------------------------------------------
@@ -717,6 +788,11 @@ def test_docker_compose_config_validates_and_renders_the_contract(tmp_path):
     assert r.returncode == 0, r.stderr
     rendered = json.loads(r.stdout)
     assert compose_problems(rendered) == []
+    assert _env(rendered["services"]["h3-hot-runtime"])["H3_SOL_TAU"] is None  # unset here: not passed
+    r = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--format", "json", "h3-hot-runtime"], cwd=ROOT,
+                       env=env | {"H3_SOL_TAU": "2.0", "H3_PORT": "9000"}, capture_output=True, text=True, timeout=120)
+    rt = json.loads(r.stdout)["services"]["h3-hot-runtime"]
+    assert _env(rt)["H3_SOL_TAU"] == "2.0" and ("127.0.0.1", "9000", SERVICE_PORT) in _ports(rt), r.stderr
     # the default (no profile) starts the shell only
     r = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--services"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
