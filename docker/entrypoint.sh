@@ -12,14 +12,15 @@ if [ "$#" -eq 0 ]; then
     set -- bash
 fi
 
+# armed first: from here on the container is unhealthy until the service answers /ready
+if ! python "${H3_DOCKER_DIR}/healthcheck.py" arm -- "$@"; then
+    echo "h3-entrypoint: could not arm the /ready healthcheck; the container will report healthy" >&2
+fi
+
 python "${H3_DOCKER_DIR}/spark_doctor.py" >&2
 status=$?
 if [ "$status" -ne 0 ]; then
     echo "h3-entrypoint: the diagnosis failed (exit ${status}); running the command anyway" >&2
-fi
-
-if ! python "${H3_DOCKER_DIR}/healthcheck.py" arm -- "$@"; then
-    echo "h3-entrypoint: could not arm the /ready healthcheck; the container will report healthy" >&2
 fi
 
 exec "$@"
