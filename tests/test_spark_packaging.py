@@ -690,6 +690,16 @@ def test_entrypoint_diagnoses_then_execs_the_command(tmp_path):
     assert r.returncode == 7 and r.stdout == "ran\n"  # the command's status and stdout, untouched
     assert "GPU: no GPU" in r.stderr and "NVFP4 mode" in r.stderr
     assert not probe_file.exists()  # not the service: nothing to probe
+    # the service: armed with where it listens, then exec'd (a stand-in `h3direct` on PATH shows what it got)
+    fake = tmp_path / "bin" / "h3direct"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "h3direct $*"; cat "$H3_HEALTH_FILE"\n')
+    fake.chmod(0o755)
+    r = subprocess.run([str(DOCKER_DIR / "entrypoint.sh"), "h3direct", "serve", "--host", "0.0.0.0", "--port", "9123"],
+                       env=env | {"PATH": f"{fake.parent}:{os.environ['PATH']}", "H3_DOCTOR": "off"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == 'h3direct serve --host 0.0.0.0 --port 9123\n{"url": "http://127.0.0.1:9123/ready"}'
     # a broken diagnosis is reported and never blocks the command
     r = subprocess.run([str(DOCKER_DIR / "entrypoint.sh"), "true"], env=env | {"H3_DOCTOR": "loud"},
                        capture_output=True, text=True, timeout=60)
