@@ -350,8 +350,9 @@ def compose_problems(doc: dict) -> list[str]:
     for target in ("/outputs", "/comfyui"):
         if targets.get(target, ("", False))[1]:
             problems.append(f"shell mounts {target} read-only: the gate writes there")
-    if _env(shell).get("H3_COMFY_ROOT") != "/comfyui":
-        problems.append("shell does not point H3_COMFY_ROOT at /comfyui")
+    if "H3_COMFY_ROOT" in _env(shell):
+        problems.append("shell sets H3_COMFY_ROOT: without a ComfyUI checkout mounted, `pytest` would fail "
+                        "instead of skipping the ComfyUI tests (the gate passes --comfy-root /comfyui)")
 
     # the resident service
     cmd = _command(rt)
@@ -488,6 +489,8 @@ COMPOSE_MUTATIONS = [
     pytest.param(_set(f"{RT}.ulimits", _DELETE), "memlock", id="no-ulimits"),
     pytest.param(_set("services.shell.volumes", ["./outputs:/outputs"]), "does not mount /comfyui",
                  id="shell-without-comfyui"),
+    pytest.param(_set("services.shell.environment", {"H3_COMFY_ROOT": "/comfyui"}), "H3_COMFY_ROOT",
+                 id="shell-forces-comfy-tests"),
 ]
 
 
