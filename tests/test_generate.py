@@ -73,6 +73,9 @@ def test_ref2va_from_image_file_and_frame_snapping(cache_env, tmp_path, capsys):
     assert s["frames"] == 22 and s["frames_requested"] == 6 and _probe(out)["frames"] == 22
     assert len(s["step_seconds"]) == 2 and set(s["memory"]) >= {"load", "sample", "write"}
     assert "sampling" in err or "step 1/2" in err  # per-step progress went to stderr
+    assert "note: --frames 6 snapped up to 22" in err
+    for stage in ("text encode", "decode video", "decode audio", "write mp4"):  # a bar for every long stage
+        assert stage in err, err
 
 
 def test_t2va_text_embeds_quiet_and_cache(cache_env, tmp_path, capsys):

@@ -21,8 +21,7 @@ def check_output(path: str | os.PathLike, flag: str, suffix: str | None = ".mp4"
         raise H3Error(f"{flag} {str(p)!r} must end in {suffix} (e.g. clip{suffix}); no other format is written")
     if p.is_dir():
         raise H3Error(f"{flag} is a folder; give a file name like clip{suffix or ''}", path=p)
-    folder = p.parent
-    existing = folder
+    existing = Path(os.path.abspath(p)).parent  # `..` taken lexically, as a later mkdir(parents=True) would
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():

@@ -205,13 +205,13 @@ class Service:
             raise H3Error(f"--job-timeout {self.args.job_timeout} must be > 0 seconds")
         from h3direct.app.paths import check_output
 
+        if self.input_root is not None and not self.input_root.is_dir():
+            raise H3Error("--input-root: folder not found", path=self.input_root)
+        check_output(self.output_root / "probe.mp4", "--output-root")  # the folder, or where it will be made
         try:
             self.output_root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise H3Error(f"--output-root: cannot create it ({e.strerror})", path=self.output_root) from None
-        check_output(self.output_root / "probe.mp4", "--output-root")
-        if self.input_root is not None and not self.input_root.is_dir():
-            raise H3Error("--input-root: folder not found", path=self.input_root)
 
     def load(self) -> None:
         pipe, sources, seconds, load_memory = gen.load_pipeline(self.args, text_encoder_always=True)
