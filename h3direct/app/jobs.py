@@ -150,6 +150,7 @@ class JobQueue:
     def _finish(self, job: Job, state: str, *, summary=None, error=None, status=200) -> None:
         job.state, job.summary, job.error, job.status = state, summary, error, status
         job.finished = time.time()
+        job.args = None  # the request (maybe text-embedding tensors) is not needed any more
         if state == "done":
             job.stage = "done"
         job.version += 1

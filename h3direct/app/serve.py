@@ -187,7 +187,7 @@ class Service:
         self.defaults = vars(_generate_parser().parse_args([]))
         queue_size = 0 if getattr(args, "no_queue", False) else args.queue_size
         self.queue = JobQueue(self._run_job, size=queue_size, timeout_s=args.job_timeout)
-        self._names = threading.Lock()
+        self._lock = threading.Lock()
         self._counter = 0
 
     # ---- startup ----
@@ -217,12 +217,16 @@ class Service:
         pipe, sources, seconds, load_memory = gen.load_pipeline(self.args, text_encoder_always=True)
         self.weight_loads += 1
         self.pipe, self.sources, self.load_seconds, self.load_memory = pipe, sources, seconds, load_memory
-        self.state = "ready"
+        with self._lock:
+            if self.state != "loading":  # a signal came while loading: stay stopping, run nothing
+                return
+            self.state = "ready"
         self.queue.start()
 
     def stop(self) -> None:
-        if self.state != "failed":
-            self.state = "stopping"
+        with self._lock:
+            if self.state != "failed":
+                self.state = "stopping"
         self.queue.stop()
 
     # ---- /ready ----
@@ -325,7 +329,7 @@ class Service:
         from h3direct.app.paths import confined
 
         if name is None:
-            with self._names:
+            with self._lock:
                 self._counter += 1
                 name = f"h3-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._counter:05d}.mp4"
         if not name.lower().endswith(".mp4") or Path(name).name.startswith("."):
@@ -352,10 +356,15 @@ class Service:
         def on_step(ev) -> None:
             check(step=ev.index + 1)
 
+        import torch
+
         attention = pipe.attention
         pipe.attention = ns.attention  # per-request backend (checked at the door); only this thread uses pipe
         try:
             res, out, write_s = gen.generate_clip(pipe, ns, callback=on_step, on_stage=on_stage, output=job.output)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()  # give the cached blocks back, so the next (smaller) job can run
+            raise
         finally:
             pipe.attention = attention
         timings = {"queue": round(queue_s, 4), **res.timings, "write": round(write_s, 4),
