@@ -419,22 +419,28 @@ def test_cancel_a_running_job_between_steps(server, service, monkeypatch):
     _assert_ready(server)
 
 
-def test_full_queue_is_429_and_a_queued_job_can_be_dropped(server, service, monkeypatch):
+@pytest.mark.parametrize("size", [0, 2], ids=["no-queue", "queue-of-2"])
+def test_full_queue_is_429_and_a_queued_job_can_be_dropped(server, service, monkeypatch, size):
     held = _Held(service.pipe.generate)
     monkeypatch.setattr(service.pipe, "generate", held)
-    monkeypatch.setattr(service.queue, "size", 1)
-    code, _, running = _call(server, "POST", "/jobs", TINY)
+    monkeypatch.setattr(service.queue, "size", size)
+    code, _, running = _call(server, "POST", "/jobs", TINY)  # an idle worker takes it, even with no queue
     assert code == 202 and held.entered.wait(TIMEOUT)
-    code, _, queued = _call(server, "POST", "/jobs", TINY)
-    assert code == 202 and queued["state"] == "queued"
+    queued = []
+    for _ in range(size):
+        code, _, job = _call(server, "POST", "/jobs", TINY)
+        assert code == 202 and job["state"] == "queued"
+        queued.append(job)
     got = _call(server, "POST", "/jobs", TINY)
     _assert_error(got, 429, "queue is full")
     assert int(got[1]["retry-after"]) >= 1
     _assert_error(_call(server, "POST", "/generate", TINY), 429)
-    assert _call(server, "DELETE", f"/jobs/{queued['id']}")[2]["state"] == "cancelled"  # dropped at once
+    assert _call(server, "GET", "/ready")[2]["queue"]["depth"] == size
+    for job in queued:
+        assert _call(server, "DELETE", f"/jobs/{job['id']}")[2]["state"] == "cancelled"  # dropped at once
     held.gate.set()
     _wait_for(lambda: _call(server, "GET", f"/jobs/{running['id']}")[2]["state"] == "done", "the running job")
-    assert held.calls == 1  # the dropped job never reached the pipeline
+    assert held.calls == 1  # the dropped jobs never reached the pipeline
     _assert_ready(server)
 
 

@@ -1,5 +1,8 @@
 """Jobs for `h3direct serve`: a bounded queue and one worker thread that runs one generation at a time.
 
+At most `size` jobs wait behind the running one (size 0: a job is taken only when the worker is free); more are
+refused (`Full`, with a Retry-After estimate from the last job's duration).
+
 A job moves queued -> running -> done | failed | cancelled. Cancel (a client's DELETE, a waiting client that left,
 the per-job timeout, server shutdown) is honoured between stages and between sampler steps: the pipeline's hooks
 raise `Stop`, and the partly written output is removed. The worker never dies from a job: every failure is kept
@@ -88,17 +91,18 @@ class JobQueue:
         with self._cv:
             return len(self._waiting)
 
-    def retry_after(self) -> int:
-        with self._cv:
-            return max(1, int(self._last_seconds * (len(self._waiting) + 1) + 0.999))
+    def _retry_after(self) -> int:
+        """Seconds until a place is likely free: the last job's duration times the jobs ahead."""
+        return max(1, int(self._last_seconds * (len(self._waiting) + 1) + 0.999))
 
     def submit(self, args, output: Path) -> Job:
         """Queue a job; raises Full when the line is full, Stopping when the server is shutting down."""
         with self._cv:
             if self.stopping:
                 raise Stopping()
-            if len(self._waiting) >= self.size:
-                raise Full(max(1, int(self._last_seconds * (len(self._waiting) + 1) + 0.999)))
+            busy = self.running is not None or bool(self._waiting)  # an idle worker takes a job even at size 0
+            if busy and len(self._waiting) >= self.size:
+                raise Full(self._retry_after())
             job = Job(f"{next(self._ids):06d}-{secrets.token_hex(4)}", args, output)
             job.steps = args.steps
             self.jobs[job.id] = job

@@ -234,6 +234,7 @@ class Service:
         import torch
 
         from h3direct.app.pipeline import peak_memory
+        from h3direct.app.provenance import version
         from h3direct.dit.attention import backends, unavailable_reason
 
         pipe = self.pipe
@@ -249,8 +250,6 @@ class Service:
                  "text_encoder": pipe.text_encoder}
         components = {k: {"source": self.sources.get(k), **_describe(m)} for k, m in comps.items() if m is not None}
         components["dit"]["compute_dtype"] = str(pipe.dit.compute_dtype).removeprefix("torch.")
-        from h3direct.app.provenance import version
-
         running = self.queue.running
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
                 "memory": memory,
