@@ -3,6 +3,7 @@ against the CLI and PyAV, provenance, every bad-request class answered 4xx at th
 progress events and cancel, a full queue, a dropped client, a timeout, a failing job, attention switches without
 reloads, 200+ mixed requests from 8 threads, and SIGTERM on the real command."""
 
+import base64
 import hashlib
 import http.client
 import json
@@ -25,7 +26,7 @@ av = pytest.importorskip("av")
 
 from h3direct import __version__  # noqa: E402
 from h3direct.app import bundled, cli, limits  # noqa: E402
-from h3direct.app.serve import MAX_BODY_BYTES, HTTPServer, Service, bind  # noqa: E402
+from h3direct.app.serve import HTTPServer, Service, bind  # noqa: E402
 
 TIMEOUT = 60  # seconds, every socket and wait in this file
 SMALL = {"width": 96, "height": 64, "frames": 22, "steps": 2}
@@ -71,6 +72,7 @@ def service(cache_env, roots):
     svc.load()
     yield svc
     svc.stop()
+    svc.close()
     torch.set_num_threads(threads)
 
 
@@ -199,6 +201,22 @@ def test_provenance_in_summary_and_mp4(server, service, roots):
         body["prompt"], 11, 1, "euler", "sdpa", __version__)
 
 
+def _uploads_left(service) -> list:
+    return [] if service._uploads is None else _files(service._uploads)
+
+
+def test_uploaded_reference_is_used_and_removed_after_the_job(server, service, roots):
+    png = (roots["in"] / "ref.png").read_bytes()
+    up = {"filename": "../../my cat.png", "base64": base64.b64encode(png).decode()}
+    code, _, s = _call(server, "POST", "/generate", {**TINY, "prompt": "<Picture 1>", "ref_images": [up]})
+    assert code == 200, s
+    assert s["task"] == "ref2va"
+    ref = s["provenance"]["references"][0]
+    assert ref["name"].endswith("my_cat.png") and "/" not in ref["name"]
+    assert ref["sha256"] == hashlib.sha256(png).hexdigest()
+    assert _uploads_left(service) == []  # deleted with its job
+
+
 def test_text_embeds_from_the_input_root(server):
     code, _, s = _call(server, "POST", "/generate", {**TINY, "text_embeds": "emb.safetensors"})
     assert code == 200, s
@@ -247,6 +265,13 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
     ("ref_symlink_escape", {"ref_images": ["escape.png"]}, 400, "no such file under the input folder"),
     ("ref_not_an_image", {"ref_images": ["garbage.png"]}, 400, "not a readable image"),
     ("ref_video_not_a_video", {"ref_videos": ["garbage.png"]}, 400, "not a readable video"),
+    ("upload_not_base64", {"ref_images": [{"filename": "a.png", "base64": "@@not base64@@"}]}, 400, "base64"),
+    ("upload_empty", {"ref_images": [{"filename": "a.png", "base64": ""}]}, 400, "empty"),
+    ("upload_not_an_image", {"ref_images": [{"filename": "a.png", "base64": base64.b64encode(b"junk" * 9).decode()}]},
+     400, "upload:00-a.png: ref_images: not a readable image"),
+    ("upload_garbage_embeds", {"text_embeds": {"base64": base64.b64encode(b"\xff" * 64).decode()}}, 400,
+     "safetensors"),
+    ("upload_unknown_key", {"ref_images": [{"name": "a.png"}]}, 422, "ref_images[0]"),
     ("first_frame_absolute", {"first_frame": "/etc/passwd"}, 400, "no such file under the input folder"),
     ("embeds_proc", {"text_embeds": "/proc/self/mem"}, 400, "no such file under the input folder"),
     ("embeds_symlink_passwd", {"text_embeds": "passwd.safetensors"}, 400, "no such file under the input folder"),
@@ -267,7 +292,7 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
 
 
 @pytest.mark.parametrize("body,status,needle", [pytest.param(b, s, n, id=i) for i, b, s, n in BAD])
-def test_bad_request_is_4xx_at_once_and_the_server_keeps_serving(server, roots, body, status, needle):
+def test_bad_request_is_4xx_at_once_and_the_server_keeps_serving(server, service, roots, body, status, needle):
     before = {k: _files(roots[k]) for k in ("out", "outside")}
     raw = body if isinstance(body, bytes) else None
     if raw is None:
@@ -281,10 +306,12 @@ def test_bad_request_is_4xx_at_once_and_the_server_keeps_serving(server, roots, 
     assert elapsed < 1.0, f"{elapsed:.2f} s to refuse"
     assert str(roots["in"]) not in msg  # the server's own folders stay out of its answers
     assert {k: _files(roots[k]) for k in ("out", "outside")} == before  # nothing written anywhere
+    assert _uploads_left(service) == []
     _assert_ready(server)
 
 
-def test_http_statuses(server):
+def test_http_statuses(server, service):
+    limit = service.max_body_bytes
     _assert_error(_call(server, "GET", "/nope"), 404, "/nope")
     _assert_error(_call(server, "GET", "/generate"), 405)
     _assert_error(_call(server, "DELETE", "/ready"), 405)
@@ -292,7 +319,7 @@ def test_http_statuses(server):
     _assert_error(_call(server, "DELETE", "/jobs/nope"), 404, "nope")
     _assert_error(_call(server, "GET", "/jobs/nope/output"), 404, "nope")
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    for length, status in ((str(MAX_BODY_BYTES + 1), 413), ("12x", 400)):
+    for length, status in ((str(limit + 1), 413), ("12x", 400)):
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
         conn.putrequest("POST", "/generate")
         conn.putheader("Content-Length", length)
@@ -305,7 +332,7 @@ def test_http_statuses(server):
         conn.close()
     # a streamed (chunked) body over the limit
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
-    conn.request("POST", "/generate", body=iter([b'{"prompt": "', b"x" * MAX_BODY_BYTES, b'"}']),
+    conn.request("POST", "/generate", body=iter([b'{"prompt": "', b"x" * limit, b'"}']),
                  headers={"Content-Type": "application/json"}, encode_chunked=True)
     resp = conn.getresponse()
     _assert_error((resp.status, dict(resp.getheaders()), json.loads(resp.read())), 413)

@@ -70,8 +70,9 @@ class Job:
 class JobQueue:
     """The job table, the waiting line (at most `size` queued jobs) and the worker thread."""
 
-    def __init__(self, run_job, *, size: int, timeout_s: float, keep: int = 1000):
+    def __init__(self, run_job, *, size: int, timeout_s: float, keep: int = 1000, on_finish=None):
         self._run_job = run_job  # (job, check) -> summary; check(stage=None, step=None) raises Stop
+        self._on_finish = on_finish  # (job) -> None, once a job is over, whichever way
         self.size, self.timeout_s, self.keep = size, timeout_s, keep
         self.jobs: dict[str, Job] = {}
         self._waiting: collections.deque[Job] = collections.deque()
@@ -154,6 +155,8 @@ class JobQueue:
     def _finish(self, job: Job, state: str, *, summary=None, error=None, status=200) -> None:
         job.state, job.summary, job.error, job.status = state, summary, error, status
         job.finished = time.time()
+        if self._on_finish is not None:
+            self._on_finish(job)
         job.args = None  # the request (maybe text-embedding tensors) is not needed any more
         if state == "done":
             job.stage = "done"

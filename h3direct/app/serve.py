@@ -21,11 +21,15 @@ resident one JSON line goes to stdout: {"url", "device", "models"}.
     GET    /jobs/{id}/events   progress as server-sent events (`event: progress` ... then `event: done|failed|
                                cancelled`), each `data:` the job as GET /jobs/{id} shows it
 
+A file field (references, first/last frame, text_embeds) is either a name relative to --input-root or an upload
+sent with the request, {"filename": "cat.png", "base64": "..."}; uploads live in a private temporary folder while
+their job exists and are deleted with it.
+
 Every request is checked at the door, before it is queued (answers within milliseconds): 422 a field of the wrong
 type, an unknown field, a value outside its choices, non-UTF-8 text (the error names the field); 400 a value out of
 range or beyond a limit (`h3direct.app.limits`, flags --max-*), an input file that is not under --input-root or
 does not exist (one answer for both), a reference that is not a readable image/video/audio, an `output` that is not
-a relative `.mp4` path inside --output-root; 413 a body over MAX_BODY_BYTES; 429 + Retry-After the queue is full;
+a relative `.mp4` path inside --output-root; 413 a body over --max-body-mb; 429 + Retry-After the queue is full;
 503 + Retry-After loading or stopping. A job that fails once running answers its error: 400 (its input turned out
 bad), 504 (over --job-timeout), 409 (cancelled), 503 (shutdown), 507 (out of memory), 500 (a bug; traceback on
 the server's stderr only) — and the service stays ready. Errors are {"error": "<one line>"}.
@@ -56,7 +60,7 @@ from h3direct.errors import H3Error
 DEFAULT_PORT = 8188
 DEFAULT_QUEUE = 8
 DEFAULT_JOB_TIMEOUT_S = 600.0
-MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_MB = 16  # room for a few uploaded reference images (base64) in one request
 POLL_S = 0.02  # how often a waiting /generate looks at its job and its client
 
 # server flags taken over from `h3direct generate` (same names, types, choices and defaults)
@@ -98,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-queue", action="store_true", help="same as --queue-size 0")
     g.add_argument("--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S, metavar="S",
                    help="a job running longer is stopped at its next step (504)")
+    g.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB, metavar="MB",
+                   help="largest request body (uploads included); larger ones get 413")
     g.add_argument("--quiet", action="store_true", help="no access log on stderr")
     lim.add_arguments(parser)
     g = parser.add_argument_group("models and runtime (as `h3direct generate`; each omitted model: bundled tiny)")
@@ -113,6 +119,15 @@ def _request_model():
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
     Number = float | StrictInt
+
+    class Upload(BaseModel):
+        """A file sent with the request (instead of a name under the server's --input-root)."""
+
+        model_config = ConfigDict(extra="forbid", strict=True)
+        filename: StrictStr = Field("upload", max_length=255, description="its name (extension kept)")
+        base64: StrictStr = Field(description="the file's bytes, base64-encoded")
+
+    File = StrictStr | Upload
 
     class GenerateRequest(BaseModel):
         """One generation: the fields of `h3direct generate`; omitted ones take its defaults. File fields are names
@@ -130,13 +145,13 @@ def _request_model():
         sampler: Literal[gen.SAMPLERS] = "euler"  # type: ignore[valid-type]
         scheduler: Literal[gen.SCHEDULERS] = "simple"  # type: ignore[valid-type]
         cfg: Number = 1.0
-        ref_images: list[StrictStr] = []
-        ref_videos: list[StrictStr] = []
-        ref_audios: list[StrictStr] = []
+        ref_images: list[File] = []
+        ref_videos: list[File] = []
+        ref_audios: list[File] = []
         ref_image_size: Literal["match", "max"] = "match"
-        first_frame: StrictStr | None = None
-        last_frame: StrictStr | None = None
-        text_embeds: StrictStr | None = None
+        first_frame: File | None = None
+        last_frame: File | None = None
+        text_embeds: File | None = None
         attention: Literal[gen.ATTENTION] | None = None  # type: ignore[valid-type]
         cache_mode: Literal[gen.CACHE_MODES] = "off"  # type: ignore[valid-type]
         cache_threshold: Number = gen.CACHE_DEFAULTS["threshold"]
@@ -186,7 +201,9 @@ class Service:
         self.weight_loads = 0
         self.defaults = vars(_generate_parser().parse_args([]))
         queue_size = 0 if getattr(args, "no_queue", False) else args.queue_size
-        self.queue = JobQueue(self._run_job, size=queue_size, timeout_s=args.job_timeout)
+        self.queue = JobQueue(self._run_job, size=queue_size, timeout_s=args.job_timeout, on_finish=self._forget)
+        self.max_body_bytes = args.max_body_mb << 20
+        self._uploads: Path | None = None  # a private temporary folder, made on the first upload
         self._lock = threading.Lock()
         self._counter = 0
 
@@ -203,6 +220,8 @@ class Service:
             raise H3Error(f"--queue-size {self.args.queue_size} must be >= 0")
         if not self.args.job_timeout > 0:
             raise H3Error(f"--job-timeout {self.args.job_timeout} must be > 0 seconds")
+        if self.args.max_body_mb < 1:
+            raise H3Error(f"--max-body-mb {self.args.max_body_mb} must be >= 1")
         from h3direct.app.paths import check_output
 
         if self.input_root is not None and not self.input_root.is_dir():
@@ -228,6 +247,13 @@ class Service:
             if self.state != "failed":
                 self.state = "stopping"
         self.queue.stop()
+
+    def close(self) -> None:
+        """After the worker has stopped: remove the uploads folder."""
+        import shutil
+
+        if self._uploads is not None:
+            shutil.rmtree(self._uploads, ignore_errors=True)
 
     # ---- /ready ----
     def ready(self) -> dict:
@@ -255,7 +281,7 @@ class Service:
                 "memory": memory,
                 "attention": {"default": pipe.attention, "available": [b for b, r in reasons.items() if r is None],
                               "unavailable": {b: r for b, r in reasons.items() if r is not None}},
-                "limits": {**self.limits.as_dict(), "max_body_bytes": MAX_BODY_BYTES,
+                "limits": {**self.limits.as_dict(), "max_body_bytes": self.max_body_bytes,
                            "job_timeout_s": self.queue.timeout_s},
                 "queue": {"depth": self.queue.depth(), "size": self.queue.size,
                           "running": running.id if running is not None else None,
@@ -270,16 +296,35 @@ class Service:
         NotReady (503), Full (429) or Stopping (503)."""
         if self.state != "ready":
             raise NotReady(self.state)
-        ns = self.request_args(req)
-        output = self._output_path(req.output)
-        return self.queue.submit(ns, output)
+        ns = argparse.Namespace(upload_dir=None)
+        try:
+            ns = self.request_args(req, ns)
+            return self.queue.submit(ns, self._output_path(req.output))
+        except BaseException:
+            self._remove_uploads(ns)
+            raise
 
-    def request_args(self, req) -> argparse.Namespace:
+    def _forget(self, job: Job) -> None:
+        """A job is over (done, failed, cancelled): its uploads go."""
+        self._remove_uploads(job.args)
+
+    @staticmethod
+    def _remove_uploads(ns) -> None:
+        import shutil
+
+        if ns is not None and getattr(ns, "upload_dir", None) is not None:
+            shutil.rmtree(ns.upload_dir, ignore_errors=True)
+
+    def request_args(self, req, ns: argparse.Namespace | None = None) -> argparse.Namespace:
+        """The request as the `h3direct generate` arguments it stands for, checked by generate's own checks.
+        Uploaded files are written under `ns.upload_dir` (the caller removes it if this raises)."""
         import torch
 
         from h3direct.dit.attention import check_backend
 
-        ns = argparse.Namespace(**self.defaults)
+        ns = ns if ns is not None else argparse.Namespace(upload_dir=None)
+        for k, v in self.defaults.items():
+            setattr(ns, k, v)
         for k in MODEL_FLAGS:
             setattr(ns, k, getattr(self.args, k))
         ns.compute_dtype = self.args.compute_dtype
@@ -288,7 +333,7 @@ class Service:
             if name == "output" or value is None:
                 continue
             if name in FILE_FIELDS:
-                value = self._input_paths(name, value)
+                value = self._input_paths(name, value, ns)
             setattr(ns, FIELD_DEST.get(name, name), float(value) if isinstance(value, int) and name in (
                 "cfg", "cache_threshold", "cache_start_percent", "cache_end_percent") else value)
         ns.output = "unused.mp4"
@@ -311,18 +356,46 @@ class Service:
 
         if self.input_root is not None:
             message = message.replace(str(self.input_root) + os.sep, "")
+        if self._uploads is not None:
+            message = re.sub(re.escape(str(self._uploads)) + r"/request-[^/]*/", "upload:", message)
         for flag, name in _FLAG_TO_FIELD:
             message = re.sub(re.escape(flag) + r"(?![\w-])", name, message)
         return message
 
-    def _input_paths(self, name: str, value):
+    def _input_paths(self, name: str, value, ns: argparse.Namespace):
+        """Names under --input-root and uploads (written to this request's folder) -> paths on this machine."""
+        if isinstance(value, list):
+            return [self._input_path(f"{name}[{i}]", v, ns) for i, v in enumerate(value)]
+        return self._input_path(name, value, ns)
+
+    def _input_path(self, field: str, value, ns: argparse.Namespace) -> str:
+        import base64
+        import binascii
+        import re
+        import tempfile
+
         from h3direct.app.paths import confined
 
-        if self.input_root is None:
-            raise H3Error(f"{name}: this server reads no input files (it was started without --input-root)")
-        if isinstance(value, list):
-            return [str(confined(self.input_root, v, f"{name}[{i}]", must_exist=True)) for i, v in enumerate(value)]
-        return str(confined(self.input_root, value, name, must_exist=True))
+        if isinstance(value, str):
+            if self.input_root is None:
+                raise H3Error(f"{field}: this server reads no input files by name (it was started without "
+                              f"--input-root); send the file itself: {{\"filename\": ..., \"base64\": ...}}")
+            return str(confined(self.input_root, value, field, must_exist=True))
+        try:
+            data = base64.b64decode(value["base64"], validate=True)
+        except (binascii.Error, ValueError):
+            raise H3Error(f"{field}: the upload is not valid base64") from None
+        if not data:
+            raise H3Error(f"{field}: the upload is empty")
+        with self._lock:
+            if self._uploads is None:
+                self._uploads = Path(tempfile.mkdtemp(prefix="h3direct-uploads-"))
+        if ns.upload_dir is None:
+            ns.upload_dir = tempfile.mkdtemp(prefix="request-", dir=self._uploads)
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", Path(value.get("filename") or "upload").name).lstrip(".")[-100:] or "upload"
+        path = Path(ns.upload_dir) / f"{len(os.listdir(ns.upload_dir)):02d}-{safe}"
+        path.write_bytes(data)
+        return str(path)
 
     def _output_path(self, name: str | None) -> Path:
         from h3direct.app.paths import confined
@@ -617,7 +690,7 @@ def create_app(service: Service):
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    return _BodyLimit(app, MAX_BODY_BYTES), app
+    return _BodyLimit(app, service.max_body_bytes), app
 
 
 def _links(job: Job) -> dict:
@@ -761,6 +834,8 @@ def run(args: argparse.Namespace) -> int:
         service.stop()
         clean = service.queue.join(10) if service.pipe is not None else True
         loader.join(0 if service.state == "failed" else 10)
+        if clean:
+            service.close()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
