@@ -74,7 +74,7 @@ def test_ref2va_from_image_file_and_frame_snapping(cache_env, tmp_path, capsys):
     assert len(s["step_seconds"]) == 2 and set(s["memory"]) >= {"load", "sample", "write"}
     assert "sampling" in err or "step 1/2" in err  # per-step progress went to stderr
     assert "note: --frames 6 snapped up to 22" in err
-    for stage in ("text encode", "decode video", "decode audio", "write mp4"):  # a bar for every long stage
+    for stage in ("text encode", "decode video", "tile", "decode audio", "write mp4"):  # a bar per long stage
         assert stage in err, err
 
 

@@ -264,8 +264,9 @@ def resolve_args(args: argparse.Namespace, notes: list | None = None, *, check_o
 # ---- run -----------------------------------------------------------------------------------------
 
 class Progress:
-    """tqdm bars on stderr for each long stage of one generation: text encode, sampling steps, VAE decode (video,
-    audio) and the mp4 write. `stage(name)` / `step(event)` are the pipeline's hooks; a disabled one draws nothing."""
+    """tqdm bars on stderr for each long stage of one generation: text encode, sampling steps, video decode (per
+    tile), audio decode and the mp4 write. `stage(name)` / `step(event)` are the pipeline's hooks; a disabled one
+    draws nothing."""
 
     LABELS = {"text_encode": "text encode", "decode_video": "decode video", "decode_audio": "decode audio",
               "write": "write mp4"}
@@ -296,6 +297,11 @@ class Progress:
             return
         if name == "sample":
             self._open("sampling", self.steps, "step")
+        elif name == "decode_video":
+            self._open(self.LABELS[name], None, "tile")
+        elif name == "decode_video:tile":
+            if self._bar is not None:
+                self._bar.update(1)
         elif name in self.LABELS:
             self._open(self.LABELS[name], 1, "stage")
         else:
@@ -314,7 +320,7 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
-            if self._bar.n < self._bar.total and self._bar.unit == "stage":
+            if self._bar.unit == "stage" and self._bar.n < self._bar.total:
                 self._bar.update(self._bar.total - self._bar.n)
             self._bar.close()
             self._bar = None

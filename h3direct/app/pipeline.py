@@ -357,7 +357,8 @@ class H3Pipeline:
         """One clip. `text_embeds`: a TextConditioning (or a file for `load_text_embeds`) instead of encoding
         `prompt`. `cache`: an `h3direct.sampling.caches.CacheSettings` (None / mode 'off' = no cache code at all).
         `on_stage(name)` is called as each stage starts (conditioning, text_encode, sample, decode_video,
-        decode_audio); like `callback`, it may raise to abandon the run (a cancelled or timed-out request)."""
+        decode_audio) and after each video-decoder tile ("decode_video:tile"); like `callback`, it may raise to
+        abandon the run (a cancelled or timed-out request)."""
         from h3direct.dit.denoiser import Denoiser, audio_scale_of
         from h3direct.sampling import caches, noise, schedules
         from h3direct.sampling import sampler as hs
@@ -460,7 +461,8 @@ class H3Pipeline:
                 from h3direct.vae.mp4 import pixels_to_uint8
 
                 stage("decode_video")
-                px = decode_video(self.video_vae, video_latent, dtype=self.vae_dtype, tile_size=self.vae_tile_size)
+                px = decode_video(self.video_vae, video_latent, dtype=self.vae_dtype, tile_size=self.vae_tile_size,
+                                  on_tile=lambda: stage("decode_video:tile"))
                 pixels = pixels_to_uint8(px[0])
                 del px
                 t = mark("decode_video", t)

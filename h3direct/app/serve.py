@@ -392,7 +392,8 @@ class Service:
                 self._uploads = Path(tempfile.mkdtemp(prefix="h3direct-uploads-"))
         if ns.upload_dir is None:
             ns.upload_dir = tempfile.mkdtemp(prefix="request-", dir=self._uploads)
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", Path(value.get("filename") or "upload").name).lstrip(".")[-100:] or "upload"
+        given = Path(value.get("filename") or "upload").name
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", given).lstrip(".")[-100:] or "upload"
         path = Path(ns.upload_dir) / f"{len(os.listdir(ns.upload_dir)):02d}-{safe}"
         path.write_bytes(data)
         return str(path)
@@ -422,7 +423,9 @@ class Service:
         check(stage="conditioning")
 
         def on_stage(name: str) -> None:
-            if name != "done":  # the mp4 is in place: too late to cancel
+            if name.endswith(":tile"):  # within a stage: only a chance to stop
+                check()
+            elif name != "done":  # (done: the mp4 is in place, too late to cancel)
                 check(stage=name)
 
         def on_step(ev) -> None:
