@@ -146,6 +146,7 @@ def test_health_and_ready(server, service):
     for name, comp in r["components"].items():
         assert comp["source"] == "bundled" and comp["device"] == "cpu" and comp["dtype"] == "float32", (name, comp)
         assert comp["quantization"] == "none" and comp["parameters"] > 0 and comp["bytes"] >= 4 * comp["parameters"]
+        assert comp["sha256"] == _sha(getattr(bundled.ensure(), name)), name
     assert "sdpa" in r["attention"]["available"] and r["attention"]["default"] == "sdpa"
     assert set(r["attention"]["available"]) | set(r["attention"]["unavailable"]) >= {"sdpa", "sage2", "cudnn_sdpa"}
     assert r["memory"]["rss_bytes"] > 0 and r["memory"]["peak_bytes"] > 0

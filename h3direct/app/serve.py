@@ -199,6 +199,7 @@ class Service:
         self.load_seconds: dict = {}
         self.load_memory = 0
         self.weight_loads = 0
+        self.weights: dict = {}  # component -> {"file", "sha256"}
         self.defaults = vars(_generate_parser().parse_args([]))
         queue_size = 0 if getattr(args, "no_queue", False) else args.queue_size
         self.queue = JobQueue(self._run_job, size=queue_size, timeout_s=args.job_timeout, on_finish=self._forget)
@@ -233,8 +234,13 @@ class Service:
             raise H3Error(f"--output-root: cannot create it ({e.strerror})", path=self.output_root) from None
 
     def load(self) -> None:
+        from h3direct.app import provenance
+
         pipe, sources, seconds, load_memory = gen.load_pipeline(self.args, text_encoder_always=True)
         self.weight_loads += 1
+        t = time.perf_counter()
+        self.weights = provenance.weights(pipe.files)  # hashed once here (and remembered on disk), not per request
+        seconds["sha256"] = round(time.perf_counter() - t, 4)
         self.pipe, self.sources, self.load_seconds, self.load_memory = pipe, sources, seconds, load_memory
         with self._lock:
             if self.state != "loading":  # a signal came while loading: stay stopping, run nothing
@@ -274,7 +280,8 @@ class Service:
             memory = {"kind": "cpu_rss", "rss_bytes": _rss_bytes(), "peak_bytes": peak}
         comps = {"dit": pipe.dit, "video_vae": pipe.video_vae, "audio_vae": pipe.audio_vae,
                  "text_encoder": pipe.text_encoder}
-        components = {k: {"source": self.sources.get(k), **_describe(m)} for k, m in comps.items() if m is not None}
+        components = {k: {"source": self.sources.get(k), **self.weights.get(k, {}), **_describe(m)}
+                      for k, m in comps.items() if m is not None}
         components["dit"]["compute_dtype"] = str(pipe.dit.compute_dtype).removeprefix("torch.")
         running = self.queue.running
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
