@@ -134,13 +134,14 @@ def test_help_shows_choices_and_defaults(capsys):
     for flag, choices, default in (("--sampler", generate.SAMPLERS, "euler"),
                                    ("--scheduler", generate.SCHEDULERS, "simple"),
                                    ("--cache-mode", generate.CACHE_MODES, "off"),
-                                   ("--vae-dtype", generate.VAE_DTYPES, "None"),
+                                   ("--vae-dtype", generate.VAE_DTYPES, "fp16 on CUDA, fp32 on CPU"),
                                    ("--attention", generate.ATTENTION, "sdpa")):
         assert f"{flag} {{{','.join(choices)}}}" in text, flag
-        assert f"(default: {default})" in text
+        assert f"default: {default})" in text
     for flag in ("--seed", "--cache-threshold", "--cache-start-percent", "--max-steps", "--output FILE.mp4, -o"):
         assert flag in text
     assert "(default: 0)" in text and "(default: 100)" in text and "(default: clip.mp4)" in text
+    assert "(default: None)" not in text and "(default: [])" not in text
 
 
 def test_choices_match_the_runtime():

@@ -36,6 +36,17 @@ ATTENTION = ("sdpa", "cudnn_sdpa", "sage2", "ck_int8", "kj_head_sliced", "sol_at
 VAE_DTYPES = ("fp32", "fp16")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default after its help, unless there is none to show (None, empty, a plain switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if "%(default)" in text or d is None or d is argparse.SUPPRESS or d is False or d == [] or d == "":
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _one_line_error(message: str):
     import sys
 
@@ -47,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from h3direct.app import bundled, limits
 
     parser.error = _one_line_error  # argparse's own errors (bad int, bad choice): one line too, no usage dump
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    size = (f"(default {bundled.DEFAULT_WIDTH}x{bundled.DEFAULT_HEIGHT}, {bundled.DEFAULT_FRAMES} frames, "
-            f"{bundled.DEFAULT_STEPS} steps: seconds on a CPU with the bundled models; give all four for a real clip)")
+    parser.formatter_class = HelpFormatter
+    size = ("(the size flags default to a small clip that takes seconds on a CPU with the bundled models; give all "
+            "four for a real one, e.g. 1344 768 124 8)")
     g = parser.add_argument_group("models (each omitted one: the bundled tiny model)")
     g.add_argument("--checkpoint", help="H3 DiT safetensors (ComfyUI format, bf16 or NVFP4)")
     g.add_argument("--vae", help="video VAE safetensors")
@@ -72,10 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reference image sizing (ComfyUI's ref_image_size)")
     g.add_argument("--first-frame", metavar="FILE", help="first frame image (fl2va)")
     g.add_argument("--last-frame", metavar="FILE", help="last frame image (fl2va)")
-    g.add_argument("--width", type=int, help=f"multiple of 32 {size}")
-    g.add_argument("--height", type=int, help="multiple of 32")
-    g.add_argument("--frames", type=int, help="frame count at 24 fps, snapped up to 17k+5 (5, 22, 39, ..., 124)")
-    g.add_argument("--steps", type=int, help="sampling steps")
+    g.add_argument("--width", type=int, help=f"multiple of 32 (default: {bundled.DEFAULT_WIDTH}) {size}")
+    g.add_argument("--height", type=int, help=f"multiple of 32 (default: {bundled.DEFAULT_HEIGHT})")
+    g.add_argument("--frames", type=int, help="frame count at 24 fps, snapped up to 17k+5 (5, 22, 39, ..., 124) "
+                   f"(default: {bundled.DEFAULT_FRAMES})")
+    g.add_argument("--steps", type=int, help=f"sampling steps (default: {bundled.DEFAULT_STEPS})")
     g.add_argument("--seed", type=int, default=0, help="noise seed in [0, 2^64): the same seed, the same clip")
     g.add_argument("--sampler", choices=SAMPLERS, default="euler", help="sampler")
     g.add_argument("--scheduler", choices=SCHEDULERS, default="simple", help="sigma schedule")
@@ -84,18 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="mp4 to write (--out is an old spelling)")
     g = parser.add_argument_group("runtime")
     g.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="DiT compute dtype (None: bf16 on CUDA, fp32 on CPU)")
+                   help="DiT compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--nvfp4-mode", choices=("auto", "w4a4", "w4a16"), default="auto",
                    help="NVFP4 layers: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, else w4a16)")
-    g.add_argument("--device", default=None, help="torch device (None: cuda if available, else cpu)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--attention", choices=ATTENTION, default="sdpa", help="attention backend")
-    g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (None: torch's, or "
+    g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "
                    "OMP_NUM_THREADS; 1 for the bundled tiny models, which only lose from threading)")
     g.add_argument("--mlp-chunks", type=int, default=1, help="run the DiT MLPs in this many row chunks")
     g.add_argument("--vae-dtype", choices=VAE_DTYPES, default=None, help="video VAE dtype (env H3_VAE_DTYPE; "
-                   "None: fp16 on CUDA, fp32 on CPU)")
+                   "default: fp16 on CUDA, fp32 on CPU)")
     g.add_argument("--vae-tile-size", type=int, default=None, help="video VAE spatial tile in px (env "
-                   "H3_VAE_TILE_SIZE; None: the VAE's; 0 = untiled)")
+                   "H3_VAE_TILE_SIZE; default: the VAE's; 0 = untiled)")
     g = parser.add_argument_group("step cache (opt-in, approximate)")
     g.add_argument("--cache-mode", choices=CACHE_MODES, default="off", help="step cache")
     g.add_argument("--cache-threshold", type=float, default=CACHE_DEFAULTS["threshold"],

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("limits (requests beyond them are refused before any compute)")
     for f in fields(Limits):
         g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, metavar="N",
-                       help=f"{HELP[f.name]} (default {f.default})")
+                       help=HELP[f.name])
 
 
 def check(limits: Limits, *, steps: int, frames: int, width: int, height: int, prompts: dict[str, str],

@@ -89,7 +89,7 @@ def _generate_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = gen.HelpFormatter
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     g.add_argument("--port", type=_port, default=DEFAULT_PORT, help="TCP port (0 = any free)")
