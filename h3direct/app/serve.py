@@ -43,6 +43,7 @@ waiting clients, exit 0; a second signal exits at once (status 1).
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, some of them local classes
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -115,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- the request model ---------------------------------------------------------------------------
 
+@functools.cache
 def _request_model():
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
