@@ -230,6 +230,9 @@ BIG = 16384
 BAD = [  # (id, json body or raw bytes, status, words the one-line error must contain)
     ("invalid_json", b'{"prompt": ', 400, "JSON"),
     ("not_utf8", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("nested_deep", b"[" * 100_000, 400, "JSON"),
+    ("integer_5000_digits", b'{"seed": ' + b"9" * 5000 + b"}", 400, "JSON"),
+    ("empty_body", b"", 422, "body"),
     ("lone_surrogate", b'{"prompt": "\\udcff"}', 422, "prompt"),
     ("not_an_object", b"[1, 2]", 422, "object"),
     ("nan", b'{"cfg": NaN}', 422, "cfg"),
@@ -289,6 +292,9 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
     ("output_hidden", {"output": ".x.mp4"}, 400, "output"),
     ("output_not_mp4", {"output": "clip.avi"}, 400, "output"),
     ("output_a_folder", {"output": "sub"}, 400, "output"),
+    ("output_name_too_long", {"output": "a" * 5000 + ".mp4"}, 400, "output"),
+    ("output_component_too_long", {"output": "sub/" + "a" * 300 + ".mp4"}, 400, "output"),
+    ("ref_name_too_long", {"ref_images": ["a" * 5000]}, 400, "ref_images[0]"),
 ]
 
 

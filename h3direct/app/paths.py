@@ -53,18 +53,18 @@ def confined(root: Path, name: str, field: str, *, must_exist: bool) -> Path:
     With `must_exist`, a missing file and a refused one get the same answer, so a client cannot probe the host."""
     refused = H3Error(f"{field} {name!r}: no such file under the input folder" if must_exist else
                       f"{field} {name!r} must be a relative path inside the output folder (no '..', not absolute)")
-    if not name or "\x00" in name or "\\" in name:
+    if not name or len(name) > 1024 or "\x00" in name or "\\" in name:
         raise refused
     rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts:
+    if rel.is_absolute() or ".." in rel.parts or any(len(part) > 255 for part in rel.parts):
         raise refused
     root = root.resolve()
     try:
         target = (root / rel).resolve(strict=must_exist)
-    except (OSError, RuntimeError):
+        if not target.is_relative_to(root) or target == root:
+            raise refused
+        if must_exist and not target.is_file():
+            raise refused
+    except (OSError, RuntimeError):  # a name too long, a loop of links, ...
         raise refused from None
-    if not target.is_relative_to(root) or target == root:
-        raise refused
-    if must_exist and not target.is_file():
-        raise refused
     return target

@@ -417,10 +417,13 @@ class Service:
         if not name.lower().endswith(".mp4") or Path(name).name.startswith("."):
             raise H3Error(f"output {name!r} must be a file name ending in .mp4 (not hidden), e.g. clip.mp4")
         target = confined(self.output_root, name, "output", must_exist=False)
-        if not target.parent.is_dir():
-            raise H3Error(f"output {name!r}: its folder does not exist under the output folder")
-        if target.is_dir():
-            raise H3Error(f"output {name!r} is a folder")
+        try:
+            if not target.parent.is_dir():
+                raise H3Error(f"output {name!r}: its folder does not exist under the output folder")
+            if target.is_dir():
+                raise H3Error(f"output {name!r} is a folder")
+        except OSError as e:
+            raise H3Error(f"output {name!r}: not a usable file name ({e.strerror})") from None
         return target
 
     # ---- a job on the worker ----
@@ -590,7 +593,7 @@ def create_app(service: Service):
             msg = {404: f"no such endpoint {request.url.path!r}; see /docs",
                    405: f"{request.method} {request.url.path}: method not allowed"}.get(exc.status_code, msg)
         elif "parsing the body" in msg:
-            msg = "the body is not UTF-8 JSON"
+            msg = "cannot parse the body as JSON (UTF-8, nested at most ~1000 deep, integers under 4300 digits)"
         return _error(exc.status_code, msg, getattr(exc, "headers", None))
 
     @app.exception_handler(UnicodeDecodeError)
