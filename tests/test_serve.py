@@ -410,6 +410,9 @@ def test_job_lifecycle_progress_events_and_output(server, service, tmp_path):
     code, _, st = _call(server, "GET", f"/jobs/{job['id']}")
     assert code == 200 and st["state"] == "done" and st["step"] == 3 and st["summary"]["steps"] == 3
     assert {"queue", "sample", "write", "total"} <= set(st["timings"])
+    listed = _call(server, "GET", "/jobs?limit=5")[2]["jobs"]
+    assert listed[0]["id"] == job["id"] and len(listed) <= 5
+    _assert_error(_call(server, "GET", "/jobs?limit=many"), 422, "limit")
     code, headers, blob = _call(server, "GET", f"/jobs/{job['id']}/output")
     assert code == 200 and headers["content-type"] == "video/mp4"
     assert blob == (service.output_root / "job.mp4").read_bytes()

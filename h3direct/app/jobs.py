@@ -112,6 +112,10 @@ class JobQueue:
             self._cv.notify_all()
             return job
 
+    def recent(self, n: int) -> list[Job]:
+        with self._cv:
+            return list(self.jobs.values())[::-1][:n]
+
     def get(self, job_id: str) -> Job | None:
         with self._cv:
             return self.jobs.get(job_id)

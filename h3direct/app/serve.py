@@ -14,6 +14,7 @@ resident one JSON line goes to stdout: {"url", "device", "models"}.
     POST   /generate           a request (JSON, fields of `GenerateRequest`): waits, answers the summary
                                `h3direct generate` prints (with provenance); a client that leaves drops its job
     POST   /jobs               the same request; answers 202 {"id", ...} at once
+    GET    /jobs               the most recent jobs (?limit=100), newest first
     GET    /jobs/{id}          state (queued | running | done | failed | cancelled), stage, step, progress,
                                timings, summary or error
     DELETE /jobs/{id}          cancel: a queued job at once, a running one at its next stage or sampler step
@@ -550,7 +551,8 @@ def _validation_message(errors) -> tuple[int, str]:
     e = errors[0]
     if e.get("type") == "json_invalid":
         return 400, f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})"
-    loc = [x for x in e.get("loc", ()) if x != "body"]
+    loc = list(e.get("loc", ()))
+    loc = loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
     # the field, and an index into a list field; not the union member names pydantic appends (cfg.float)
     where = "".join([str(loc[0])] + [f"[{x}]" for x in loc[1:2] if isinstance(x, int)]) if loc else "body"
     msg = e.get("msg", "invalid")
@@ -657,6 +659,11 @@ def create_app(service: Service):
             return err
         return JSONResponse({**job.view(), "links": _links(job)}, status_code=202,
                             headers={"Location": f"/jobs/{job.id}"})
+
+    @app.get("/jobs", summary="the most recent jobs (newest first), as GET /jobs/{id} shows each")
+    def job_list(limit: int = 100):
+        jobs = service.queue.recent(max(0, min(limit, 1000)))
+        return {"jobs": [{**j.view(), "links": _links(j)} for j in jobs]}
 
     def find(job_id: str) -> Job:
         job = service.queue.get(job_id)
