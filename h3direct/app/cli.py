@@ -15,9 +15,11 @@ import sys
 
 from h3direct.errors import H3Error
 
-# command -> [(dest, flag, what)]: "out:.ext" an output file, "in" an input file, "safetensors" an input whose
-# header must parse. Checked here, before the command's module runs anything heavy.
+# command -> [(dest, flag, what)]: "out:.ext" an output file, "dir" an output folder (made if missing), "in" an
+# input file, "safetensors" an input whose header must parse. Checked here, before the command's module runs
+# anything heavy.
 FILE_CHECKS: dict[str, list[tuple[str, str, str]]] = {
+    "inspect": [("out", "--out", "dir")],
     "make-checkpoint": [("out", "--output", "out:.safetensors")],
     "decode-latent": [("latent", "LATENT", "safetensors"), ("vae", "--vae", "safetensors"),
                       ("audio_vae", "--audio-vae", "safetensors"), ("vae_config", "--vae-config", "in"),
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_files(args: argparse.Namespace) -> None:
-    from h3direct.app.paths import check_input, check_output
+    from h3direct.app.paths import check_input, check_output, check_output_dir
 
     for dest, flag, what in FILE_CHECKS.get(args.command, []):
         value = getattr(args, dest, None)
@@ -111,6 +113,9 @@ def _check_files(args: argparse.Namespace) -> None:
             continue
         if what.startswith("out:"):
             check_output(value, flag, what[4:])
+            continue
+        if what == "dir":
+            check_output_dir(value, flag)
             continue
         check_input(value, flag)
         if what == "safetensors":

@@ -16,23 +16,35 @@ from h3direct.errors import H3Error
 
 
 def check_output(path: str | os.PathLike, flag: str, suffix: str | None = ".mp4") -> Path:
+    """An output file: the right extension, not a folder, in a folder that exists (or can be made) and takes files."""
     p = Path(path)
     if suffix is not None and p.suffix.lower() != suffix:
         raise H3Error(f"{flag} {str(p)!r} must end in {suffix} (e.g. clip{suffix}); no other format is written")
     if p.is_dir():
         raise H3Error(f"{flag} is a folder; give a file name like clip{suffix or ''}", path=p)
-    existing = Path(os.path.abspath(p)).parent  # `..` taken lexically, as a later mkdir(parents=True) would
+    _writable(Path(os.path.abspath(p)).parent, flag, p)  # `..` taken lexically, as a later mkdir(parents=True)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """An output folder: exists (or can be made) and takes files."""
+    p = Path(path)
+    _writable(Path(os.path.abspath(p)), flag, p)
+    return p
+
+
+def _writable(folder: Path, flag: str, shown: Path) -> None:
+    existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise H3Error(f"{flag}: {str(existing)!r} is a file, not a folder", path=p)
+        raise H3Error(f"{flag}: {str(existing)!r} is a file, not a folder", path=shown)
     try:
         fd, probe = tempfile.mkstemp(prefix=".h3probe.", dir=existing)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise H3Error(f"{flag}: cannot write into {str(existing)!r} ({e.strerror or e})", path=p) from None
-    return p
+        raise H3Error(f"{flag}: cannot write into {str(existing)!r} ({e.strerror or e})", path=shown) from None
 
 
 def check_input(path: str | os.PathLike, flag: str) -> Path:
