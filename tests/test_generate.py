@@ -55,6 +55,55 @@ def test_default_command_writes_playable_mp4(cache_env, tmp_path):
     assert s["task"] == "t2va" and s["reused_steps"] == [] and s["peak_memory_bytes"] > 0
     assert {"load", "text_encode", "sample", "decode_video", "decode_audio", "write", "total"} <= set(s["timings"])
     assert [p.name for p in tmp_path.iterdir()] == ["clip.mp4"]  # no temp file left next to it
+    with av.open(str(tmp_path / "clip.mp4")) as c:  # the provenance travels with the clip
+        assert json.loads(c.metadata["comment"]) == s["provenance"]
+    b = bundled.ensure()
+    assert s["provenance"]["weights"]["dit"]["file"] == b.dit.name and len(s["provenance"]["weights"]) == 4
+
+
+def _run_on_a_terminal(argv, cwd, env) -> tuple[int, str]:
+    """`h3direct` with stderr on a pseudo-terminal (as a user at a shell sees it): (exit status, what it showed)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, columns: a real window
+    proc = subprocess.Popen([sys.executable, "-m", "h3direct", *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=slave)
+    os.close(slave)
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # the terminal's last writer is gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    proc.stdout.read()
+    rc = proc.wait(120)
+    t.join(10)
+    os.close(master)
+    return rc, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bars_on_a_terminal_by_default_and_none_with_quiet(cache_env, tmp_path):
+    env = {**os.environ, "H3_CACHE_DIR": str(cache_env), "OMP_NUM_THREADS": "1"}
+    small = ["generate", "--width", "32", "--height", "32", "--frames", "5", "--steps", "2"]
+    rc, shown = _run_on_a_terminal([*small, "-o", "a.mp4"], tmp_path, env)
+    assert rc == 0, shown
+    for bar in ("text encode", "sampling", "2/2", "decode video", "decode audio", "write mp4"):
+        assert bar in shown, shown
+    rc, shown = _run_on_a_terminal([*small, "-o", "b.mp4", "--quiet"], tmp_path, env)
+    assert rc == 0 and shown == "", shown
 
 
 def test_ref2va_from_image_file_and_frame_snapping(cache_env, tmp_path, capsys):
@@ -73,6 +122,9 @@ def test_ref2va_from_image_file_and_frame_snapping(cache_env, tmp_path, capsys):
     assert s["frames"] == 22 and s["frames_requested"] == 6 and _probe(out)["frames"] == 22
     assert len(s["step_seconds"]) == 2 and set(s["memory"]) >= {"load", "sample", "write"}
     assert "sampling" in err or "step 1/2" in err  # per-step progress went to stderr
+    assert "note: --frames 6 snapped up to 22" in err
+    for stage in ("text encode", "decode video", "tile", "decode audio", "write mp4"):  # a bar per long stage
+        assert stage in err, err
 
 
 def test_t2va_text_embeds_quiet_and_cache(cache_env, tmp_path, capsys):
@@ -140,8 +192,7 @@ def test_env_vae_settings(cache_env, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,needle", [(["--frames", "abc"], "abc"), (["--compute-dtype", "fp8"], "fp8")],
                          ids=["frames-not-int", "compute-dtype-choice"])
 def test_argparse_errors_are_one_line(capsys, argv, needle):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["generate", *argv])
+    rc = cli.main(["generate", *argv])
     out, err = capsys.readouterr()
-    assert exc.value.code == 2 and out == ""
+    assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and needle in err, err

@@ -1,79 +1,99 @@
-"""`h3direct serve` on loopback: health, real generations with the bundled tiny models (checked against the
-`h3direct generate` CLI and PyAV), every bad-request class, serialisation of concurrent requests, SIGTERM."""
+"""`h3direct serve` over a real socket on 127.0.0.1 with the bundled tiny models: readiness, generations checked
+against the CLI and PyAV, provenance, every bad-request class answered 4xx at the door within a second, jobs with
+progress events and cancel, a full queue, a dropped client, a timeout, a failing job, attention switches without
+reloads, 200+ mixed requests from 8 threads, and SIGTERM on the real command."""
 
+import base64
 import hashlib
 import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from h3direct.app import cli
-from h3direct.app.serve import MAX_BODY_BYTES, H3Server, load_service
-
+pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not installed")
 av = pytest.importorskip("av")
+
+from h3direct import __version__  # noqa: E402
+from h3direct.app import bundled, cli, limits  # noqa: E402
+from h3direct.app.serve import HTTPServer, Service, bind  # noqa: E402
 
 TIMEOUT = 60  # seconds, every socket and wait in this file
 SMALL = {"width": 96, "height": 64, "frames": 22, "steps": 2}
-FAST = {"width": 96, "height": 64, "frames": 5, "steps": 1}
+TINY = {"width": 32, "height": 32, "frames": 5, "steps": 1}  # a valid request that costs ~0.3 s
 BUNDLED = {"dit": "bundled", "video_vae": "bundled", "audio_vae": "bundled", "text_encoder": "bundled"}
-# per-run values: where the file went, how long it took, how much memory the process has touched so far
-VOLATILE = {"output", "timings", "peak_memory_bytes"}
-
-
+VOLATILE = {"output", "timings", "peak_memory_bytes"}  # per-run values
 
 
 @pytest.fixture(scope="module")
-def service(cache_env, tmp_path_factory):
+def roots(tmp_path_factory):
+    """An input folder with a real image, a garbage 'image', text embeddings, a garbage embeddings file and two
+    symlinks that lead out of it; an output folder with a subfolder and a symlink that leads out."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    base = tmp_path_factory.mktemp("roots")
+    inp, out, outside = base / "in", base / "out", base / "outside"
+    for d in (inp, out, out / "sub", outside):
+        d.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(inp / "ref.png")
+    (inp / "garbage.png").write_bytes(b"this is not an image at all" * 10)
+    save_file({"text_states": torch.randn(1, 7, 96, generator=torch.Generator().manual_seed(0)),
+               "token_tags": torch.ones(7, dtype=torch.long)}, str(inp / "emb.safetensors"))
+    save_file({"text_states": torch.randn(1, 7, 33), "token_tags": torch.ones(7, dtype=torch.long)},
+              str(inp / "emb_wrong_width.safetensors"))
+    (inp / "garbage.safetensors").write_bytes(b"\xff" * 64)
+    (outside / "secret.png").write_bytes((inp / "ref.png").read_bytes())
+    (inp / "escape.png").symlink_to(outside / "secret.png")
+    (inp / "passwd.safetensors").symlink_to("/etc/passwd")
+    (out / "escape").symlink_to(outside)
+    return {"in": inp, "out": out, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def service(cache_env, roots):
     """The models, loaded once for the module, exactly as `h3direct serve` loads them."""
-    out = tmp_path_factory.mktemp("served")
-    args = cli.build_parser("serve").parse_args(["serve", "--port", "0", "--output-dir", str(out), "--quiet"])
+    args = cli.build_parser("serve").parse_args(["serve", "--port", "0", "--output-root", str(roots["out"]),
+                                                 "--input-root", str(roots["in"]), "--quiet"])
     threads = torch.get_num_threads()
-    yield load_service(args)
+    svc = Service(args)
+    svc.check_flags()
+    svc.load()
+    yield svc
+    svc.stop()
+    svc.close()
     torch.set_num_threads(threads)
 
 
-def _start(service, **kw):
-    srv = H3Server(service, "127.0.0.1", 0, quiet=True, **kw)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    return srv, t
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server(service):
-    srv, t = _start(service)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    t.join(TIMEOUT)
+    http_server = HTTPServer(service, bind("127.0.0.1", 0)).start()
+    yield http_server
+    http_server.shutdown(wait=True)
 
 
-@pytest.fixture
-def server_no_queue(service):
-    srv, t = _start(service, no_queue=True)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    t.join(TIMEOUT)
-
-
-def _call(srv, method: str, path: str, body=None, *, raw: bytes | None = None):
-    host, port = srv.server_address[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+def _call(srv, method: str, path: str, body=None, *, raw: bytes | None = None, headers=None):
+    host, port = srv.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     try:
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        conn.request(method, path, body=data, headers=headers or ({"Content-Type": "application/json"} if data else {}))
         resp = conn.getresponse()
-        text = resp.read().decode()
-        return resp.status, dict(resp.getheaders()), (json.loads(text) if text else None)
+        blob = resp.read()
+        ctype = resp.getheader("Content-Type", "")
+        payload = json.loads(blob) if ctype.startswith("application/json") else blob
+        return resp.status, dict(resp.getheaders()), payload
     finally:
         conn.close()
 
@@ -88,9 +108,10 @@ def _assert_error(got, status: int, needle: str = "") -> str:
     return msg
 
 
-def _assert_serving(srv) -> None:
-    code, _, health = _call(srv, "GET", "/health")
-    assert code == 200 and health["status"] == "ok" and health["busy"] is False, health
+def _assert_ready(srv) -> dict:
+    code, _, r = _call(srv, "GET", "/ready")
+    assert code == 200 and r["status"] == "ready" and r["queue"]["running"] is None, r
+    return r
 
 
 def _sha(path) -> str:
@@ -104,37 +125,51 @@ def _probe(path) -> dict:
                 "channels": a.channels, "rate": a.rate}
 
 
-# ---- health and real generations ----------------------------------------------------------------
-
-def test_health(server):
-    code, headers, h = _call(server, "GET", "/health")
-    assert code == 200 and headers["Content-Type"] == "application/json"
-    assert (h["status"], h["device"], h["models"], h["busy"], h["queued"]) == ("ok", "cpu", BUNDLED, False, 0)
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_generation_writes_the_mp4_its_summary_describes(server, service):
-    code, _, s = _call(server, "POST", "/generate", {**SMALL, "prompt": "a red ball", "seed": 1, "output": "one.mp4"})
-    assert code == 200, s
-    out = Path(s["output"])
-    assert out == service.output_dir / "one.mp4"
-    assert _probe(out) == {"frames": s["frames"], "width": 96, "height": 64, "channels": 2, "rate": 32000}
-    assert (s["frames"], s["task"], s["steps"], s["seed"]) == (22, "t2va", 2, 1)
-    assert not [p.name for p in service.output_dir.iterdir() if p.name.startswith(".")]  # no temp file left
+def _wait_for(pred, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
-def test_same_seed_same_clip_and_the_same_as_generate_cli(server, tmp_path, capsys):
+# ---- readiness and real generations -------------------------------------------------------------
+
+def test_health_and_ready(server, service):
+    assert _call(server, "GET", "/health")[:3:2] == (200, {"status": "ready"})
+    r = _assert_ready(server)
+    assert r["version"] == __version__ and r["device"] == "cpu"
+    assert set(r["components"]) == set(BUNDLED)
+    for name, comp in r["components"].items():
+        assert comp["source"] == "bundled" and comp["device"] == "cpu" and comp["dtype"] == "float32", (name, comp)
+        assert comp["quantization"] == "none" and comp["parameters"] > 0 and comp["bytes"] >= 4 * comp["parameters"]
+        assert comp["sha256"] == _sha(getattr(bundled.ensure(), name)), name
+    assert "sdpa" in r["attention"]["available"] and r["attention"]["default"] == "sdpa"
+    assert set(r["attention"]["available"]) | set(r["attention"]["unavailable"]) >= {"sdpa", "sage2", "cudnn_sdpa"}
+    assert r["memory"]["rss_bytes"] > 0 and r["memory"]["peak_bytes"] > 0
+    assert {k: r["limits"][k] for k in limits.Limits().as_dict()} == limits.Limits().as_dict()
+    assert r["queue"]["depth"] == 0 and r["queue"]["size"] == 8 and r["weight_loads"] == 1
+    code, _, schema = _call(server, "GET", "/openapi.json")
+    assert code == 200 and {"/generate", "/jobs", "/jobs/{job_id}", "/ready"} <= set(schema["paths"])
+
+
+def test_same_seed_same_clip_and_the_same_as_generate_cli(server, service, tmp_path, capsys):
     req = {**SMALL, "prompt": "waves at dusk", "seed": 5}
     runs = []
-    for name, seed in (("a.mp4", 5), ("b.mp4", 5), ("c.mp4", 6)):
+    for name, seed in (("a.mp4", 5), ("sub/b.mp4", 5), ("c.mp4", 6)):
         code, _, s = _call(server, "POST", "/generate", {**req, "seed": seed, "output": name})
         assert code == 200, s
         runs.append(s)
     a, b, c = runs
+    assert Path(b["output"]) == service.output_root / "sub" / "b.mp4"
+    assert _probe(a["output"]) == {"frames": 22, "width": 96, "height": 64, "channels": 2, "rate": 32000}
     assert _sha(a["output"]) == _sha(b["output"])
     assert {k: v for k, v in a.items() if k not in VOLATILE} == {k: v for k, v in b.items() if k not in VOLATILE}
     assert _sha(c["output"]) != _sha(a["output"])  # the seed reaches the sampler
 
-    # the reference: `h3direct generate` with the same request, in this process
     cli_out = tmp_path / "cli.mp4"
     argv = ["generate", "--prompt", req["prompt"], "--seed", "5", "--output", str(cli_out)]
     argv += [x for k in ("width", "height", "frames", "steps") for x in (f"--{k}", str(req[k]))]
@@ -142,206 +177,441 @@ def test_same_seed_same_clip_and_the_same_as_generate_cli(server, tmp_path, caps
     stdout, err = capsys.readouterr()
     assert rc == 0, err
     ref = json.loads(stdout)
-    assert _sha(cli_out) == _sha(a["output"])
+    assert _sha(cli_out) == _sha(a["output"])  # same pixels, same audio, same provenance tag
     assert set(ref) == set(a)
     assert {k: v for k, v in ref.items() if k not in VOLATILE} == {k: v for k, v in a.items() if k not in VOLATILE}
     stages = {"conditioning", "text_encode", "sample", "decode_video", "decode_audio", "write", "total"}
     assert stages <= set(ref["timings"]) & set(a["timings"])
+    assert "queue" in a["timings"]
+    assert not [p for p in service.output_root.rglob(".*")]  # no temp file left
 
 
-# ---- bad requests -------------------------------------------------------------------------------
+def test_provenance_in_summary_and_mp4(server, service, roots):
+    body = {**TINY, "prompt": "<Picture 1> a kite", "seed": 11, "ref_images": ["ref.png"], "output": "prov.mp4"}
+    code, _, s = _call(server, "POST", "/generate", body)
+    assert code == 200, s
+    with av.open(s["output"]) as c:
+        tag = json.loads(c.metadata["comment"])
+    assert tag == s["provenance"]
+    b = bundled.ensure()
+    want_weights = {k: {"file": getattr(b, k).name, "sha256": _sha(getattr(b, k))}
+                    for k in ("dit", "video_vae", "audio_vae", "text_encoder")}
+    assert tag["weights"] == want_weights
+    assert tag["references"] == [{"field": "--ref-image", "name": "ref.png", "sha256": _sha(roots["in"] / "ref.png")}]
+    assert (tag["prompt"], tag["seed"], tag["steps"], tag["sampler"], tag["attention"], tag["h3direct"]) == (
+        body["prompt"], 11, 1, "euler", "sdpa", __version__)
 
-BAD = [  # (id, json body or raw bytes, words the one-line error must contain)
-    ("invalid_json", b'{"prompt": ', "JSON"),
-    ("not_an_object", b"[1, 2]", "object"),
-    ("nan", b'{"cfg": NaN}', "NaN"),
-    ("string_for_int", {"width": "96"}, "width"),
-    ("bool_for_int", {"steps": True}, "steps"),
-    ("float_for_int", {"frames": 22.0}, "frames"),
-    ("string_for_list", {"ref_images": "a.png"}, "ref_images"),
-    ("unknown_field", {"promt": "x"}, "promt"),
-    ("frames_too_few", {"frames": 4}, "frames"),
-    ("frames_too_many", {"frames": 3601}, "frames"),
-    ("width_not_multiple_of_32", {"width": 100}, "width"),
-    ("height_zero", {"height": 0}, "height"),
-    ("steps_zero", {"steps": 0}, "steps"),
-    ("seed_negative", {"seed": -1}, "seed"),
-    ("cfg_zero", {"cfg": 0}, "cfg"),
-    ("unknown_sampler", {"sampler": "ddim"}, "ddim"),
-    ("bad_choice", {"ref_image_size": "huge"}, "ref_image_size"),
-    ("missing_ref_image", {"ref_images": ["/nonexistent/ref.png"]}, "ref_images"),
-    ("missing_text_embeds", {"text_embeds": "missing_embeds.safetensors"}, "text_embeds"),
-    ("unknown_attention", {"attention": "flash9000"}, "flash9000"),
-    ("output_parent", {"output": "../escape.mp4"}, "output"),
-    ("output_absolute", {"output": "{parent}/escape.mp4"}, "output"),
-    ("output_subdir", {"output": "sub/x.mp4"}, "output"),
-    ("output_backslash", {"output": "..\\escape.mp4"}, "output"),
-    ("output_dotdot", {"output": ".."}, "output"),
-    ("output_hidden", {"output": ".x.mp4"}, "output"),
-    ("output_not_mp4", {"output": "clip.txt"}, "output"),
+
+def _uploads_left(service) -> list:
+    return [] if service._uploads is None else _files(service._uploads)
+
+
+def test_uploaded_reference_is_used_and_removed_after_the_job(server, service, roots):
+    png = (roots["in"] / "ref.png").read_bytes()
+    up = {"filename": "../../my cat.png", "base64": base64.b64encode(png).decode()}
+    code, _, s = _call(server, "POST", "/generate", {**TINY, "prompt": "<Picture 1>", "ref_images": [up]})
+    assert code == 200, s
+    assert s["task"] == "ref2va"
+    ref = s["provenance"]["references"][0]
+    assert ref["name"].endswith("my_cat.png") and "/" not in ref["name"]
+    assert ref["sha256"] == hashlib.sha256(png).hexdigest()
+    assert _uploads_left(service) == []  # deleted with its job
+
+
+def test_text_embeds_from_the_input_root(server):
+    code, _, s = _call(server, "POST", "/generate", {**TINY, "text_embeds": "emb.safetensors"})
+    assert code == 200, s
+    assert s["provenance"]["references"][0]["name"] == "emb.safetensors"
+
+
+# ---- bad requests: answered at the door ---------------------------------------------------------
+
+BIG = 16384
+BAD = [  # (id, json body or raw bytes, status, words the one-line error must contain)
+    ("invalid_json", b'{"prompt": ', 400, "JSON"),
+    ("not_utf8", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("nested_deep", b"[" * 100_000, 400, "JSON"),
+    ("integer_5000_digits", b'{"seed": ' + b"9" * 5000 + b"}", 400, "JSON"),
+    ("empty_body", b"", 422, "body"),
+    ("lone_surrogate", b'{"prompt": "\\udcff"}', 422, "prompt"),
+    ("not_an_object", b"[1, 2]", 422, "object"),
+    ("nan", b'{"cfg": NaN}', 422, "cfg"),
+    ("infinity", b'{"cfg": Infinity}', 422, "cfg"),
+    ("string_for_int", {"width": "96"}, 422, "width"),
+    ("bool_for_int", {"steps": True}, 422, "steps"),
+    ("float_for_int", {"frames": 22.0}, 422, "frames"),
+    ("string_for_list", {"ref_images": "a.png"}, 422, "ref_images"),
+    ("int_in_list", {"ref_images": [1]}, 422, "ref_images[0]"),
+    ("unknown_field", {"promt": "x"}, 422, "promt"),
+    ("unknown_sampler", {"sampler": "ddim"}, 422, "ddim"),
+    ("unknown_attention", {"attention": "flash9000"}, 422, "flash9000"),
+    ("bad_choice", {"ref_image_size": "huge"}, 422, "ref_image_size"),
+    ("frames_too_few", {"frames": 4}, 400, "frames"),
+    ("width_not_multiple_of_32", {"width": 100}, 400, "width"),
+    ("height_zero", {"height": 0}, 400, "height"),
+    ("steps_zero", {"steps": 0}, 400, "steps"),
+    ("seed_negative", {"seed": -1}, 400, "seed"),
+    ("seed_huge", {"seed": 2**70}, 400, "seed"),
+    ("cfg_zero", {"cfg": 0}, 400, "cfg"),
+    ("cache_window_reversed", {"cache_mode": "easycache", "cache_start_percent": 0.9, "cache_end_percent": 0.1},
+     400, "start_percent"),
+    # abusive: each would hold the worker for hours or allocate far beyond any device
+    ("steps_a_billion", {"steps": 1_000_000_000}, 400, "--max-steps"),
+    ("frames_3601", {"frames": 3601}, 400, "frames"),
+    ("canvas_huge", {"width": BIG, "height": BIG, "frames": 3600}, 400, "frames"),
+    ("pixels_times_frames", {"width": BIG, "height": BIG, "frames": 22}, 400, "--max-pixel-frames"),
+    ("prompt_a_megabyte", {"prompt": "x" * 1_000_000}, 400, "--max-prompt-chars"),
+    ("references_too_many", {"ref_images": ["ref.png"] * 7, "ref_audios": ["ref.png"] * 3}, 400, "--max-references"),
+    # files: only under --input-root; missing and not-allowed answer alike
+    ("ref_absolute", {"ref_images": ["/etc/shadow"]}, 400, "no such file under the input folder"),
+    ("ref_parent", {"ref_images": ["../outside/secret.png"]}, 400, "no such file under the input folder"),
+    ("ref_missing", {"ref_images": ["nope.png"]}, 400, "no such file under the input folder"),
+    ("ref_symlink_escape", {"ref_images": ["escape.png"]}, 400, "no such file under the input folder"),
+    ("ref_not_an_image", {"ref_images": ["garbage.png"]}, 400, "not a readable image"),
+    ("ref_video_not_a_video", {"ref_videos": ["garbage.png"]}, 400, "not a readable video"),
+    ("upload_not_base64", {"ref_images": [{"filename": "a.png", "base64": "@@not base64@@"}]}, 400, "base64"),
+    ("upload_empty", {"ref_images": [{"filename": "a.png", "base64": ""}]}, 400, "empty"),
+    ("upload_not_an_image", {"ref_images": [{"filename": "a.png", "base64": base64.b64encode(b"junk" * 9).decode()}]},
+     400, "upload:00-a.png: ref_images: not a readable image"),
+    ("upload_garbage_embeds", {"text_embeds": {"base64": base64.b64encode(b"\xff" * 64).decode()}}, 400,
+     "safetensors"),
+    ("upload_unknown_key", {"ref_images": [{"name": "a.png"}]}, 422, "ref_images[0]"),
+    ("first_frame_absolute", {"first_frame": "/etc/passwd"}, 400, "no such file under the input folder"),
+    ("embeds_proc", {"text_embeds": "/proc/self/mem"}, 400, "no such file under the input folder"),
+    ("embeds_symlink_passwd", {"text_embeds": "passwd.safetensors"}, 400, "no such file under the input folder"),
+    ("embeds_garbage", {"text_embeds": "garbage.safetensors"}, 400, "safetensors"),
+    ("embeds_image", {"text_embeds": "ref.png"}, 400, "safetensors"),
+    ("embeds_wrong_width", {"text_embeds": "emb_wrong_width.safetensors"}, 400, "width"),
+    # output: a relative .mp4 path inside --output-root
+    ("output_parent", {"output": "../escape.mp4"}, 400, "output"),
+    ("output_absolute", {"output": "{outside}/escape.mp4"}, 400, "output"),
+    ("output_symlink_escape", {"output": "escape/x.mp4"}, 400, "output"),
+    ("output_missing_folder", {"output": "nosuch/x.mp4"}, 400, "output"),
+    ("output_backslash", {"output": "..\\escape.mp4"}, 400, "output"),
+    ("output_dotdot", {"output": ".."}, 400, "output"),
+    ("output_hidden", {"output": ".x.mp4"}, 400, "output"),
+    ("output_not_mp4", {"output": "clip.avi"}, 400, "output"),
+    ("output_a_folder", {"output": "sub"}, 400, "output"),
+    ("output_name_too_long", {"output": "a" * 5000 + ".mp4"}, 400, "output"),
+    ("output_component_too_long", {"output": "sub/" + "a" * 300 + ".mp4"}, 400, "output"),
+    ("ref_name_too_long", {"ref_images": ["a" * 5000]}, 400, "ref_images[0]"),
 ]
 
 
-@pytest.mark.parametrize("body", [pytest.param(b, id=i) for i, b, _ in BAD])
-def test_bad_request_is_400_and_the_server_keeps_serving(server, service, body, request):
-    needle = next(n for i, _, n in BAD if i == request.node.callspec.id)
-    parent = service.output_dir.parent
-    before = sorted(p.name for p in parent.rglob("*"))
+@pytest.mark.parametrize("body,status,needle", [pytest.param(b, s, n, id=i) for i, b, s, n in BAD])
+def test_bad_request_is_4xx_at_once_and_the_server_keeps_serving(server, service, roots, body, status, needle):
+    before = {k: _files(roots[k]) for k in ("out", "outside")}
     raw = body if isinstance(body, bytes) else None
-    if not raw and "output" in body:
-        body = {"output": body["output"].replace("{parent}", str(parent))}
-    # a valid request apart from the one bad field: were that field not checked, this would generate a clip
-    got = _call(server, "POST", "/generate", None if raw else {**FAST, **body}, raw=raw)
-    _assert_error(got, 400, needle)
-    assert sorted(p.name for p in parent.rglob("*")) == before  # nothing written, inside or beside output_dir
-    _assert_serving(server)
+    if raw is None:
+        body = {k: (v.replace("{outside}", str(roots["outside"])) if isinstance(v, str) else v)
+                for k, v in body.items()}
+        body = {**TINY, **body}  # valid apart from the one bad field: were it not checked, a clip would be made
+    t = time.perf_counter()
+    got = _call(server, "POST", "/generate", None if raw else body, raw=raw)
+    elapsed = time.perf_counter() - t
+    msg = _assert_error(got, status, needle)
+    assert elapsed < 1.0, f"{elapsed:.2f} s to refuse"
+    assert str(roots["in"]) not in msg  # the server's own folders stay out of its answers
+    assert {k: _files(roots[k]) for k in ("out", "outside")} == before  # nothing written anywhere
+    assert _uploads_left(service) == []
+    _assert_ready(server)
 
 
-def test_http_statuses(server):
+def test_http_statuses(server, service):
+    limit = service.max_body_bytes
     _assert_error(_call(server, "GET", "/nope"), 404, "/nope")
-    _assert_error(_call(server, "POST", "/generate/../health", FAST), 404)
-    got = _call(server, "GET", "/generate")
-    _assert_error(got, 405, "POST")
-    assert got[1]["Allow"] == "POST"
-    got = _call(server, "POST", "/health", {})
-    _assert_error(got, 405, "GET")
-    assert got[1]["Allow"] == "GET"
-    _assert_error(_call(server, "PUT", "/generate", FAST), 405)
-    _assert_error(_call(server, "DELETE", "/health"), 405)
-
-    host, port = server.server_address[:2]
-    for headers, status in (({"Content-Length": str(MAX_BODY_BYTES + 1)}, 413), ({}, 411),
-                            ({"Content-Length": "12x"}, 400)):
-        conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    _assert_error(_call(server, "GET", "/generate"), 405)
+    _assert_error(_call(server, "DELETE", "/ready"), 405)
+    _assert_error(_call(server, "GET", "/jobs/nope"), 404, "nope")
+    _assert_error(_call(server, "DELETE", "/jobs/nope"), 404, "nope")
+    _assert_error(_call(server, "GET", "/jobs/nope/output"), 404, "nope")
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    for length, status in ((str(limit + 1), 413), ("12x", 400)):
+        conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
         conn.putrequest("POST", "/generate")
-        for k, v in headers.items():
-            conn.putheader(k, v)
+        conn.putheader("Content-Length", length)
         conn.endheaders()  # no body sent: the server must answer from the headers alone
         resp = conn.getresponse()
-        _assert_error((resp.status, dict(resp.getheaders()), json.loads(resp.read())), status)
+        blob = resp.read()
+        assert resp.status == status, blob
+        if status == 413:  # (a malformed header is refused by the HTTP layer itself, in plain text)
+            _assert_error((resp.status, dict(resp.getheaders()), json.loads(blob)), status)
         conn.close()
-    _assert_serving(server)
+    # a streamed (chunked) body over the limit
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    conn.request("POST", "/generate", body=iter([b'{"prompt": "', b"x" * limit, b'"}']),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    _assert_error((resp.status, dict(resp.getheaders()), json.loads(resp.read())), 413)
+    conn.close()
+    _assert_ready(server)
 
 
-def test_internal_failure_is_500_with_one_line_and_traceback_on_stderr(server, service, monkeypatch, capsys):
+# ---- failures, attention, jobs, cancel, queue ----------------------------------------------------
+
+def test_failing_job_answers_its_error_and_the_service_stays_ready(server, service, monkeypatch, capsys):
+    from h3direct.errors import H3Error
+
     def boom(*a, **k):
         raise RuntimeError("kaboom\n  second line of a bug")
 
     monkeypatch.setattr(service.pipe, "generate", boom)
-    msg = _assert_error(_call(server, "POST", "/generate", FAST), 500, "kaboom")
+    msg = _assert_error(_call(server, "POST", "/generate", TINY), 500, "kaboom")
     assert "second line" in msg  # folded into the one line
     assert "Traceback" in capsys.readouterr().err
+
+    def bad_file(*a, **k):
+        raise H3Error("cannot decode video (InvalidDataError)", path="x.mp4")
+
+    monkeypatch.setattr(service.pipe, "generate", bad_file)
+    _assert_error(_call(server, "POST", "/generate", TINY), 400, "cannot decode video")
     monkeypatch.undo()
-    _assert_serving(server)  # the lock was released
+    _assert_ready(server)
+    code, _, s = _call(server, "POST", "/generate", TINY)
+    assert code == 200, s
 
 
-# ---- concurrency --------------------------------------------------------------------------------
+def test_switching_attention_never_reloads_weights(server, service, monkeypatch):
+    from h3direct.app import pipeline
+    from h3direct.dit import loader as dit_loader
+    from h3direct.vae import loader as vae_loader
 
-class _Gate:
-    """Wraps pipe.generate: holds each call at the gate until released; counts calls running at once."""
+    loads = []
+    for mod, name in ((dit_loader, "load_dit"), (vae_loader, "load_video_vae"), (vae_loader, "load_audio_vae"),
+                      (pipeline, "_load_text_encoder")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: (loads.append(_n), _real(*a, **k))[1])
+    available = _call(server, "GET", "/ready")[2]["attention"]["available"]
+    for backend in [*available, None, *available]:
+        body = {**TINY} if backend is None else {**TINY, "attention": backend}
+        code, _, s = _call(server, "POST", "/generate", body)
+        assert code == 200 and s["attention"] == (backend or "sdpa"), s
+    assert loads == [] and _assert_ready(server)["weight_loads"] == 1
+
+
+def _events(srv, job_id: str) -> list[tuple[str, dict]]:
+    code, headers, blob = _call(srv, "GET", f"/jobs/{job_id}/events")
+    assert code == 200 and headers["content-type"].startswith("text/event-stream")
+    out = []
+    for block in blob.decode().strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_job_lifecycle_progress_events_and_output(server, service, tmp_path):
+    code, headers, job = _call(server, "POST", "/jobs", {**SMALL, "steps": 3, "output": "job.mp4"})
+    assert code == 202 and job["state"] in ("queued", "running") and headers["location"] == f"/jobs/{job['id']}"
+    events = _events(server, job["id"])
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "done" and set(kinds[:-1]) <= {"progress"}, kinds
+    progress = [e["progress"] for _, e in events]
+    assert progress == sorted(progress) and progress[-1] == 1.0
+    code, _, st = _call(server, "GET", f"/jobs/{job['id']}")
+    assert code == 200 and st["state"] == "done" and st["step"] == 3 and st["summary"]["steps"] == 3
+    assert {"queue", "sample", "write", "total"} <= set(st["timings"])
+    listed = _call(server, "GET", "/jobs?limit=5")[2]["jobs"]
+    assert listed[0]["id"] == job["id"] and len(listed) <= 5
+    _assert_error(_call(server, "GET", "/jobs?limit=many"), 422, "limit")
+    code, headers, blob = _call(server, "GET", f"/jobs/{job['id']}/output")
+    assert code == 200 and headers["content-type"] == "video/mp4"
+    assert blob == (service.output_root / "job.mp4").read_bytes()
+    (tmp_path / "got.mp4").write_bytes(blob)
+    assert _probe(tmp_path / "got.mp4")["frames"] == 22
+
+
+class _Held:
+    """Wraps pipe.generate: each call waits at `gate` after its first sampler step (so a job is running and
+    between steps); counts calls."""
 
     def __init__(self, real):
-        self.real, self.entered, self.release = real, threading.Event(), threading.Event()
-        self.guard, self.calls, self.active, self.peak = threading.Lock(), 0, 0, 0
+        self.real, self.gate, self.entered, self.calls = real, threading.Event(), threading.Event(), 0
 
-    def __call__(self, *a, **k):
-        with self.guard:
-            self.calls += 1
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-        self.entered.set()
-        try:
-            assert self.release.wait(TIMEOUT)
-            return self.real(*a, **k)
-        finally:
-            with self.guard:
-                self.active -= 1
+    def __call__(self, *a, callback=None, **k):
+        self.calls += 1
+
+        def cb(ev):
+            callback(ev)
+            self.entered.set()
+            assert self.gate.wait(TIMEOUT)
+
+        return self.real(*a, callback=cb, **k)
 
 
-def _post_in_thread(srv, body, results, key):
-    def go():
-        results[key] = _call(srv, "POST", "/generate", body)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
-
-
-def _wait_for(pred, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def test_concurrent_requests_are_serialised(server, service, monkeypatch):
-    gate = _Gate(service.pipe.generate)
-    monkeypatch.setattr(service.pipe, "generate", gate)
-    results = {}
-    ta = _post_in_thread(server, {**FAST, "output": "first.mp4"}, results, "a")
-    assert gate.entered.wait(TIMEOUT)
-    tb = _post_in_thread(server, {**FAST, "output": "second.mp4"}, results, "b")
-    _wait_for(lambda: _call(server, "GET", "/health")[2]["queued"] == 1, "the second request to queue")
-    h = _call(server, "GET", "/health")[2]
-    assert h["busy"] is True and gate.calls == 1  # the second request waits outside the pipeline
-    gate.release.set()
-    ta.join(TIMEOUT)
-    tb.join(TIMEOUT)
-    assert results["a"][0] == 200 and results["b"][0] == 200, results
-    assert gate.calls == 2 and gate.peak == 1
-    assert {Path(results[k][2]["output"]).name for k in "ab"} == {"first.mp4", "second.mp4"}
-    assert results["b"][2]["timings"]["queue"] > 0
-    _assert_serving(server)
+def test_cancel_a_running_job_between_steps(server, service, monkeypatch):
+    held = _Held(service.pipe.generate)
+    monkeypatch.setattr(service.pipe, "generate", held)
+    code, _, job = _call(server, "POST", "/jobs", {**TINY, "steps": 4, "output": "cancelled.mp4"})
+    assert code == 202
+    assert held.entered.wait(TIMEOUT)
+    code, _, st = _call(server, "DELETE", f"/jobs/{job['id']}")
+    assert code == 200 and st["cancel_requested"] is True
+    held.gate.set()
+    _wait_for(lambda: _call(server, "GET", f"/jobs/{job['id']}")[2]["state"] != "running", "the cancel")
+    st = _call(server, "GET", f"/jobs/{job['id']}")[2]
+    assert st["state"] == "cancelled" and st["step"] == 1 and "cancelled" in st["error"], st
+    assert not (service.output_root / "cancelled.mp4").exists()
+    assert not [p for p in service.output_root.rglob(".*")]
+    _assert_error(_call(server, "GET", f"/jobs/{job['id']}/output"), 409, "cancelled")
+    _assert_ready(server)
 
 
-def test_no_queue_answers_503_with_retry_after(server_no_queue, service, monkeypatch):
-    gate = _Gate(service.pipe.generate)
-    monkeypatch.setattr(service.pipe, "generate", gate)
-    results = {}
-    ta = _post_in_thread(server_no_queue, FAST, results, "a")  # default output name
-    assert gate.entered.wait(TIMEOUT)
-    got = _call(server_no_queue, "POST", "/generate", FAST)
-    _assert_error(got, 503, "running")
-    assert int(got[1]["Retry-After"]) >= 1
-    gate.release.set()
-    ta.join(TIMEOUT)
-    code, _, s = results["a"]
-    assert code == 200 and Path(s["output"]).parent == service.output_dir and s["output"].endswith(".mp4")
-    assert gate.calls == 1
-    _assert_serving(server_no_queue)
+@pytest.mark.parametrize("size", [0, 2], ids=["no-queue", "queue-of-2"])
+def test_full_queue_is_429_and_a_queued_job_can_be_dropped(server, service, monkeypatch, size):
+    held = _Held(service.pipe.generate)
+    monkeypatch.setattr(service.pipe, "generate", held)
+    monkeypatch.setattr(service.queue, "size", size)
+    code, _, running = _call(server, "POST", "/jobs", TINY)  # an idle worker takes it, even with no queue
+    assert code == 202 and held.entered.wait(TIMEOUT)
+    queued = []
+    for _ in range(size):
+        code, _, job = _call(server, "POST", "/jobs", TINY)
+        assert code == 202 and job["state"] == "queued"
+        queued.append(job)
+    got = _call(server, "POST", "/jobs", TINY)
+    _assert_error(got, 429, "queue is full")
+    assert int(got[1]["retry-after"]) >= 1
+    _assert_error(_call(server, "POST", "/generate", TINY), 429)
+    assert _call(server, "GET", "/ready")[2]["queue"]["depth"] == size
+    for job in queued:
+        assert _call(server, "DELETE", f"/jobs/{job['id']}")[2]["state"] == "cancelled"  # dropped at once
+    held.gate.set()
+    _wait_for(lambda: _call(server, "GET", f"/jobs/{running['id']}")[2]["state"] == "done", "the running job")
+    assert held.calls == 1  # the dropped jobs never reached the pipeline
+    _assert_ready(server)
+
+
+def test_a_client_that_leaves_drops_its_queued_job(server, service, monkeypatch):
+    held = _Held(service.pipe.generate)
+    monkeypatch.setattr(service.pipe, "generate", held)
+    code, _, running = _call(server, "POST", "/jobs", TINY)
+    assert code == 202 and held.entered.wait(TIMEOUT)
+    before = set(service.queue.jobs)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({**TINY, "output": "left.mp4"}).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        _wait_for(lambda: service.queue.depth() == 1, "the request to queue")
+    left = service.queue.jobs[(set(service.queue.jobs) - before).pop()]
+    _wait_for(lambda: left.state == "cancelled", "the dropped job")
+    assert "disconnected" in left.error
+    held.gate.set()
+    _wait_for(lambda: _call(server, "GET", f"/jobs/{running['id']}")[2]["state"] == "done", "the running job")
+    assert held.calls == 1 and not (service.output_root / "left.mp4").exists()
+
+
+def test_job_timeout_is_504_and_the_service_stays_ready(server, service, monkeypatch):
+    monkeypatch.setattr(service.queue, "timeout_s", 1e-9)
+    _assert_error(_call(server, "POST", "/generate", {**TINY, "output": "late.mp4"}), 504, "--job-timeout")
+    assert not (service.output_root / "late.mp4").exists()
+    monkeypatch.undo()
+    _assert_ready(server)
+
+
+# ---- many clients at once -----------------------------------------------------------------------
+
+def test_mixed_requests_from_8_threads(server, service):
+    """>= 200 requests, a third valid: no answer >= 500, every invalid one 4xx, every valid one a readable mp4."""
+    bad = [b for _, b, _, _ in BAD if not isinstance(b, bytes) and "{outside}" not in str(b)]
+    raw = [b for _, b, _, _ in BAD if isinstance(b, bytes)]
+    reqs = []
+    for i in range(216):
+        if i % 3 == 0:
+            reqs.append(("valid", {**TINY, "seed": i, "output": f"stress/{i}.mp4"}))
+        elif i % 3 == 1:
+            reqs.append(("invalid", {**TINY, **bad[i % len(bad)]}))
+        else:
+            reqs.append(("invalid", raw[i % len(raw)]))
+    (service.output_root / "stress").mkdir()
+
+    def one(item):
+        kind, body = item
+        path = "/jobs" if kind == "invalid" and hash(str(body)) % 2 else "/generate"
+        return kind, body, _call(server, "POST", path, None if isinstance(body, bytes) else body,
+                                 raw=body if isinstance(body, bytes) else None)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, reqs))
+    elapsed = time.perf_counter() - t
+    codes = [r[2][0] for r in results]
+    assert max(codes) < 500, [r for r in results if r[2][0] >= 500][:3]
+    for kind, body, (code, _, payload) in results:
+        if kind == "invalid":
+            assert 400 <= code < 500, (body, code, payload)
+        else:
+            assert code == 200, (body, payload)
+            assert _probe(payload["output"])["frames"] == 5
+    assert sum(k == "valid" for k, _ in reqs) == 72
+    assert not [p for p in service.output_root.rglob(".*")]
+    print(f"{len(reqs)} requests in {elapsed:.1f} s")
+    _assert_ready(server)
 
 
 # ---- the command --------------------------------------------------------------------------------
 
-def test_command_startup_line_and_graceful_sigterm(cache_env, tmp_path):
-    """`h3direct serve` as a user runs it: one JSON line, then SIGTERM lets the running request finish."""
+def _start_command(cache_env, cwd, *extra):
     env = {**os.environ, "H3_CACHE_DIR": str(cache_env), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "h3direct", "serve", "--port", "0", "--output-dir", "out",
-                             "--quiet"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "h3direct", "serve", "--port", "0", "--output-root", "out",
+                             "--quiet", "--max-steps", "1000000", *extra], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = json.loads(proc.stdout.readline() or "{}")
+    assert set(start) == {"url", "device", "models"} and start["models"] == BUNDLED, proc.stderr.read()
+
+    class Remote:
+        url = start["url"]
+
+    return proc, Remote
+
+
+LONG = {"width": 32, "height": 32, "frames": 5, "steps": 100_000, "output": "never.mp4"}  # hours, if not stopped
+
+
+def test_command_sigterm_during_a_job_exits_0_quickly(cache_env, tmp_path):
+    proc, remote = _start_command(cache_env, tmp_path)
     watchdog = threading.Timer(120, proc.kill)
     watchdog.start()
     try:
-        start = json.loads(proc.stdout.readline())
-        assert set(start) == {"url", "device", "models"} and start["models"] == BUNDLED
-        host, port = start["url"].removeprefix("http://").split(":")
-
-        class Remote:
-            server_address = (host, int(port))
-
         results = {}
-        t = _post_in_thread(Remote, {**SMALL, "output": "last.mp4"}, results, "a")
-        _wait_for(lambda: "a" in results or _call(Remote, "GET", "/health")[2]["busy"], "the generation to start")
+        t = threading.Thread(target=lambda: results.setdefault("a", _call(remote, "POST", "/generate", LONG)))
+        t.start()
+        _wait_for(lambda: (_call(remote, "GET", "/ready")[2]["queue"]["running"] is not None), "the job to run")
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        try:  # while it drains, readiness says so (the socket may also be closed already)
+            code, _, r = _call(remote, "GET", "/ready")
+            assert (code, r["status"]) == (503, "stopping")
+        except (ConnectionError, http.client.HTTPException):
+            pass
         t.join(TIMEOUT)
-        assert results["a"][0] == 200, results["a"]
         rc = proc.wait(TIMEOUT)
+        took = time.monotonic() - t0
         err = proc.stderr.read()
-        assert rc == 0, err
-        assert "SIGTERM" in err and "Traceback" not in err, err
-        assert _probe(tmp_path / "out" / "last.mp4")["frames"] == 22
+        assert rc == 0 and took < 10, (rc, took, err)
+        assert "SIGTERM" in err and "Traceback" not in err and "terminate called" not in err, err
+        _assert_error(results["a"], 503, "shutting down")
+        assert _files(tmp_path / "out") == []  # no output, no temp file
     finally:
         watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+
+
+def test_command_second_signal_exits_at_once(cache_env, tmp_path, monkeypatch):
+    proc, remote = _start_command(cache_env, tmp_path, "--job-timeout", "1000")
+    try:
+        code, _, job = _call(remote, "POST", "/jobs", LONG)
+        assert code == 202
+        _wait_for(lambda: _call(remote, "GET", f"/jobs/{job['id']}")[2]["state"] == "running", "the job to run")
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(10)
+        err = proc.stderr.read()
+        assert rc in (0, 1) and "terminate called" not in err and "Traceback" not in err, (rc, err)
+        assert not [p for p in (tmp_path / "out").rglob("*") if p.name.startswith(".")]
+    finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)

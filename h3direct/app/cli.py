@@ -2,6 +2,9 @@
 
 Subcommands are imported lazily so `h3direct inspect` never pays for importing the model code.
 User errors (`H3Error`) become one line on stderr and a non-zero exit; everything else is a bug.
+Before a command runs, the files its flags name are checked (`FILE_CHECKS`): outputs writable with the right
+extension, inputs readable (safetensors inputs: their header parses), so a typo costs no compute.
+SIGTERM is handled as Ctrl-C: cleanup code runs and no temporary file is left behind (`serve` has its own).
 """
 
 from __future__ import annotations
@@ -11,6 +14,21 @@ import importlib
 import sys
 
 from h3direct.errors import H3Error
+
+# command -> [(dest, flag, what)]: "out:.ext" an output file, "dir" an output folder (made if missing), "in" an
+# input file, "safetensors" an input whose header must parse. Checked here, before the command's module runs
+# anything heavy.
+FILE_CHECKS: dict[str, list[tuple[str, str, str]]] = {
+    "inspect": [("out", "--out", "dir")],
+    "make-checkpoint": [("out", "--output", "out:.safetensors")],
+    "decode-latent": [("latent", "LATENT", "safetensors"), ("vae", "--vae", "safetensors"),
+                      ("audio_vae", "--audio-vae", "safetensors"), ("vae_config", "--vae-config", "in"),
+                      ("out", "--output", "out:.mp4")],
+    "trace": [("checkpoint", "--checkpoint", "in"), ("inputs", "--inputs", "safetensors"),
+              ("out", "--out", "out:.safetensors")],
+    "trace-vae": [("weights", "--weights", "safetensors"), ("inputs", "--inputs", "safetensors"),
+                  ("config", "--config", "in"), ("out", "--out", "out:.safetensors")],
+}
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -34,7 +52,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `only`, just that subcommand's module is imported (fast start)."""
+    from h3direct import __version__
+
     parser = _Parser(prog="h3direct", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"h3direct {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -54,14 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(first if first in COMMANDS else None)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
+        return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2
     if getattr(args, "_missing", False):
         print(f"h3direct: error: '{args.command}' is not available in this build", file=sys.stderr)
         return 2
+    previous = None
     try:
+        _check_files(args)
+        if args.command != "serve":
+            previous = _sigterm_as_interrupt()
         return int(importlib.import_module(args._module).run(args) or 0)
     except H3Error as exc:
         print(f"h3direct {args.command}: error: {exc}", file=sys.stderr)
@@ -69,6 +97,50 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("h3direct: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    from h3direct.app.paths import check_input, check_output, check_output_dir
+
+    for dest, flag, what in FILE_CHECKS.get(args.command, []):
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if what.startswith("out:"):
+            check_output(value, flag, what[4:])
+            continue
+        if what == "dir":
+            check_output_dir(value, flag)
+            continue
+        check_input(value, flag)
+        if what == "safetensors":
+            from h3direct.checkpoint.safetensors_header import read_header
+
+            try:
+                read_header(value, check=True)
+            except H3Error as e:
+                raise H3Error(f"{flag}: not a readable safetensors file ({str(e).removeprefix(str(value) + ': ')})",
+                              path=value) from None
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt in the main thread, so `finally`/`except BaseException` cleanups (temp files)
+    run; returns the previous handler (None outside the main thread)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,7 @@ class H3Pipeline:
         self.vae_tile_size = vae_tile_size
         self.sources = dict(sources or {})
         self.load_seconds: dict = {}
+        self.files: dict = {}  # component -> the weight file it was loaded from (from_files)
 
     # ---- construction ----
     @classmethod
@@ -265,10 +266,12 @@ class H3Pipeline:
             seconds["text_encoder"] = time.perf_counter() - t
         src = {"dit": str(dit), "video_vae": str(video_vae), "audio_vae": str(audio_vae),
                "text_encoder": None if text_encoder is None else str(text_encoder)}
+        files = dict(src)
         src.update(sources or {})
         pipe = cls(model, vvae, avae, enc, tok, device=dev, attention=attention, vae_dtype=vae_dtype,
                    vae_tile_size=vae_tile_size, mlp_chunks=mlp_chunks, sources=src)
         pipe.load_seconds = seconds
+        pipe.files = files
         return pipe
 
     @classmethod
@@ -350,9 +353,12 @@ class H3Pipeline:
                  first_frame: ImageLike | None = None, last_frame: ImageLike | None = None,
                  ref_image_size: str = "match", sampler: str = "euler", scheduler: str = "simple",
                  cfg: float = 1.0, cache=None, callback: Callable[[StepEvent], None] | None = None,
-                 decode: bool = True) -> Result:
+                 on_stage: Callable[[str], None] | None = None, decode: bool = True) -> Result:
         """One clip. `text_embeds`: a TextConditioning (or a file for `load_text_embeds`) instead of encoding
-        `prompt`. `cache`: an `h3direct.sampling.caches.CacheSettings` (None / mode 'off' = no cache code at all)."""
+        `prompt`. `cache`: an `h3direct.sampling.caches.CacheSettings` (None / mode 'off' = no cache code at all).
+        `on_stage(name)` is called as each stage starts (conditioning, text_encode, sample, decode_video,
+        decode_audio) and after each video-decoder tile ("decode_video:tile"); like `callback`, it may raise to
+        abandon the run (a cancelled or timed-out request)."""
         from h3direct.dit.denoiser import Denoiser, audio_scale_of
         from h3direct.sampling import caches, noise, schedules
         from h3direct.sampling import sampler as hs
@@ -373,6 +379,8 @@ class H3Pipeline:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
 
+        stage = on_stage or (lambda name: None)
+
         def mark(stage: str, t0: float) -> float:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -382,12 +390,14 @@ class H3Pipeline:
             return now
 
         with torch.inference_mode():
+            stage("conditioning")
             t = time.perf_counter()
             cond = self.build_conditioning(width, height, frames, ref_images=ref_images, ref_videos=ref_videos,
                                            ref_video_audios=ref_video_audios, ref_audios=ref_audios,
                                            first_frame=first_frame, last_frame=last_frame,
                                            ref_image_size=ref_image_size)
             t = mark("conditioning", t)
+            stage("text_encode")
 
             if text_embeds is not None:
                 text = text_embeds if isinstance(text_embeds, TextConditioning) else load_text_embeds(text_embeds)
@@ -416,6 +426,7 @@ class H3Pipeline:
                 negative = Denoiser(model, nctx, self._dit_conditioning(None, ntags, seed), scale,
                                     backend=self.attention, mlp_chunks=self.mlp_chunks)
             t = mark("text_preprocess", t)
+            stage("sample")
 
             shift = model.config.sigma_shift_video
             sigmas = schedules.sigmas_for(steps, scheduler, shift=shift)
@@ -449,10 +460,13 @@ class H3Pipeline:
                 from h3direct.vae.api import decode_audio, decode_video
                 from h3direct.vae.mp4 import pixels_to_uint8
 
-                px = decode_video(self.video_vae, video_latent, dtype=self.vae_dtype, tile_size=self.vae_tile_size)
+                stage("decode_video")
+                px = decode_video(self.video_vae, video_latent, dtype=self.vae_dtype, tile_size=self.vae_tile_size,
+                                  on_tile=lambda: stage("decode_video:tile"))
                 pixels = pixels_to_uint8(px[0])
                 del px
                 t = mark("decode_video", t)
+                stage("decode_audio")
                 wave = decode_audio(self.audio_vae, audio_latent)[0].float().cpu().numpy()
                 t = mark("decode_audio", t)
 

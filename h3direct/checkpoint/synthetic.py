@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaLN form: full (time embedder) or curve (adaln_t_table, the pruned layout)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors are generated")
-    parser.add_argument("--out", required=True, metavar="PATH", help="output .safetensors file")
+    parser.add_argument("--output", "-o", "--out", dest="out", required=True, metavar="PATH",
+                        help="output .safetensors file (--out is an old spelling)")
 
 
 # ---------------------------------------------------------------- config

@@ -21,6 +21,8 @@ Inf/NaN (the clamp to [0, 1] would hide Inf). Every tile's raw output is checked
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from h3direct.errors import H3Error
@@ -86,12 +88,14 @@ def _tile_geometry(vae: VideoVAE, tile_size: int | None, tile_overlap: int | Non
 
 @torch.inference_mode()
 def decode_video(vae: VideoVAE, latent: torch.Tensor, dtype: torch.dtype | str | None = None,
-                 tile_size: int | None = None, tile_overlap: int | None = None) -> torch.Tensor:
+                 tile_size: int | None = None, tile_overlap: int | None = None,
+                 on_tile: Callable[[], None] | None = None) -> torch.Tensor:
     """Normalised latent [B, 24, t, h, w] -> pixels [B, T, 16h, 16w, 3] float32 in [0, 1].
 
     `dtype`: compute dtype (fp32 / fp16; default: the VAE's). `tile_size` / `tile_overlap`: spatial tile geometry in
     px (default: the config's, 256 / 64 for the released VAE; 0 = no tiling). T = 1 for t = 1, else 17k+5 for
-    t = 5k+2 (see `video_tiling.plan_decode`).
+    t = 5k+2 (see `video_tiling.plan_decode`). `on_tile()` is called after each decoder call (a spatial tile of a
+    temporal chunk): progress, and a place where a caller may raise to abandon the decode.
     """
     cfg = vae.cfg
     if latent.ndim != 5 or latent.shape[1] != cfg.embed_dim:
@@ -102,6 +106,14 @@ def decode_video(vae: VideoVAE, latent: torch.Tensor, dtype: torch.dtype | str |
     z = z * vae.latents_std.view(1, -1, 1, 1, 1).to(dtype) + vae.latents_mean.view(1, -1, 1, 1, 1).to(dtype)
 
     one = _checked(vae.decode_pixels, "decode", dtype)
+    if on_tile is not None:
+        decode_one = one
+
+        def one(zc: torch.Tensor) -> torch.Tensor:
+            out = decode_one(zc)
+            on_tile()
+            return out
+
     if geometry is None:
         decode_fn = one
     else:

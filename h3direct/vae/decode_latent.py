@@ -17,7 +17,8 @@ FPS = 24
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("latent", help="safetensors with video_latent [1,24,t,h,w] (+ audio_latent [1,32,2,t'])")
-    parser.add_argument("--out", required=True, help="mp4 to write")
+    parser.add_argument("--output", "-o", "--out", dest="out", required=True, metavar="FILE.mp4",
+                        help="mp4 to write (--out is an old spelling)")
     parser.add_argument("--vae", required=True, help="video VAE safetensors (ComfyUI keys)")
     parser.add_argument("--vae-config", help="constructor args JSON (vae_config_public.json layout), else real sizes")
     parser.add_argument("--audio-vae", help="audio VAE safetensors; required when the file has an audio latent")

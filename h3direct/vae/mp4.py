@@ -14,10 +14,12 @@ AUDIO_BLOCK = 1024  # samples per audio frame handed to the encoder (AAC frame s
 
 
 def write_mp4(path: str | Path, frames_uint8: np.ndarray, fps: int, audio_f32: np.ndarray | None = None,
-              sample_rate: int = 32000, *, crf: int = 18, loglevel: str | None = None) -> Path:
+              sample_rate: int = 32000, *, crf: int = 18, loglevel: str | None = None,
+              metadata: dict[str, str] | None = None) -> Path:
     """frames [T, H, W, 3] uint8 RGB, audio [L, 2] float32 in [-1, 1] (or None) -> `path` (.mp4).
 
     H and W must be even (yuv420p). `loglevel`: FFmpeg log level name (quiet, error, warning, info, debug).
+    `metadata`: container tags (the mp4 muxer keeps the standard ones: title, comment, description, ...).
     """
     try:
         import av
@@ -41,6 +43,8 @@ def write_mp4(path: str | Path, frames_uint8: np.ndarray, fps: int, audio_f32: n
     os.close(fd)
     try:
         with av.open(tmp, mode="w", format="mp4") as container:
+            for k, v in (metadata or {}).items():
+                container.metadata[k] = v
             vs = container.add_stream("libx264", rate=fps)
             vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
             vs.options = {"crf": str(crf)}

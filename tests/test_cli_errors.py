@@ -1,0 +1,216 @@
+"""Bad command lines: each is one stderr line and exit 2, no traceback, no output file, and no model loaded (the
+loaders are replaced by tripwires). A few run through a real interpreter; the rest in-process (fast). Also:
+--version, choices and defaults in --help, notes for a snapped frame count and a defaulted size, SIGTERM during
+the mp4 write."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from h3direct.app import cli, generate
+
+PY = os.environ.get("H3_PYTHON", sys.executable)
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "file.png").write_bytes(b"not a png")
+    (tmp_path / "garbage.png").write_bytes(b"\x00garbage" * 16)
+    (tmp_path / "adir.mp4").mkdir()
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Any model load fails the test: the bad command line must be refused before it."""
+    from h3direct.app import pipeline
+    from h3direct.dit import loader as dit_loader
+    from h3direct.vae import loader as vae_loader
+
+    def tripwire(*a, **k):
+        raise AssertionError("a model was loaded for a bad command line")
+
+    monkeypatch.setattr(generate, "load_pipeline", tripwire)
+    monkeypatch.setattr(pipeline.H3Pipeline, "from_files", tripwire)
+    for mod, name in ((dit_loader, "load_dit"), (vae_loader, "load_video_vae"), (vae_loader, "load_audio_vae")):
+        monkeypatch.setattr(mod, name, tripwire)
+
+
+O = "out/x.mp4"
+BAD = [  # (argv, words the one line must contain); paths relative to the `files` folder
+    (["generate", "-o", "/proc/x.mp4"], "cannot write"),
+    (["generate", "-o", "file.png/x.mp4"], "not a folder"),
+    (["generate", "-o", "x.avi"], ".mp4"),
+    (["generate", "-o", "adir.mp4"], "folder"),
+    (["generate", "--output", "nosuchroot/../file.png/y.mp4"], "not a folder"),
+    (["make-checkpoint", "--out", "/proc/x.safetensors"], "cannot write"),
+    (["inspect", "garbage.png", "--out", "file.png"], "not a folder"),
+    (["trace-vae", "--weights", "garbage.png", "--inputs", "garbage.png", "--out", "x.safetensors"],
+     "not a readable safetensors"),
+    (["trace", "--checkpoint", "garbage.png", "--inputs", "garbage.png", "--out", "/proc/t.safetensors"],
+     "not a readable safetensors"),
+    (["make-checkpoint", "-o", "out/x.txt"], ".safetensors"),
+    (["generate", "--prompt", "caf\udcc3\udca9 \udcff", "-o", O], "UTF-8"),
+    (["generate", "--negative-prompt", "\udcff", "-o", O], "UTF-8"),
+    (["generate", "--prompt", "x" * 100_000, "-o", O], "--max-prompt-chars"),
+    (["generate", "--text-embeds", "garbage.png", "-o", O], "safetensors"),
+    (["generate", "--text-embeds", "missing.safetensors", "-o", O], "not found"),
+    (["generate", "--ref-image", "garbage.png", "-o", O], "not a readable image"),
+    (["generate", "--ref-video", "garbage.png", "-o", O], "not a readable video"),
+    (["generate", "--ref-audio", "garbage.png", "-o", O], "audio"),
+    (["generate", "--first-frame", "missing.png", "-o", O], "not found"),
+    (["generate", "--cfg", "nan", "-o", O], "--cfg nan is not a finite number"),
+    (["generate", "--cfg", "inf", "-o", O], "--cfg inf is not a finite number"),
+    (["generate", "--cache-threshold=-inf", "-o", O], "not a finite number"),
+    (["generate", "--steps", "1000000000", "-o", O], "--max-steps"),
+    (["generate", "--frames", "100000", "-o", O], "--frames 100000"),
+    (["generate", "--frames", "600", "-o", O], "--max-frames"),
+    (["generate", "--width", "16384", "--height", "16384", "--frames", "124", "-o", O], "--max-pixel-frames"),
+    (["generate", "--width", "100", "-o", O], "--width 100"),
+    (["generate", "--seed", "-1", "-o", O], "--seed -1"),
+    (["generate", "--sampler", "ddim", "-o", O], "ddim"),
+    (["generate", "--scheduler", "karras", "-o", O], "karras"),
+    (["generate", "--cache-mode", "lru", "-o", O], "lru"),
+    (["generate", "--vae-dtype", "bf8", "-o", O], "bf8"),
+    (["generate", "--attention", "warp_drive", "-o", O], "warp_drive"),
+    (["generate", "--max-steps", "0", "-o", O], "--max-steps 0"),
+    (["decode-latent", "garbage.png", "--vae", "garbage.png", "--out", O], "not a readable safetensors"),
+    (["decode-latent", "missing.safetensors", "--vae", "garbage.png", "-o", O], "not found"),
+    (["serve", "--port", "99999"], "99999"),
+    (["serve", "--port", "http"], "http"),
+    (["serve", "--output-root", "file.png/out"], "not a folder"),
+    (["serve", "--input-root", "missing"], "folder not found"),
+    (["serve", "--queue-size", "-1"], "--queue-size"),
+    (["serve", "--job-timeout", "0"], "--job-timeout"),
+    (["serve", "--checkpoint", "missing.safetensors"], "not found"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_command_line_is_one_line_exit_2_before_any_compute(files, no_models, monkeypatch, capsys, argv,
+                                                                needle):
+    monkeypatch.chdir(files)
+    before = sorted(p.name for p in files.rglob("*"))
+    t = time.perf_counter()
+    rc = cli.main(argv)
+    elapsed = time.perf_counter() - t
+    out, err = capsys.readouterr()
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and needle in lines[0], err
+    assert lines[0].startswith(f"h3direct {argv[0]}: error: "), lines[0]
+    assert out == ""
+    assert sorted(p.name for p in files.rglob("*")) == before  # no output, no temp file, no folder made
+    assert elapsed < 5, f"{elapsed:.1f} s to refuse"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([b"generate", b"--prompt", b"caf\xc3\xa9 \xff", b"-o", b"x.mp4"], b"UTF-8"),
+    ([b"serve", b"--port", b"99999"], b"99999"),
+    ([b"generate", b"-o", b"/proc/x.mp4"], b"cannot write"),
+    ([b"decode-latent", b"garbage.png", b"--vae", b"garbage.png", b"--out", b"x.mp4"], b"safetensors"),
+], ids=["non-utf8-prompt", "port", "proc-output", "garbage-latent"])
+def test_real_process(files, argv, needle):
+    """Through a real interpreter (argv as raw bytes): exit 2, one line, no traceback, nothing written."""
+    before = sorted(p.name for p in files.rglob("*"))
+    r = subprocess.run([PY, "-m", "h3direct", *argv], cwd=files, capture_output=True, timeout=60,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r
+    assert len(r.stderr.splitlines()) == 1 and needle in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    assert r.stdout == b""
+    assert sorted(p.name for p in files.rglob("*")) == before
+
+
+def test_version(capsys):
+    from h3direct import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"h3direct {__version__}"
+
+
+def test_help_shows_choices_and_defaults(capsys):
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, choices, default in (("--sampler", generate.SAMPLERS, "euler"),
+                                   ("--scheduler", generate.SCHEDULERS, "simple"),
+                                   ("--cache-mode", generate.CACHE_MODES, "off"),
+                                   ("--vae-dtype", generate.VAE_DTYPES, "fp16 on CUDA, fp32 on CPU"),
+                                   ("--attention", generate.ATTENTION, "sdpa")):
+        assert f"{flag} {{{','.join(choices)}}}" in text, flag
+        assert f"default: {default})" in text
+    for flag in ("--seed", "--cache-threshold", "--cache-start-percent", "--max-steps", "--output FILE.mp4, -o"):
+        assert flag in text
+    assert "(default: 0)" in text and "(default: 100)" in text and "(default: clip.mp4)" in text
+    assert "(default: None)" not in text and "(default: [])" not in text
+
+
+def test_choices_match_the_runtime():
+    """The CLI names its choices without importing torch; they must be the runtime's own tables."""
+    from h3direct.dit.attention import backends
+    from h3direct.sampling.caches import CACHE_MODES
+    from h3direct.sampling.sampler import SAMPLERS
+    from h3direct.sampling.schedules import SCHEDULERS
+    from h3direct.vae.api import VIDEO_DTYPES
+
+    assert generate.SAMPLERS == SAMPLERS and generate.SCHEDULERS == SCHEDULERS
+    assert generate.CACHE_MODES == CACHE_MODES and tuple(backends()) == generate.ATTENTION
+    assert set(generate.VAE_DTYPES) <= set(VIDEO_DTYPES)
+
+
+def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_path):
+    from h3direct.app import bundled
+
+    ckpt = bundled.ensure().dit
+    p = cli.build_parser("generate")
+    args = p.parse_args(["generate", "--checkpoint", str(ckpt), "--frames", "30", "-o", str(tmp_path / "x.mp4")])
+    notes = []
+    generate.resolve_args(args, notes)
+    assert (args.width, args.height, args.steps) == (bundled.DEFAULT_WIDTH, bundled.DEFAULT_HEIGHT,
+                                                     bundled.DEFAULT_STEPS)
+    assert any("--width/--height/--steps" in n and "96x64" in n for n in notes), notes
+    assert any("--frames 30 snapped up to 39" in n for n in notes), notes
+    assert generate.snapped_frames(30) == 39 and generate.snapped_frames(22) == 22 and generate.snapped_frames(5) == 5
+
+
+class _KillOnFirstMux:
+    """A stand-in for PyAV's output container: sends this process SIGTERM when the first packet is muxed."""
+
+    def __init__(self, real):
+        self.real, self.sent = real, False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def mux(self, packets):
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.real.mux(packets)
+
+
+def test_sigterm_during_the_write_leaves_no_temp_file(cache_env, tmp_path, monkeypatch, capsys):
+    import av
+
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda *a, **k: _KillOnFirstMux(real_open(*a, **k))
+                        if k.get("mode") == "w" else real_open(*a, **k))
+    out = tmp_path / "out"
+    out.mkdir()
+    handler = signal.getsignal(signal.SIGTERM)
+    rc = cli.main(["generate", "--frames", "5", "--steps", "1", "--width", "32", "--height", "32", "--quiet",
+                   "-o", str(out / "x.mp4")])
+    err = capsys.readouterr().err
+    assert rc == 130 and "interrupted" in err, err
+    assert list(out.iterdir()) == []  # neither the mp4 nor its temporary file
+    assert signal.getsignal(signal.SIGTERM) == handler  # the CLI put the previous handler back
