@@ -18,8 +18,8 @@ class ReportCollector:
     def add_case(self, result) -> None:
         c = result.case
         weights = "vae" if hasattr(c, "config") and hasattr(c, "kind") else getattr(c, "weights", None)
-        self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(c, "compute", None) or
-                           getattr(c, "dtype", None), "weights": weights,
+        self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(result, "compute", None) or
+                           getattr(c, "compute", None) or getattr(c, "dtype", None), "weights": weights,
                            "attention": result.attention, "layers": len(result.layers), "passed": result.passed,
                            "first_failure": result.first_failure.name if result.first_failure else None})
         for r in result.layers:

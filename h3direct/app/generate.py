@@ -318,6 +318,10 @@ def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings:
         "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""),
         "attention": args.attention, "cpu_threads": torch.get_num_threads(), "models": sources,
     }
+    from h3direct.dit.attention import attention_stats
+
+    if attention_stats():  # backends that count their calls (sol_attn: kernel vs documented fallback)
+        summary["attention_calls"] = attention_stats()
     if res.frame_count != args.frames:
         summary["frames_requested"] = args.frames
     if args.progress:
