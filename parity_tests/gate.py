@@ -196,7 +196,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
     with torch.no_grad():
         if mode == "teacher":
             sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
-                                    dtypes_from=twin if key else None)
+                                    dtypes_from=twin if key else None,
+                                    compute_dtype=model.compute_dtype if key else None)
             for s in sites:
                 result.layers.append(_compare(s.name, s.kind, mode, s.run(), trace, budgets, case, attention, twin,
                                               comfy_root, key))

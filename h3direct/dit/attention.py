@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -307,8 +308,23 @@ def sol_fallback_reason(q: torch.Tensor, min_tokens: int) -> str | None:
 
 
 def _sol(q, k, v):
+    reason = _sol_kernel_reason_cached(q.device)
+    if reason is not None:  # no kernel here: unavailable, never a substitute (not even for short calls)
+        raise BackendUnavailable(f"attention backend 'sol_attn' cannot run: {reason}")
     import comfy_kitchen as ck
 
+    return sol_call(q, k, v, ck.sol_attn)
+
+
+@functools.lru_cache(maxsize=8)
+def _sol_kernel_reason_cached(device: torch.device) -> str | None:
+    return sol_kernel_reason(torch.empty(0, device=device))
+
+
+def sol_call(q, k, v, kernel):
+    """One sol_attn call through `kernel` (comfy_kitchen.sol_attn): q, k, v [B, H, S, D] -> [B, H, S, D] view.
+
+    Calls the kernel cannot take run H3_SOL_FALLBACK, counted in attention_stats(); H3_SOL_STRICT=1 raises."""
     opts = sol_options()
     why = sol_fallback_reason(q, opts.min_tokens)
     if why is not None:
@@ -318,8 +334,8 @@ def _sol(q, k, v):
         _count("sol_attn", f"fallback to {opts.fallback}: " + ("head_dim" if why.startswith("head") else "short"))
         return _REGISTRY[opts.fallback].fn(q, k, v)
     _count("sol_attn", "kernel")
-    out = ck.sol_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                      **opts.kernel_kwargs(_PREFIX_ROWS.get()))
+    # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **opts.kernel_kwargs(_PREFIX_ROWS.get()))
     return out.transpose(1, 2)
 
 

@@ -37,14 +37,21 @@ class Site:
     run: Callable[[], torch.Tensor]
 
 
+# Tensors ComfyUI keeps in float32 when it computes in bf16/fp16 (read off its bf16 traces): the sampler's latents,
+# the timestep path, the patch embeddings and the output projections.
+FP32_ISLANDS = ("sampler.", "dit_forward.", "dit_inner.", "video_patch_proj.", "audio_patch_proj.", "time_embedder.",
+                "final_layer.video_out.", "final_layer.audio_out.", "final_layer.out.", "sample_out.")
+
+
 class TraceView:
     """Recorded tensors in their produced dtype, on a device.
 
-    dtypes_from: another trace of the same case (ComfyUI run in another compute dtype) whose produced dtypes
-    replace this trace's, to feed a bf16 model the inputs ComfyUI's own bf16 run would have had in bf16."""
+    For a model computing in another dtype than the trace (bf16 against an fp32 trace): `dtypes_from`, ComfyUI's
+    own trace of the case in that dtype, gives each tensor's dtype; without one, `compute_dtype` replaces float32
+    outside ComfyUI's float32 islands."""
 
-    def __init__(self, trace, device="cpu", dtypes_from=None):
-        self.trace, self.device, self.dtypes_from = trace, device, dtypes_from
+    def __init__(self, trace, device="cpu", dtypes_from=None, compute_dtype=None):
+        self.trace, self.device, self.dtypes_from, self.compute_dtype = trace, device, dtypes_from, compute_dtype
 
     def __contains__(self, name):
         return name in self.trace
@@ -53,15 +60,19 @@ class TraceView:
         t = self.trace.get(name)
         src = self.dtypes_from if self.dtypes_from is not None and name in self.dtypes_from else self.trace
         dtype = DTYPES.get(src.produced_dtype(name) or "", t.dtype)
+        if (self.dtypes_from is None and self.compute_dtype is not None and dtype == torch.float32
+                and not name.startswith(FP32_ISLANDS)):
+            dtype = self.compute_dtype
         return t.to(self.device).to(dtype)
 
 
 def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | None = None, *,
-          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None) -> Iterator[Site]:
+          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None,
+          compute_dtype=None) -> Iterator[Site]:
     """Every teacher-forced site of `model` for this trace, in execution order (available or not).
 
-    dtypes_from: see TraceView (a bf16 model against an fp32 trace)."""
-    c, T = model.config, TraceView(trace, device, dtypes_from)
+    dtypes_from, compute_dtype: see TraceView (a bf16 model against an fp32 trace)."""
+    c, T = model.config, TraceView(trace, device, dtypes_from, compute_dtype)
     H, D = c.num_attention_heads, c.attention_head_dim
 
     def site(name, kind, needs, fn):
