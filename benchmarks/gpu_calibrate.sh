@@ -10,13 +10,17 @@
 set -u
 OUT="${OUT:-/tmp/h3_gpu}"; mkdir -p "$OUT"
 CARRY="${CARRY:-../.whl}"
-PARTS="${PARTS:-gate kernels sage bench}"
+PARTS="${PARTS:-gate kernels sage bench}"   # also: solk (sol_attn kernel at S = 20,050), contract
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 SITE=/tmp/h3site; mkdir -p "$SITE"
 tar xJf "$CARRY/ck0240.tar.xz" -C "$SITE" && tar xJf "$CARRY/fa3.tar.xz" -C "$SITE" || exit 3
 export PYTHONPATH="$PWD:$SITE"
+if [ -f "$CARRY/comfy.tar.xz" ]; then  # ComfyUI for the same-run timing (never committed; packed outside the repo)
+  mkdir -p /tmp/comfy && tar xJf "$CARRY/comfy.tar.xz" -C /tmp/comfy
+  python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/*.whl
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, comfy_kitchen as ck, fa3_fwd_interface; print('torch', torch.__version__, 'sol', ck.sol_attn_is_available())" 2>&1 | tee -a "$OUT/env.txt"
 
@@ -47,6 +51,10 @@ case " $PARTS " in *" gate "*)
     --device cuda --attention sol_attn -k "teacher" > "$OUT/strict_sol.log" 2>&1
   el "sol_attn strict on the fixtures (head_dim 32 -> must fail): $(grep -m1 -o "H3_SOL_STRICT=1 forbids it" "$OUT/strict_sol.log") $(tail -1 "$OUT/strict_sol.log")"
 ;; esac
+case " $PARTS " in *" solk "*)
+  H3_SOL_FALLBACK=cudnn_sdpa timeout 150 python3 benchmarks/attention_kernels.py --device cuda --backends sol_attn \
+    --sol-taus 1.0,2.0 --out "$OUT/attn_kernels_sol.json" 2>&1 | tee "$OUT/attn_kernels_sol.log"
+;; esac
 case " $PARTS " in *" kernels "*)
   timeout 150 python3 benchmarks/attention_kernels.py --device cuda --backends sdpa,cudnn_sdpa,fa3,ck_int8,sol_attn \
     --out "$OUT/attn_kernels.json" 2>&1 | tee "$OUT/attn_kernels.log"
@@ -55,13 +63,21 @@ case " $PARTS " in *" sage "*)
   el "waiting for the SageAttention build"; wait $BUILD; el "build exit $? ; $(tail -2 "$OUT/sage_build.log")"
   if ls /tmp/sagewhl/sageattention-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-deps --no-index --target "$SITE" /tmp/sagewhl/sageattention-*.whl
-    cp /tmp/sagewhl/sageattention-*.whl /tmp/ && xz -T0 -6 -c /tmp/sagewhl/sageattention-*.whl > "$OUT/sageattention-sm90a.whl.xz"
     gate sage2
     H3_HEAD_SLICE_BACKEND=sage2 gate kj_head_sliced kj_sage2
     gate sol_attn sol_fb_sage2
-    timeout 120 python3 benchmarks/attention_kernels.py --device cuda --backends sage2,kj_head_sliced --sol-taus "" \
-      --out "$OUT/attn_kernels_sage.json" 2>&1 | tee "$OUT/attn_kernels_sage.log"
+    [ "${SAGE_KERNELS:-1}" = 1 ] && timeout 120 python3 benchmarks/attention_kernels.py --device cuda \
+      --backends sage2,kj_head_sliced --sol-taus "" --out "$OUT/attn_kernels_sage.json" 2>&1 | tee "$OUT/attn_kernels_sage.log"
   fi
+;; esac
+case " $PARTS " in *" contract "*)
+  comfy=""; [ -d /tmp/comfy/comfy ] && comfy="--comfy-root /tmp/comfy"
+  # shellcheck disable=SC2086
+  timeout ${CONTRACT_TIMEOUT:-240} python3 -m benchmarks.run_contract --contract benchmarks/ref2va-960x544-124f.json \
+    --out "$OUT/contract_result.json" $comfy > "$OUT/contract.log" 2>&1
+  el "run_contract exit $?"; tail -6 "$OUT/contract.log"
+  python3 -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result "$OUT/contract_result.json" \
+    2>&1 | tee "$OUT/compare.log"
 ;; esac
 case " $PARTS " in *" bench "*)
   timeout ${BENCH_TIMEOUT:-170} python3 benchmarks/bench_dit.py --preset full --device cuda --weights nvfp4 \
