@@ -163,6 +163,12 @@ class DiTBlock(nn.Module):
                 backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+        if fused.compile_enabled(x):  # opt-in: norm+modulation and gated residuals as single compiled passes
+            n1, n2 = self.norm1, self.norm2
+            h = fused.norm_modulate(x, n1.weight, n1.eps, shift_msa, scale_msa, runs)
+            x = fused.gated_residual(x, gate_msa, self.attn(h, rope_table, backend=backend), runs)
+            h = fused.norm_modulate(x, n2.weight, n2.eps, shift_mlp, scale_mlp, runs)
+            return fused.gated_residual(x, gate_mlp, self.mlp(h, chunks=mlp_chunks), runs)
         h = modulate_(self.norm1(x), shift_msa, scale_msa, runs)
         x = gated_residual_(x, gate_msa, self.attn(h, rope_table, backend=backend), runs)
         h = modulate_(self.norm2(x), shift_mlp, scale_mlp, runs)
