@@ -57,6 +57,7 @@ class CaseResult:
     unit: str = "layer"  # what one comparison is called: layer | key | tensor
     action: str = "replay"  # label of the command that re-runs it
     compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
+    attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -193,6 +194,9 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         twin = _trace(str(low)) if low else None
     result = CaseResult(case, mode, attention, title=f"{case.id} [{mode}, h3direct {compute} vs ComfyUI "
                         f"{case.compute}, {case.weights}, {attention}]" if key else "", compute=key)
+    from h3direct.dit.attention import attention_stats, reset_attention_stats
+
+    reset_attention_stats()
     with torch.no_grad():
         if mode == "teacher":
             sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
@@ -213,4 +217,5 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
                                               attention, twin, comfy_root, key))
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
+    result.attention_calls = attention_stats() or None
     return result

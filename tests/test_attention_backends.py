@@ -161,3 +161,16 @@ def test_half_only_backend_runs_fp32_traces_in_bf16():
         assert seen == {torch.bfloat16}
     finally:
         A._REGISTRY.pop("test_half_only", None)
+
+
+def test_gate_report_lists_counted_attention_calls(tmp_path):
+    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.gate import CaseResult
+    from parity_tests.report import ReportCollector
+
+    cases, _ = find_dit_cases([FIXTURES])
+    res = CaseResult(cases[0], "free", "sol_attn", attention_calls={"sol_attn": {"fallback to sage2: head_dim": 6}})
+    rep = ReportCollector()
+    rep.add_case(res)
+    text = (rep.write(tmp_path) / "report.md").read_text()
+    assert "## Attention calls" in text and "sol_attn: fallback to sage2: head_dim 6" in text

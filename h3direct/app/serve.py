@@ -5,7 +5,7 @@
 Startup prints one JSON line on stdout: {"url", "device", "models"}. Endpoints (every body is JSON):
 
     GET  /health    200 {"status": "ok"|"stopping", "device", "models", "busy", "queued", "generations",
-                         "load_seconds"}
+                         "load_seconds", "attention_calls" (sol_attn kernel vs fallback calls, once any ran)}
     POST /generate  body: a JSON object with the request fields of `h3direct generate`, named as in REQUEST_FIELDS
                     (file fields are paths on the server, relative ones from its working directory); answers
                     200 with the summary `h3direct generate` prints, the mp4 written under --output-dir.
@@ -123,9 +123,14 @@ class Service:
         return self._lock.locked()
 
     def health(self) -> dict:
-        return {"status": "stopping" if self.stopping else "ok", "device": str(self.pipe.device),
-                "models": self.sources, "busy": self.busy, "queued": self._queued, "generations": self.generations,
-                "load_seconds": self.load_seconds}
+        from h3direct.dit.attention import attention_stats
+
+        out = {"status": "stopping" if self.stopping else "ok", "device": str(self.pipe.device),
+               "models": self.sources, "busy": self.busy, "queued": self._queued, "generations": self.generations,
+               "load_seconds": self.load_seconds}
+        if attention_stats():  # sol_attn: kernel calls vs documented fallbacks since the start
+            out["attention_calls"] = attention_stats()
+        return out
 
     # request accounting for graceful shutdown
     def enter(self) -> None:
