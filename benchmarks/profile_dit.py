@@ -24,7 +24,7 @@ CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("dequant", ("dequant", "nvfp4")),
     ("norm/rope", ("rms", "norm", "rope")),
     ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "silu", "mul", "add")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "silu", "mul", "add", "triton", "swiglu")),
 )
 
 

@@ -56,6 +56,8 @@ class CaseResult:
     title: str = ""  # default: "<case> [mode, compute, weights, attention]"
     unit: str = "layer"  # what one comparison is called: layer | key | tensor
     action: str = "replay"  # label of the command that re-runs it
+    compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
+    attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -97,7 +99,9 @@ def _trace(path: str) -> Trace:
 
 
 def _compare(name, kind, mode, ours, ref_trace: Trace, budgets: BudgetTable, case: DitCase, attention: str,
-             twin: Trace | None, comfy_root: str | None) -> LayerResult:
+             twin: Trace | None, comfy_root: str | None, compute: str | None = None) -> LayerResult:
+    """compute: the budget key's compute value when h3direct ran in another dtype than the trace ("bf16@fp32":
+    h3direct bf16 against ComfyUI's fp32 trace; `twin` is then ComfyUI's bf16 trace of the same case)."""
     ref = ref_trace.get(name)
     ours = ours.detach().cpu()
     if ours.shape != ref.shape:
@@ -107,50 +111,100 @@ def _compare(name, kind, mode, ours, ref_trace: Trace, budgets: BudgetTable, cas
                                case.trace, name, comfy_root))
     # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
     b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
-    b = budgets.lookup(mode=b_mode, kind=b_kind, compute=case.compute, weights=case.weights, attention=attention)
+    compute = compute or case.compute
+    b = budgets.lookup(mode=b_mode, kind=b_kind, compute=compute, weights=case.weights, attention=attention)
     rel = metrics.rel_l2(ours, ref)
     sq = metrics.sqnr_db(ours, ref)
     identical = torch.equal(ours.to(ref.dtype), ref)
     vs = None
     if twin is not None and name in twin and b.k is not None:
-        base = twin.get(name)
-        if base.shape == ref.shape:
-            vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
+        other = twin.get(name)
+        if other.shape == ref.shape:
+            if compute == case.compute:  # twin = ComfyUI fp32: (ours vs fp32, ComfyUI vs fp32)
+                vs = (metrics.rel_l2(ours, other), metrics.rel_l2(ref, other))
+            else:  # ref = ComfyUI fp32, twin = ComfyUI in our dtype
+                vs = (rel, metrics.rel_l2(other, ref))
     ok, rule = verdict(b, rel=rel, sqnr=sq, identical=identical, ours_vs_fp32=vs[0] if vs else None,
                        comfy_vs_fp32=vs[1] if vs else None)
     return LayerResult(name, kind, mode, rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance,
                        replay_command(case.trace, name, comfy_root), vs)
 
 
-def _setup(case: DitCase, device: str):
+def lowp_twin(case: DitCase, compute: str) -> Path | None:
+    """ComfyUI's `compute` trace of the same checkpoint and inputs as the fp32 `case` (None if not recorded)."""
+    from h3direct.traces.discovery import find_dit_cases
+
+    cases, _ = find_dit_cases([case.trace.parent])
+    return next((c.trace for c in cases if c.compute == compute and c.twin_fp32 is not None
+                 and c.twin_fp32.name == case.trace.name), None)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def run_dtype(attention: str, compute: str, device: str) -> tuple[str, str | None]:
+    """(the dtype h3direct runs a `compute` trace in with this backend, why it cannot run at all or None).
+
+    Availability is probed with a tensor of that dtype on that device. A backend that runs only in bf16/fp16 runs an
+    fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run."""
+    from h3direct.dit.attention import unavailable_reason
+
+    def probe(c):
+        return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[c])))
+
+    reason = probe(compute)
+    if reason is not None and compute == "fp32" and probe("bf16") is None:
+        return "bf16", None
+    return compute, reason
+
+
+def _setup(case: DitCase, device: str, compute: str | None = None):
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.inputs import load_inputs
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
     mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
-    model = _model(str(case.checkpoint), case.compute, mode, device)
+    model = _model(str(case.checkpoint), compute or case.compute, mode, device)
     return trace, inputs, model, conditioning_of(inputs)
 
 
 def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
-                 comfy_root: str | None = None) -> CaseResult:
-    """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor)."""
+                 comfy_root: str | None = None, compute: str | None = None) -> CaseResult:
+    """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
+
+    compute: run h3direct in this dtype instead of the trace's (a bf16/fp16-only backend against an fp32 trace):
+    budgets are then looked up with compute "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own
+    trace in that dtype (when recorded) against the fp32 trace."""
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
     from h3direct.traces.replay import available_sites
 
     budgets = budgets or load_budgets()
-    base_trace, inputs, model, cond = _setup(case, device)
+    key = None
+    if compute is not None and compute != case.compute:
+        key = f"{compute}@{case.compute}"
+    base_trace, inputs, model, cond = _setup(case, device, compute)
     trace = trace or base_trace
-    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
-    result = CaseResult(case, mode, attention)
+    if key is None:
+        twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    else:
+        low = lowp_twin(case, compute)
+        twin = _trace(str(low)) if low else None
+    result = CaseResult(case, mode, attention, title=f"{case.id} [{mode}, h3direct {compute} vs ComfyUI "
+                        f"{case.compute}, {case.weights}, {attention}]" if key else "", compute=key)
+    from h3direct.dit.attention import attention_stats, reset_attention_stats
+
+    reset_attention_stats()
     with torch.no_grad():
         if mode == "teacher":
-            for s in available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device):
+            sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
+                                    dtypes_from=twin if key else None,
+                                    compute_dtype=model.compute_dtype if key else None)
+            for s in sites:
                 result.layers.append(_compare(s.name, s.kind, mode, s.run(), trace, budgets, case, attention, twin,
-                                              comfy_root))
+                                              comfy_root, key))
         elif mode == "free":
             with Tracer(model) as tracer:
                 one_step(model, inputs, backend=attention, device=device)
@@ -160,7 +214,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
                     continue
                 kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
                 result.layers.append(_compare(name, kind, mode, tracer.tensors[name], trace, budgets, case,
-                                              attention, twin, comfy_root))
+                                              attention, twin, comfy_root, key))
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
+    result.attention_calls = attention_stats() or None
     return result

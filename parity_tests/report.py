@@ -18,10 +18,11 @@ class ReportCollector:
     def add_case(self, result) -> None:
         c = result.case
         weights = "vae" if hasattr(c, "config") and hasattr(c, "kind") else getattr(c, "weights", None)
-        self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(c, "compute", None) or
-                           getattr(c, "dtype", None), "weights": weights,
+        self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(result, "compute", None) or
+                           getattr(c, "compute", None) or getattr(c, "dtype", None), "weights": weights,
                            "attention": result.attention, "layers": len(result.layers), "passed": result.passed,
-                           "first_failure": result.first_failure.name if result.first_failure else None})
+                           "first_failure": result.first_failure.name if result.first_failure else None,
+                           "attention_calls": getattr(result, "attention_calls", None)})
         for r in result.layers:
             self.rows.append({"case": c.id, "mode": r.mode, "layer": r.name, "kind": r.kind,
                               "rel_l2": _num(r.rel_l2), "sqnr_db": _num(r.sqnr_db), "passed": r.passed,
@@ -41,6 +42,12 @@ class ReportCollector:
             res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`"
             lines.append(f"| {c['case']} | {c['mode']} | {c['compute']} | {c['weights']} | {c['attention']} | "
                          f"{c['layers']} | {res} |")
+        counted = [c for c in self.cases if c.get("attention_calls")]
+        if counted:
+            lines += ["", "## Attention calls (kernel vs documented fallback)", ""]
+            lines += [f"- {c['case']} ({c['mode']}, {c['attention']}): "
+                      + ", ".join(f"{b}: " + ", ".join(f"{k} {v}" for k, v in n.items())
+                                  for b, n in c["attention_calls"].items()) for c in counted]
         lines += ["", "## Worst layers (lowest SQNR per case and mode)", "",
                   "| case | mode | layer | rel_l2 | sqnr dB |", "|---|---|---|---|---|"]
         by = defaultdict(list)

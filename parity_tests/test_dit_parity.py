@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity_tests.gate import run_dit_case
+from parity_tests.gate import run_dit_case, run_dtype
 
 pytestmark = pytest.mark.parity
 
@@ -16,15 +16,11 @@ def test_traces_pair_up(trace_problems):
 
 @pytest.mark.parametrize("mode", ["teacher", "free"])
 def test_dit_layers(dit_case, mode, gate_options, report):
-    import torch
-
-    from h3direct.dit.attention import unavailable_reason
-
-    reason = unavailable_reason(gate_options["attention"], torch.empty(0, device=gate_options["device"]))
+    compute, reason = run_dtype(gate_options["attention"], dit_case.compute, gate_options["device"])
     if reason is not None:
         pytest.skip(f"--attention {gate_options['attention']}: {reason}")
     result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
-                          budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"])
+                          budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"], compute=compute)
     report.add_case(result)
     assert result.layers, f"{dit_case.id}: no comparable layer"
     assert result.passed, result.report()

@@ -466,6 +466,10 @@ def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings:
         "attention": args.attention, "cpu_threads": torch.get_num_threads(), "models": sources,
         "provenance": provenance_of(args, pipe),
     }
+    from h3direct.dit.attention import attention_stats
+
+    if attention_stats():  # backends that count their calls (sol_attn: kernel vs documented fallback)
+        summary["attention_calls"] = attention_stats()
     if res.frame_count != args.frames:
         summary["frames_requested"] = args.frames
     if args.progress:

@@ -270,7 +270,7 @@ class Service:
 
         from h3direct.app.pipeline import peak_memory
         from h3direct.app.provenance import version
-        from h3direct.dit.attention import backends, unavailable_reason
+        from h3direct.dit.attention import attention_stats, backends, unavailable_reason
 
         pipe = self.pipe
         like = torch.empty(0, device=pipe.device, dtype=pipe.dit.compute_dtype)
@@ -290,7 +290,9 @@ class Service:
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
                 "memory": memory,
                 "attention": {"default": pipe.attention, "available": [b for b, r in reasons.items() if r is None],
-                              "unavailable": {b: r for b, r in reasons.items() if r is not None}},
+                              "unavailable": {b: r for b, r in reasons.items() if r is not None},
+                              # sol_attn: kernel calls vs each documented fallback since the start
+                              "calls": attention_stats()},
                 "limits": {**self.limits.as_dict(), "max_body_bytes": self.max_body_bytes,
                            "job_timeout_s": self.queue.timeout_s},
                 "queue": {"depth": self.queue.depth(), "size": self.queue.size,

@@ -3,24 +3,33 @@
 Every attention call of the DiT (and of the token refiner) goes through `attention()`; backends are
 selected per call by name, no reload needed. q, k, v: [B, H, S, D]; returns [B, S, H·D].
 
-| name            | what                                                                             |
-|-----------------|----------------------------------------------------------------------------------|
-| sdpa            | torch SDPA, PyTorch's own kernel choice (default; exact; ComfyUI's `attention_pytorch`) |
-| cudnn_sdpa      | torch SDPA forced to cuDNN; an error if cuDNN cannot run it (never falls back)   |
-| sage2           | SageAttention ≥ 2 (`sageattention.sageattn`), when importable on a CUDA device   |
-| ck_int8         | comfy-kitchen `int8_attention` (INT8 Q/K/V, approximate)                         |
-| kj_head_sliced  | runs heads in slices of `H3_HEAD_SLICE_SIZE` (8) through `H3_HEAD_SLICE_BACKEND` (sage2) |
-| sol_attn        | comfy-kitchen `sol_attn` when the installed comfy-kitchen has it; options from `H3_SOL_*`; |
-|                 | falls back to `H3_SOL_FALLBACK` (sage2) below `H3_SOL_MIN_TOKENS` or when unavailable,   |
-|                 | unless `H3_SOL_STRICT=1`                                                                 |
+| name            | what                                                                                      |
+|-----------------|-------------------------------------------------------------------------------------------|
+| sdpa            | torch SDPA, PyTorch's own kernel choice (default; exact; ComfyUI's `attention_pytorch`;    |
+|                 | on an H200 with bf16 PyTorch picks cuDNN or flash, on the CPU its math/flash CPU kernel)   |
+| cudnn_sdpa      | torch SDPA forced to cuDNN; an error if cuDNN cannot run it (never falls back)            |
+| fa3             | FlashAttention-3 forward (`fa3-fwd`, extra `fa3`): Hopper (sm_90) only, bf16; exact       |
+| sage2           | SageAttention 2 (`sageattention.sageattn`: INT8 QK, FP8 PV on sm_89/sm_90/sm_12x), built   |
+|                 | from source by `tools/build_sageattention.sh`; SageAttention 1 (PyPI 1.x) is refused      |
+| ck_int8         | comfy-kitchen `int8_attention` (INT8 Q/K/V, approximate)                                  |
+| kj_head_sliced  | heads in slices of `H3_HEAD_SLICE_SIZE` (8) through `H3_HEAD_SLICE_BACKEND` (sage2)       |
+| sol_attn        | comfy-kitchen >= 0.2.40 `sol_attn` (sparse, INT8); options `H3_SOL_*` (sol_options.py).   |
+|                 | A call shorter than `H3_SOL_MIN_TOKENS` or with head_dim != 128 runs `H3_SOL_FALLBACK`;   |
+|                 | such calls are counted (`attention_stats()`) and `H3_SOL_STRICT=1` makes them errors.     |
+|                 | No kernel (CPU, old comfy-kitchen, < sm_80) = unavailable, never a substitute.            |
 
 An unknown or unavailable backend raises `BackendUnavailable` with the reason and the list of backends
-available here.
+available here. Availability is probed with a tensor of the compute dtype and device (`like`): a backend that runs
+only bf16/fp16 is unavailable for fp32 inputs, and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from h3direct.dit.sol_options import SOL_HEAD_DIM, sol_options
 from h3direct.errors import BackendUnavailable
 
 DEFAULT_BACKEND = "sdpa"
@@ -36,12 +46,19 @@ DEFAULT_BACKEND = "sdpa"
 @dataclass(frozen=True)
 class Backend:
     name: str
-    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B,H,S,D] -> [B,H,S,D]
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B,H,S,D] -> [B,H,S,D] (any strides)
     available: Callable[[torch.Tensor | None], str | None]  # None if it can run, else the reason
     exact: bool  # same math as fp32 softmax attention up to rounding
 
 
 _REGISTRY: dict[str, Backend] = {}
+
+# Where the conditioning rows end in the current packed sequence (set by the DiT around its blocks), for
+# backends that treat them specially (sol_attn's sink blocks). None: unknown (e.g. a teacher-forced layer).
+_PREFIX_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3_attention_prefix_rows", default=None)
+
+# Per-backend call counts: {"sol_attn": Counter({"kernel": n, "fallback:<reason>": m})}.
+_STATS: dict[str, Counter] = {}
 
 
 def register(name: str, fn, available, exact: bool):
@@ -50,6 +67,37 @@ def register(name: str, fn, available, exact: bool):
 
 def backends() -> list[str]:
     return list(_REGISTRY)
+
+
+def is_exact(name: str) -> bool:
+    """Same math as fp32 softmax attention up to rounding (kj_head_sliced: as exact as its inner backend)."""
+    if name == "kj_head_sliced":
+        return _REGISTRY[_slice_settings()[0]].exact
+    return _REGISTRY[name].exact
+
+
+@contextlib.contextmanager
+def sequence_hints(prefix_rows: int | None):
+    """Within the block: the packed sequence's first `prefix_rows` rows are conditioning (text, references,
+    keyframes, target audio); the target video follows."""
+    token = _PREFIX_ROWS.set(prefix_rows)
+    try:
+        yield
+    finally:
+        _PREFIX_ROWS.reset(token)
+
+
+def attention_stats() -> dict[str, dict[str, int]]:
+    """Calls per backend that count them (sol_attn: kernel vs each documented fallback reason)."""
+    return {name: dict(c) for name, c in _STATS.items() if c}
+
+
+def reset_attention_stats() -> None:
+    _STATS.clear()
+
+
+def _count(backend: str, what: str) -> None:
+    _STATS.setdefault(backend, Counter())[what] += 1
 
 
 def unavailable_reason(name: str, like: torch.Tensor | None = None) -> str | None:
@@ -87,11 +135,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     return rearrange(out, "b h s d -> b s (h d)")
 
 
-# ---- backends ----------------------------------------------------------------------------------
-
-def _sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
-
+# ---- availability helpers ------------------------------------------------------------------------
 
 def _always(_like):
     return None
@@ -105,17 +149,32 @@ def _cuda_only(like):
     return None
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _half_only(like):
+    if like is not None and like.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16 inputs, got {_dtype_name(like.dtype)}"
+    return None
+
+
+def _capability(like) -> tuple[int, int]:
+    dev = like.device if like is not None and like.is_cuda else None
+    return torch.cuda.get_device_capability(dev)
+
+
+# ---- backends ------------------------------------------------------------------------------------
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
+
+
 def _cudnn(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return _sdpa(q, k, v)
-
-
-def _half_only(like):
-    if like is not None and like.dtype not in (torch.float16, torch.bfloat16):
-        return f"needs fp16/bf16 inputs, got {str(like.dtype).removeprefix('torch.')}"
-    return None
 
 
 def _cudnn_available(like):
@@ -127,9 +186,36 @@ def _cudnn_available(like):
     return None
 
 
+def _fa3(q, k, v):
+    from fa3_fwd_interface import flash_attn_func
+
+    # FA3 takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.transpose(1, 2)
+
+
+def _fa3_available(like):
+    reason = _cuda_only(like)
+    if reason:
+        return reason
+    cap = _capability(like)
+    if cap != (9, 0):
+        return f"FlashAttention-3 runs on Hopper (sm_90) only; this GPU is sm_{cap[0]}{cap[1]}"
+    if like is not None and like.dtype != torch.bfloat16:
+        return f"fa3-fwd is built for bf16 only, got {_dtype_name(like.dtype)}"
+    try:
+        import fa3_fwd_interface  # noqa: F401
+    except ImportError as exc:
+        return f"fa3-fwd is not importable ({exc}); pip install 'h3direct[fa3]'"
+    return None
+
+
 def _sage2(q, k, v):
     from sageattention import sageattn
 
+    # dispatches on the GPU: sm_90 -> sageattn_qk_int8_pv_fp8_cuda_sm90 (INT8 QK, FP8 PV, fp32 accumulation)
     return sageattn(q, k, v, tensor_layout="HND", is_causal=False)
 
 
@@ -138,9 +224,21 @@ def _sage2_available(like):
     if reason:
         return reason
     try:
-        import sageattention  # noqa: F401
+        import sageattention
     except ImportError as exc:
-        return f"sageattention is not importable ({exc}); pip install 'h3direct[sage]'"
+        return f"sageattention is not importable ({exc}); build it with tools/build_sageattention.sh"
+    if not hasattr(sageattention, "sageattn_qk_int8_pv_fp8_cuda"):
+        return "the installed sageattention is SageAttention 1 (Triton); build SageAttention 2 with " \
+               "tools/build_sageattention.sh"
+    cap = _capability(like)
+    if cap < (8, 0):
+        return f"SageAttention 2 needs sm_80 or newer; this GPU is sm_{cap[0]}{cap[1]}"
+    try:
+        import sageattention._qattn_sm80  # noqa: F401  (every SA2 build has it)
+        if cap == (9, 0):
+            import sageattention._qattn_sm90  # noqa: F401
+    except ImportError as exc:
+        return f"SageAttention 2's CUDA extension for sm_{cap[0]}{cap[1]} is not built ({exc})"
     return None
 
 
@@ -184,53 +282,81 @@ def _head_sliced_available(like):
     return _REGISTRY[inner].available(like)
 
 
-def _sol_options() -> dict:
-    env = os.environ.get
-    return {"tau": float(env("H3_SOL_TAU", "1.3")), "min_tokens": int(env("H3_SOL_MIN_TOKENS", "4096")),
-            "thresh_type": env("H3_SOL_THRESH_TYPE", "diag"),
-            "int8_qk": env("H3_SOL_INT8_QK", "0") == "1", "int8_pv": env("H3_SOL_INT8_PV", "0") == "1",
-            "fallback": env("H3_SOL_FALLBACK", "sage2"), "strict": env("H3_SOL_STRICT", "0") == "1"}
-
-
-def _sol_kernel_reason(like) -> str | None:
+def sol_kernel_reason(like: torch.Tensor | None) -> str | None:
+    """Why comfy-kitchen's compiled sol_attn cannot run here (None: it can)."""
     reason = _cuda_only(like)
     if reason:
         return reason
     try:
         import comfy_kitchen as ck
     except ImportError as exc:
-        return f"comfy_kitchen is not importable ({exc})"
-    if not hasattr(ck, "sol_attn"):
-        return f"the installed comfy-kitchen ({getattr(ck, '__version__', '?')}) has no sol_attn"
+        return f"comfy_kitchen is not importable ({exc}); pip install 'h3direct[kitchen]'"
+    if not hasattr(ck, "sol_attn") or not hasattr(ck, "sol_attn_is_available"):
+        return "the installed comfy-kitchen has no sol_attn (needs comfy-kitchen >= 0.2.40)"
+    if not ck.sol_attn_is_available(like.device if like is not None else None):
+        return "comfy-kitchen's sol_attn kernel cannot run on this GPU (its CUDA backend needs sm_80+)"
+    return None
+
+
+def sol_fallback_reason(q: torch.Tensor, min_tokens: int) -> str | None:
+    """The documented reason a call runs the fallback backend instead of the kernel (None: the kernel runs)."""
+    if q.shape[-1] != SOL_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} != {SOL_HEAD_DIM}"
+    if q.shape[2] < min_tokens:
+        return f"{q.shape[2]} tokens < H3_SOL_MIN_TOKENS={min_tokens}"
     return None
 
 
 def _sol(q, k, v):
-    opts = _sol_options()
-    if _sol_kernel_reason(q) is None and q.shape[2] >= opts["min_tokens"]:
-        import comfy_kitchen as ck
+    reason = _sol_kernel_reason_cached(q.device)
+    if reason is not None:  # no kernel here: unavailable, never a substitute (not even for short calls)
+        raise BackendUnavailable(f"attention backend 'sol_attn' cannot run: {reason}")
+    import comfy_kitchen as ck
 
-        return ck.sol_attn(q, k, v, tau=opts["tau"], thresh_type=opts["thresh_type"],
-                           int8_qk=opts["int8_qk"], int8_pv=opts["int8_pv"])
-    return _REGISTRY[opts["fallback"]].fn(q, k, v)
+    return sol_call(q, k, v, ck.sol_attn)
+
+
+@functools.lru_cache(maxsize=8)
+def _sol_kernel_reason_cached(device: torch.device) -> str | None:
+    return sol_kernel_reason(torch.empty(0, device=device))
+
+
+def sol_call(q, k, v, kernel):
+    """One sol_attn call through `kernel` (comfy_kitchen.sol_attn): q, k, v [B, H, S, D] -> [B, H, S, D] view.
+
+    Calls the kernel cannot take run H3_SOL_FALLBACK, counted in attention_stats(); H3_SOL_STRICT=1 raises."""
+    opts = sol_options()
+    why = sol_fallback_reason(q, opts.min_tokens)
+    if why is not None:
+        if opts.strict:
+            raise BackendUnavailable(f"attention backend 'sol_attn' would fall back to {opts.fallback!r} ({why}); "
+                                     f"H3_SOL_STRICT=1 forbids it")
+        _count("sol_attn", f"fallback to {opts.fallback}: " + ("head_dim" if why.startswith("head") else "short"))
+        return _REGISTRY[opts.fallback].fn(q, k, v)
+    _count("sol_attn", "kernel")
+    # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **opts.kernel_kwargs(_PREFIX_ROWS.get()))
+    return out.transpose(1, 2)
 
 
 def _sol_available(like):
-    opts = _sol_options()
-    reason = _sol_kernel_reason(like)
-    if reason is None:
-        return None
-    if opts["strict"]:
-        return reason + " (H3_SOL_STRICT=1 forbids the fallback)"
-    fb = opts["fallback"]
-    if fb == "sol_attn" or fb not in _REGISTRY:
-        return f"{reason}, and H3_SOL_FALLBACK={fb!r} is not a usable backend"
-    fb_reason = _REGISTRY[fb].available(like)
-    return None if fb_reason is None else f"{reason}, and its fallback {fb!r}: {fb_reason}"
+    opts = sol_options()
+    reason = sol_kernel_reason(like) or _half_only(like)
+    if reason is not None:
+        return reason
+    if opts.strict:
+        return None  # calls that cannot run the kernel raise, one by one
+    if opts.fallback not in _REGISTRY:
+        return f"H3_SOL_FALLBACK={opts.fallback!r} is not an attention backend"
+    fb_reason = _REGISTRY[opts.fallback].available(like)
+    if fb_reason is not None:
+        return f"its fallback H3_SOL_FALLBACK={opts.fallback!r} cannot run: {fb_reason}"
+    return None
 
 
 register("sdpa", _sdpa, _always, exact=True)
 register("cudnn_sdpa", _cudnn, _cudnn_available, exact=True)
+register("fa3", _fa3, _fa3_available, exact=True)
 register("sage2", _sage2, _sage2_available, exact=False)
 register("ck_int8", _ck_int8, _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)

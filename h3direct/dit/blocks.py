@@ -172,9 +172,14 @@ class DiTBlock(nn.Module):
         mods = self.adaln_proj(t_emb)  # shift, scale, gate of the attention, then the same three of the MLP
         sublayers = ((self.norm1, partial(self.attn, rope_table=rope_table, backend=backend)),
                      (self.norm2, partial(self.mlp, chunks=mlp_chunks)))
+        compiled = fused.compile_enabled(x)  # opt-in: norm+modulation and the gated residual as compiled passes
         for i, (norm, sublayer) in enumerate(sublayers):
             shift, scale, gate = mods[3 * i:3 * i + 3]
-            x = gated_residual_(x, gate, sublayer(modulate_(norm(x), shift, scale, runs)), runs)
+            if compiled:
+                h = fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs)
+                x = fused.gated_residual(x, gate, sublayer(h), runs)
+            else:
+                x = gated_residual_(x, gate, sublayer(modulate_(norm(x), shift, scale, runs)), runs)
         return x
 
 

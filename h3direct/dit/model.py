@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3direct.config import H3Config
-from h3direct.dit.attention import DEFAULT_BACKEND
+from h3direct.dit.attention import DEFAULT_BACKEND, sequence_hints
 from h3direct.dit.blocks import DiTBlock, FinalLayer, TokenRefiner
 from h3direct.dit.embed import (
     TimeEmbedder,
@@ -171,8 +171,9 @@ class H3DiT(nn.Module):
         t_emb = self.time_embedding(plan.values, device)
         rope_table = rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)),
                                     self.compute_dtype)
-        for block in self.blocks:
-            h = block(h, t_emb, plan.runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
+        with sequence_hints(layout.segment("video").start):  # rows before the target video: conditioning
+            for block in self.blocks:
+                h = block(h, t_emb, plan.runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
 
         vs, aseg = layout.segment("video"), layout.segment("audio")
         v, a = self.final_layer(h, t_emb, (vs.start, vs.stop, plan.video_row), (aseg.start, aseg.stop, plan.audio_row))

@@ -37,25 +37,42 @@ class Site:
     run: Callable[[], torch.Tensor]
 
 
-class TraceView:
-    """Recorded tensors in their produced dtype, on a device."""
+# Tensors ComfyUI keeps in float32 when it computes in bf16/fp16 (read off its bf16 traces): the sampler's latents,
+# the timestep path, the patch embeddings and the output projections.
+FP32_ISLANDS = ("sampler.", "dit_forward.", "dit_inner.", "video_patch_proj.", "audio_patch_proj.", "time_embedder.",
+                "final_layer.video_out.", "final_layer.audio_out.", "final_layer.out.", "sample_out.")
 
-    def __init__(self, trace, device="cpu"):
-        self.trace, self.device = trace, device
+
+class TraceView:
+    """Recorded tensors in their produced dtype, on a device.
+
+    For a model computing in another dtype than the trace (bf16 against an fp32 trace): `dtypes_from`, ComfyUI's
+    own trace of the case in that dtype, gives each tensor's dtype; without one, `compute_dtype` replaces float32
+    outside ComfyUI's float32 islands."""
+
+    def __init__(self, trace, device="cpu", dtypes_from=None, compute_dtype=None):
+        self.trace, self.device, self.dtypes_from, self.compute_dtype = trace, device, dtypes_from, compute_dtype
 
     def __contains__(self, name):
         return name in self.trace
 
     def __call__(self, name: str) -> torch.Tensor:
         t = self.trace.get(name)
-        dtype = DTYPES.get(self.trace.produced_dtype(name) or "", t.dtype)
+        src = self.dtypes_from if self.dtypes_from is not None and name in self.dtypes_from else self.trace
+        dtype = DTYPES.get(src.produced_dtype(name) or "", t.dtype)
+        if (self.dtypes_from is None and self.compute_dtype is not None and dtype == torch.float32
+                and not name.startswith(FP32_ISLANDS)):
+            dtype = self.compute_dtype
         return t.to(self.device).to(dtype)
 
 
 def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | None = None, *,
-          backend: str = DEFAULT_BACKEND, device="cpu") -> Iterator[Site]:
-    """Every teacher-forced site of `model` for this trace, in execution order (available or not)."""
-    c, T = model.config, TraceView(trace, device)
+          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None,
+          compute_dtype=None) -> Iterator[Site]:
+    """Every teacher-forced site of `model` for this trace, in execution order (available or not).
+
+    dtypes_from, compute_dtype: see TraceView (a bf16 model against an fp32 trace)."""
+    c, T = model.config, TraceView(trace, device, dtypes_from, compute_dtype)
     H, D = c.num_attention_heads, c.attention_head_dim
 
     def site(name, kind, needs, fn):
@@ -68,7 +85,7 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
     prev = "condition_proj.out"
     for i, blk in enumerate(model.token_refiner.blocks):
         p = f"token_refiner.blocks.{i}"
-        yield from _attention_sites(p, blk, T, H, D, backend, rope=False)
+        yield from _attention_sites(p, blk, T, H, D, backend, rope=False, dtype=model.compute_dtype)
         yield site(f"{p}.norm1.out", "norm", [prev], lambda blk=blk, prev=prev: blk.norm1(T(prev)))
         yield site(f"{p}.norm2.out", "norm", [prev, f"{p}.attn.out_proj.out"],
                    lambda blk=blk, prev=prev, p=p: blk.norm2(T(f"{p}.attn.out_proj.out") + T(prev)))
@@ -153,7 +170,8 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
             attn_src = ((lambda p=p: T(f"{p}.attn.in.0")), (f"{p}.attn.in.0",))
         else:
             attn_src = ((lambda p=p, mod=mod: mod(f"{p}.norm1.out", 0, 1)), (f"{p}.norm1.out", *ada[:2], *inner))
-        yield from _attention_sites(p, blk, T, H, D, backend, rope=True, table=table, src=attn_src)
+        yield from _attention_sites(p, blk, T, H, D, backend, rope=True, table=table, src=attn_src,
+                                        dtype=model.compute_dtype)
 
         def after_attn(p=p, x_in=x_in, ada=ada):
             runs = layout_and_plan()[1].runs
@@ -230,7 +248,7 @@ def _packed_input(model, T, cond, layout):
     return h
 
 
-def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None = None,
+def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None = None, dtype=None,
                      src: tuple[Callable[[], torch.Tensor], tuple[str, ...]] | None = None) -> Iterator[Site]:
     """src: (input provider, names it reads); default the recorded norm1 output (refiner blocks)."""
     attn = blk.attn
@@ -260,6 +278,8 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
         s = T(qkv).shape[0]
         q, k = T(qn), T(kn)
         v = part(2).reshape(s, H, D).clone()
+        if dtype is not None and q.dtype != dtype:  # the model's attention always sees its compute dtype
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)[0]
 
     yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, qn, kn), attend)

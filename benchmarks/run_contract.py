@@ -1,0 +1,254 @@
+"""Run a benchmark contract (benchmarks/ref2va-960x544-124f.json) and write its result JSON.
+
+    python -m benchmarks.run_contract --contract benchmarks/ref2va-960x544-124f.json --out R.json [--comfy-root R]
+    python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result R.json
+
+Per path of the contract (exact, approximate: an attention backend plus H3_* options): s/step (median of the timed
+Denoiser calls after the warm-up), the sum of the timed steps, text refine, VAE decode (fp16 video + fp32 audio),
+end to end, peak GPU memory. Weights: the contract's synthetic full-size checkpoint built on the GPU.
+With --comfy-root, ComfyUI (its own loader, CFGGuider at cfg 1, its default attention) steps the same weights and
+workload in the same process after h3direct, so `x_comfyui` is a same-run ratio; without it the result says
+"no same-run ComfyUI". --smoke: tiny sizes (CPU check of the plumbing; not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _common as C  # noqa: E402  (puts the repo root on sys.path)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run_contract", description=__doc__.split("\n")[0])
+    ap.add_argument("--contract", required=True)
+    ap.add_argument("--out", required=True, help="result JSON")
+    ap.add_argument("--paths", default=None, help="comma list of the contract's paths (default all)")
+    ap.add_argument("--comfy-root", default=None, help="ComfyUI checkout: time it in the same run")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the contract's)")
+    ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check)")
+    return ap.parse_args(argv)
+
+
+def _contract(path: str) -> dict:
+    try:
+        c = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"run_contract: error: --contract {path}: {exc}") from None
+    for key in ("contract", "workload", "weights", "steps", "paths"):
+        if key not in c:
+            raise SystemExit(f"run_contract: error: --contract {path}: missing {key!r}")
+    return c
+
+
+class _Env:
+    """Apply a path's H3_* options for its duration."""
+
+    def __init__(self, options: dict):
+        self.options, self.old = {k: str(v) for k, v in options.items()}, {}
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.options}
+        os.environ.update(self.options)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _timed(fn, dev, warmup: int, iters: int) -> dict:
+    r = C.time_calls(fn, dev, warmup=warmup, iters=iters)
+    return r
+
+
+def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dict]:
+    import torch
+    from bench_dit import make_inputs
+    from synthetic_gpu import build_audio_vae, build_dit, build_video_vae
+
+    from h3direct.config import H3Config
+    from h3direct.dit.attention import attention_stats, reset_attention_stats, unavailable_reason
+    from h3direct.dit.denoiser import Denoiser, audio_scale_of
+
+    w = contract["weights"]
+    config = H3Config.from_name(preset.dit_config)
+    model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
+    video, audio, text, cond = make_inputs(config, wl, dev, w.get("seed", 0))
+    sigma = torch.tensor([0.8], dtype=torch.float32, device=dev)
+    warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
+    like = torch.empty(0, device=dev, dtype=model.compute_dtype)
+    paths = {}
+    names = args.paths.split(",") if args.paths else list(contract["paths"])
+    for name in names:
+        spec = contract["paths"].get(name)
+        if spec is None:
+            raise SystemExit(f"run_contract: error: --paths: {name!r} is not a path of the contract")
+        attn = spec["attention"]
+        res = {"attention": attn, "options": spec.get("options", {})}
+        with _Env(spec.get("options", {})):
+            reason = unavailable_reason(attn, like)
+            if reason is not None:
+                paths[name] = {**res, "status": f"unavailable: {reason}"}
+                C.log(f"{name}: {attn} unavailable: {reason}")
+                continue
+            reset_attention_stats()
+            with torch.inference_mode():
+                C.sync(dev)
+                t = time.perf_counter()
+                context = model.preprocess_text(text, backend=attn)
+                C.sync(dev)
+                res["text_refine_s"] = time.perf_counter() - t
+                den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=attn)
+                C.reset_peak(dev)
+                r = _timed(lambda den=den: den(video, audio, sigma), dev, warmup, timed)
+            res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
+                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
+                       attention_calls=attention_stats() or None)
+        paths[name] = res
+        C.log(f"{name} ({attn}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
+    info = {"build": build, "seq_len": wl["seq_len"]}
+    del model
+    C.free_memory(dev)
+    if not args.no_vae:
+        from h3direct.vae import decode_audio, decode_video
+
+        vdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[contract.get("vae_dtype",
+                                                                                                    "fp16")]
+        vae, _ = build_video_vae(preset.vae_preset, dev, dtype=vdtype)
+        avae, _ = build_audio_vae(preset.vae_preset, dev)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        z = torch.randn(wl["video_latent"], generator=g).to(dev)
+        za = torch.randn(wl["audio_latent"], generator=g).to(dev)
+        with torch.inference_mode():
+            decode_video(vae, z[:, :, :2, :4, :4].contiguous(), contract.get("vae_dtype", "fp16"))  # warm-up
+            C.sync(dev)
+            t = time.perf_counter()
+            decode_video(vae, z, contract.get("vae_dtype", "fp16"))
+            decode_audio(avae, za)
+            C.sync(dev)
+            vae_s = time.perf_counter() - t
+        del vae, avae
+        C.free_memory(dev)
+        for res in paths.values():
+            if res.get("status") == "ok":
+                res["vae_decode_s"] = vae_s
+                res["end_to_end_s"] = res["text_refine_s"] + res["denoise_total_s"] + vae_s
+    return paths, info
+
+
+def run_comfyui(root: str, contract: dict, args, wl: dict, preset, dev) -> dict:
+    """ComfyUI's own loader and sampler on the same synthetic weights and workload: s/step of its model calls."""
+    import torch
+    from bench_dit import make_inputs
+
+    from h3direct.checkpoint.synthetic import iter_dit_tensors
+    from h3direct.config import H3Config
+    from oracle.comfy_env import open_comfy
+
+    w = contract["weights"]
+    cuda = C.is_cuda(dev)
+    env = open_comfy(root, device="cuda" if cuda else "cpu", compute_dtype="bf16" if cuda else "fp32")
+    config = H3Config.from_name(preset.dit_config)
+    quant = "nvfp4" if w["dit"] == "nvfp4" else "none"
+    sd = {k: (t.cpu() if k.endswith(".comfy_quant") else t)
+          for k, t in iter_dit_tensors(config, quant, w.get("seed", 0), str(dev), nvfp4_refiner=False)}
+    t0 = time.perf_counter()
+    patcher = env.sd.load_diffusion_model_state_dict(sd)
+    del sd
+    if patcher is None or type(patcher.model).__name__ != "MiniMaxH3":
+        raise RuntimeError(f"ComfyUI did not detect MiniMaxH3 in the synthetic weights "
+                           f"({type(getattr(patcher, 'model', None)).__name__})")
+    load_s = time.perf_counter() - t0
+    video, audio, text, cond = make_inputs(config, wl, "cpu", w.get("seed", 0))
+    refs = [{"kind": "image", "latent": r["latent"], "latent_t": 1, "latent_h": r["latent_h"],
+             "latent_w": r["latent_w"], "ref_audio_t": 0} for r in cond.refs]
+    tags = torch.zeros(text.shape[1], dtype=torch.int64)
+    conditioning = [[text.float(), {"minimax_token_tags": tags, "minimax_refs": refs}]]
+    warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
+    n = warmup + timed
+    times: list[float] = []
+
+    def steps(model, x, sigmas, extra_args=None, callback=None, disable=None):
+        for i in range(n):
+            C.sync(dev)
+            t = time.perf_counter()
+            x = model(x, sigmas[i] * x.new_ones([x.shape[0]]), **(extra_args or {}))
+            C.sync(dev)
+            times.append(time.perf_counter() - t)
+        return x
+
+    guider = env.samplers.CFGGuider(patcher)
+    guider.set_cfg(1.0)
+    guider.inner_set_conds({"positive": conditioning})
+    nested = env.nested_tensor
+    noise = nested.NestedTensor([torch.randn_like(video.cpu()), torch.randn_like(audio.cpu())])
+    latent = nested.NestedTensor([video.cpu(), audio.cpu()])
+    sigmas = torch.linspace(0.9, 0.1, n + 1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        guider.sample(noise, latent, env.samplers.KSAMPLER(steps), sigmas, disable_pbar=True, seed=0)
+    per = times[warmup:]
+    res = {"s_per_step": statistics.median(per), "step_s": per, "warmup_s": times[:warmup], "load_s": load_s,
+           "attention": env.attention_function(), "comfyui_commit": env.commit,
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None}
+    del guider, patcher
+    C.free_memory(dev)
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    contract = _contract(args.contract)
+    preset = C.PRESETS["tiny" if args.smoke else "full"]
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = args.device
+    wl_spec = contract["workload"]
+    if args.smoke:
+        wl = C.workload(preset.width, preset.height, preset.frames, preset.text_len)
+    else:
+        wl = C.workload(wl_spec["width"], wl_spec["height"], wl_spec["frames"], wl_spec["text_tokens"])
+        if wl["seq_len"] != wl_spec.get("seq_len", wl["seq_len"]):
+            raise SystemExit(f"run_contract: error: workload gives S = {wl['seq_len']}, contract says "
+                             f"{wl_spec['seq_len']}")
+    result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
+              "env": C.env_info(dev), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "workload": wl}
+    result["paths"], result["h3direct"] = run_h3direct(contract, args, wl, preset, dev)
+    if args.comfy_root:
+        try:
+            result["comfyui"] = run_comfyui(args.comfy_root, contract, args, wl, preset, dev)
+        except Exception as exc:  # noqa: BLE001 - reported in the result; compare then misses the ratios
+            result["comfyui"] = None
+            result["comfyui_note"] = f"same-run ComfyUI failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    else:
+        result["comfyui"] = None
+        result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui)"
+    if result["comfyui"]:
+        for p in result["paths"].values():
+            if p.get("status") == "ok":
+                p["x_comfyui"] = result["comfyui"]["s_per_step"] / p["s_per_step"]
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    C.log(f"result: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

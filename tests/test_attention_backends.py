@@ -1,0 +1,176 @@
+"""Attention backends on the CPU: sol_attn's option mapping onto comfy-kitchen's real `sol_attn`, its documented
+fallback (counted) and strict mode, one-line unavailability, and dtype-aware probing (a bf16-only backend is run
+in bf16 against fp32 traces, never skipped and never handed fp32)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3direct.dit import attention as A
+from h3direct.dit.sol_options import SolOptions, sol_options
+from h3direct.errors import BackendUnavailable, ConfigError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_sol_defaults_map_onto_kernel_arguments():
+    kw = sol_options({}).kernel_kwargs(prefix_rows=1180)
+    # 1,180 conditioning rows (text 256 + reference 510 + audio 414) -> key blocks [0, 19) are sinks
+    assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19]}
+    assert "sink_blocks" not in sol_options({}).kernel_kwargs(prefix_rows=None)
+
+
+@pytest.mark.parametrize("env, key, want", [
+    ({"H3_SOL_TAU": "2.0"}, "tau", 2.0),
+    ({"H3_SOL_THRESH_TYPE": "topk", "H3_SOL_TOPK_RATIO": "0.25"}, "topk_ratio", 0.25),
+    ({"H3_SOL_TOPK_RATIO": "0.25"}, "topk_ratio", 0.0),  # only with THRESH_TYPE=topk
+    ({"H3_SOL_TAIL": "0"}, "tail", False),
+    ({"H3_SOL_TOKEN_AUG": "128"}, "token_aug", 128),
+    ({"H3_SOL_SINKS": "none"}, "sink_blocks", None),
+], ids=["tau", "topk", "topk-needs-type", "tail", "token_aug", "no-sinks"])
+def test_sol_env_mapping(env, key, want):
+    assert sol_options(env).kernel_kwargs(prefix_rows=100).get(key) == want
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"H3_SOL_TAU": "-1"}, "H3_SOL_TAU='-1': expected a positive number"),
+    ({"H3_SOL_TAU": "fast"}, "H3_SOL_TAU='fast'"),
+    ({"H3_SOL_THRESH_TYPE": "row"}, "diag or topk"),
+    ({"H3_SOL_TOPK_RATIO": "1.5"}, "(0, 1)"),
+    ({"H3_SOL_TOKEN_AUG": "100"}, "multiple of 64"),
+    ({"H3_SOL_STRICT": "yes"}, "0 or 1"),
+    ({"H3_SOL_FALLBACK": "sol_attn"}, "another attention backend"),
+    ({"H3_SOL_INT8_QK": "1"}, "no precision switch"),
+    ({"H3_SOL_INT8_PV": "0"}, "no precision switch"),
+])
+def test_sol_bad_options_are_one_line_errors(env, needle):
+    with pytest.raises(ConfigError) as exc:
+        sol_options(env)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_sol_kwargs_match_comfy_kitchen_signature():
+    """The mapped arguments are accepted by comfy-kitchen's sol_attn and change what it computes (its eager
+    reference runs on the CPU)."""
+    ck = pytest.importorskip("comfy_kitchen")
+    if not hasattr(ck, "sol_attn"):
+        pytest.skip(f"comfy-kitchen {getattr(ck, '__version__', '')} has no sol_attn (needs >= 0.2.40)")
+    params = inspect.signature(ck.sol_attn).parameters
+    opts = SolOptions(thresh_type="topk", topk_ratio=0.25)
+    kw = opts.kernel_kwargs(prefix_rows=70)
+    assert set(kw) <= set(params)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 512, 2, 128, generator=g).to(torch.bfloat16) for _ in range(3))
+    dense = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)))
+    with_sinks = ck.sol_attn(q, k, v, **kw).transpose(1, 2).float()
+    no_sinks = ck.sol_attn(q, k, v, **SolOptions(thresh_type="topk", topk_ratio=0.25, sinks="none")
+                           .kernel_kwargs(prefix_rows=70)).transpose(1, 2).float()
+    assert not torch.equal(with_sinks, no_sinks)  # sink_blocks reached the kernel
+    # with sinks covering the first two key blocks, those keys are attended exactly: the sparse result is closer
+    err = lambda x: float((x - dense).norm() / dense.norm())  # noqa: E731
+    assert err(with_sinks) < err(no_sinks) < 1.0
+
+
+def test_sol_without_kernel_is_unavailable_not_substituted(monkeypatch):
+    monkeypatch.setenv("H3_SOL_FALLBACK", "sdpa")
+    like = torch.empty(0, dtype=torch.bfloat16)
+    reason = A.unavailable_reason("sol_attn", like)
+    assert reason is not None and ("CUDA" in reason or "sol_attn" in reason)
+    q = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailable, match="attention backend 'sol_attn' cannot run"):
+        A.attention(q, q, q, "sol_attn")
+
+
+def test_sol_documented_fallback_is_counted_and_strict_refuses(monkeypatch):
+    """Calls the kernel cannot take (head_dim 32, or shorter than H3_SOL_MIN_TOKENS) run H3_SOL_FALLBACK and are
+    counted; the rest run the kernel (here comfy-kitchen's own eager sol_attn reference, the CPU form of the
+    algorithm), with the sinks of the current sequence; H3_SOL_STRICT=1 turns fallbacks into errors."""
+    ck = pytest.importorskip("comfy_kitchen")
+    if not hasattr(ck, "sol_attn"):
+        pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
+    monkeypatch.setenv("H3_SOL_FALLBACK", "sdpa")
+    monkeypatch.setenv("H3_SOL_MIN_TOKENS", "256")
+    A.reset_attention_stats()
+    q = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    assert torch.equal(A.sol_call(q, q, q, ck.sol_attn), A._sdpa(q, q, q))
+    assert A.attention_stats() == {"sol_attn": {"fallback to sdpa: head_dim": 1}}
+    short = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
+    A.sol_call(short, short, short, ck.sol_attn)
+    assert A.attention_stats()["sol_attn"]["fallback to sdpa: short"] == 1
+    long = torch.randn(1, 2, 320, 128, dtype=torch.bfloat16)
+    with A.sequence_hints(70):
+        out = A.sol_call(long, long, long, ck.sol_attn)
+    want = ck.sol_attn(*(x.transpose(1, 2) for x in (long, long, long)), tau=1.3, sink_blocks=[0, 2]).transpose(1, 2)
+    assert torch.equal(out, want) and A.attention_stats()["sol_attn"]["kernel"] == 1
+    monkeypatch.setenv("H3_SOL_STRICT", "1")
+    with pytest.raises(BackendUnavailable, match="H3_SOL_STRICT=1 forbids it"):
+        A.sol_call(q, q, q, ck.sol_attn)
+    A.reset_attention_stats()
+
+
+@pytest.mark.parametrize("name", ["fa3", "sage2", "cudnn_sdpa", "ck_int8"])
+def test_gpu_backends_say_why_on_cpu(name):
+    reason = A.unavailable_reason(name, torch.empty(0, dtype=torch.bfloat16))
+    assert reason is not None and "\n" not in reason
+    with pytest.raises(BackendUnavailable, match=f"attention backend '{name}' cannot run"):
+        A.check_backend(name, torch.empty(0, dtype=torch.bfloat16))
+
+
+def test_sage1_is_not_sage2(monkeypatch, tmp_path):
+    """PyPI's sageattention 1.x (Triton) has `sageattn` but not SageAttention 2's CUDA entry points."""
+    pkg = tmp_path / "sageattention"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def sageattn(*a, **k):\n    raise AssertionError('SA1 must not run')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    like = torch.empty(0, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setattr(A, "_cuda_only", lambda like: None)
+    assert "SageAttention 1" in A._sage2_available(like)
+
+
+def test_half_only_backend_runs_fp32_traces_in_bf16():
+    """A backend that runs only bf16/fp16 is gated on fp32 traces in bf16 (budget compute key bf16@fp32, ratio rule
+    against ComfyUI's bf16 twin when recorded) and never receives fp32 tensors."""
+    from h3direct.traces.budgets import load_budgets
+    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.gate import run_dit_case, run_dtype
+
+    seen = set()
+
+    def half_only_sdpa(q, k, v):
+        seen.add(q.dtype)
+        return A._sdpa(q, k, v)
+
+    A.register("test_half_only", half_only_sdpa, A._half_only, exact=True)
+    try:
+        cases, _ = find_dit_cases([FIXTURES])
+        case = next(c for c in cases if c.compute == "fp32" and c.weights == "bf16")
+        compute, reason = run_dtype("test_half_only", case.compute, "cpu")
+        assert (compute, reason) == ("bf16", None)
+        calib = load_budgets(Path(__file__).resolve().parents[1] / "benchmarks" / "calibration_budgets.toml")
+        for mode in ("teacher", "free"):
+            res = run_dit_case(case, mode=mode, attention="test_half_only", compute=compute, budgets=calib)
+            assert res.compute == "bf16@fp32" and res.layers
+            out = [r for r in res.layers if r.name.startswith("dit_inner.out.")]
+            # bf16 against fp32: an error of bf16 size, not fp32 round-off and not garbage
+            assert out and all(1e-4 < r.rel_l2 < 5e-2 for r in out)
+        assert seen == {torch.bfloat16}
+    finally:
+        A._REGISTRY.pop("test_half_only", None)
+
+
+def test_gate_report_lists_counted_attention_calls(tmp_path):
+    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.gate import CaseResult
+    from parity_tests.report import ReportCollector
+
+    cases, _ = find_dit_cases([FIXTURES])
+    res = CaseResult(cases[0], "free", "sol_attn", attention_calls={"sol_attn": {"fallback to sage2: head_dim": 6}})
+    rep = ReportCollector()
+    rep.add_case(res)
+    text = (rep.write(tmp_path) / "report.md").read_text()
+    assert "## Attention calls" in text and "sol_attn: fallback to sage2: head_dim 6" in text
