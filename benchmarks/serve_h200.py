@@ -15,7 +15,7 @@ Steps (each timed, all logged to OUT/serve_h200.log, the results to OUT/serve_h2
   4. GET /ready again, then SIGTERM: the server must exit 0.
 
     python3 benchmarks/serve_h200.py --preset full --device cuda --out $OUT      # on the H200
-    python3 benchmarks/serve_h200.py --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about a minute
+    python3 benchmarks/serve_h200.py --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about 10 s
 
 Exit status: 0 when every step passed, 1 when one failed (the JSON says which), 2 on bad flags.
 """

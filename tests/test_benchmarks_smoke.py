@@ -149,3 +149,32 @@ def test_bench_generate_falls_back_to_pieces(tmp_path, monkeypatch):
     assert d["driver"] == "pieces (pipeline failed)"
     assert any("injected pipeline failure" in e["error"] for e in d["errors"])
     _check_generate(d)
+
+
+def test_serve_h200_tiny(tmp_path):
+    """benchmarks/serve_h200.py end to end on the CPU: files written, `h3direct serve` started, /ready recorded,
+    one Ref2VA request answered with an mp4 of the asked size, SIGTERM -> exit 0."""
+    pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not installed")
+    pytest.importorskip("av", reason="the media extra (PyAV) is not installed")
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(BENCH / "serve_h200.py"), "--preset", "tiny", "--device", "cpu",
+                           "--requests", "sdpa", "--out", str(out), "--work", str(tmp_path / "work")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "serve_h200.json").read_text())
+    assert data["failures"] == [] and data["exit_code"] == 0
+    mem = data["ready_before"]["memory"]
+    assert mem["kind"] == "cpu_rss" and mem["rss_bytes"] > 0
+    assert set(data["ready_before"]["components"]) == {"dit", "video_vae", "audio_vae", "text_encoder"}
+    assert data["ready_before"]["components"]["dit"]["quantization"].startswith("nvfp4")
+    (req,) = data["requests"]
+    assert req["status"] == 200 and req["response"]["task"] == "ref2va"
+    assert req["mp4"]["video_frames"] == 22 and (req["mp4"]["width"], req["mp4"]["height"]) == (64, 64)
+    assert req["mp4"]["audio_streams"] == 1
+    for stage in ("conditioning", "sample", "decode_video", "decode_audio", "write", "total"):
+        _finite(req["response"]["timings"][stage], stage)
+    assert len(req["response"]["step_seconds"]) == 2
+    assert data["ready_after"]["queue"]["completed"] == 1
+    assert not (tmp_path / "work" / "dit_nvfp4.safetensors").exists()  # model files removed at the end
