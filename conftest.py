@@ -1,64 +1,8 @@
-"""pytest options and markers for h3direct.
+"""Root conftest: loads the project's pytest plugin (`parity_tests/plugin.py`: the parity options and markers).
 
-Parity options (the merge gate, `pytest -m parity`):
-  --trace-dir DIR     traces to gate against (repeatable); default: the committed fixtures/ and, when it sits
-                      beside the checkout, ../shared/oracle. A DIR may also be a folder of such directories.
-  --comfy-root R      live mode: record fresh ComfyUI traces first (into a temporary folder) and gate on them
-  --attention NAME    h3direct attention backend to gate (default sdpa)
-  --vae-dtype D       VAE dtype(s) to gate: fp32, fp16 or all (default all)
-  --device DEV        cpu (default) or cuda
-  --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
+The plugin is also installed as a `pytest11` entry point, so `pytest -m parity --trace-dir DIR` works from any
+working directory; listing it here keeps a checkout without the editable install working. Both routes use the name
+`parity_tests.plugin`, so pytest registers it once.
 """
 
-from __future__ import annotations
-
-import os
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parent
-
-MARKERS = {
-    "parity": "compares h3direct with ComfyUI traces (the merge gate)",
-    "comfy": "needs a ComfyUI checkout (--comfy-root or H3_COMFY_ROOT)",
-    "gpu": "needs a CUDA GPU",
-    "slow": "slow tier (opt-in: -m slow)",
-}
-
-
-def pytest_addoption(parser):
-    g = parser.getgroup("h3 parity")
-    g.addoption("--trace-dir", action="append", default=None, help="trace directory (repeatable)")
-    g.addoption("--comfy-root", default=None,
-                help="ComfyUI checkout: live mode (record fresh traces, then gate); also used by comfy tests")
-    g.addoption("--attention", default="sdpa", help="h3direct attention backend to gate")
-    g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
-    g.addoption("--device", default="cpu", help="cpu or cuda")
-    g.addoption("--budgets", default=None, help="budgets table (TOML)")
-    g.addoption("--parity-report", default=str(ROOT / "parity-report"), help="where the parity report is written")
-
-
-def pytest_configure(config):
-    for name, text in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {text}")
-    missing = [p for p in config.getoption("--trace-dir") or [] if not Path(p).is_dir()]
-    if missing:  # one line from pytest, before any collection
-        raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("-m"):
-        return
-    skip_slow = pytest.mark.skip(reason="slow tier: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip_slow)
-
-
-@pytest.fixture(scope="session")
-def comfy_root(request):
-    root = request.config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT")
-    if not root:
-        pytest.skip("needs a ComfyUI checkout: set H3_COMFY_ROOT or pass --comfy-root")
-    return root
+pytest_plugins = ["parity_tests.plugin"]

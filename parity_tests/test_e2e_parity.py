@@ -87,31 +87,6 @@ def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "
     return result
 
 
-def _cases(config) -> list[GenerateCase]:
-    from parity_tests.conftest import _cases as gate_cases
-
-    roots = gate_cases(config)[3]  # the gate's roots (live mode: the freshly recorded folder)
-    cases, problems = find_generate_cases(roots)
-    return cases, problems, roots
-
-
-def pytest_generate_tests(metafunc):
-    if "gen_case" not in metafunc.fixturenames:
-        return
-    cases, _, roots = _cases(metafunc.config)
-    if not cases:
-        reason = (f"no generation trace (manifest kind 'generate', from `python -m oracle record-generate`) in "
-                  f"{', '.join(map(str, roots)) or 'any --trace-dir'}")
-        metafunc.parametrize("gen_case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))])
-    else:
-        metafunc.parametrize("gen_case", cases, ids=[c.id for c in cases])
-
-
-def test_generation_traces_pair_up(request):
-    _, problems, _ = _cases(request.config)
-    assert not problems, "\n".join(problems)
-
-
 def test_e2e_per_step_latents(gen_case, gate_options, report):
     result = run_e2e_case(gen_case, attention=gate_options["attention"], budgets=gate_options["budgets"],
                           device=gate_options["device"])

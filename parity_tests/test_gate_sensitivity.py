@@ -20,7 +20,7 @@ pytestmark = pytest.mark.parity
 
 @pytest.fixture(scope="module")
 def fp32_case(request):
-    from h3direct.traces.discovery import trace_roots
+    from parity_tests.plugin import trace_roots
 
     cases, _ = find_dit_cases(trace_roots(request.config))
     full = [c for c in cases if c.compute == "fp32" and c.weights == "bf16"

@@ -25,7 +25,7 @@ def test_vae_keys_frames_waveform(vae_case, gate_options, report):
 
 @pytest.fixture(scope="module")
 def fp32_vae_cases(request):
-    from h3direct.traces.discovery import trace_roots
+    from parity_tests.plugin import trace_roots
 
     cases, _ = find_vae_cases(trace_roots(request.config))
     by_kind = {}

@@ -21,23 +21,13 @@ FIXTURES = ROOT / "fixtures"
 SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
 
 
-def trace_roots(config) -> list[Path]:
-    """The --trace-dir folders of a pytest run; default: fixtures/ and, when present, ../shared/oracle."""
-    from pytest import UsageError
-
-    given = config.getoption("--trace-dir")
-    if given:
-        roots = [Path(p) for p in given]
-        missing = [str(p) for p in roots if not p.is_dir()]
-        if missing:
-            raise UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
-        return roots
+def default_roots() -> list[Path]:
+    """The gate's default trace roots: the committed fixtures/ and, when it sits beside the checkout,
+    ../shared/oracle."""
     roots = [FIXTURES] if FIXTURES.is_dir() else []
     if SHARED_ORACLE.is_dir():
         roots.append(SHARED_ORACLE)
     return roots
-
-
 
 
 @dataclass(frozen=True)
