@@ -119,6 +119,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     found = {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}
     ran = ", ".join(f"{k} {len(_ran[k])}/{found[k]}" for k in ("dit", "vae", "generate"))
     terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(map(str, cases.roots))}")
+    if getattr(config, "_h3_live_warning", None):
+        terminalreporter.write_line(f"WARNING: {config._h3_live_warning}", yellow=True)
 
 
 @pytest.fixture(scope="session")

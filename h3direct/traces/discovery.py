@@ -317,6 +317,26 @@ def _find_inputs(folder: Path, m: dict, trace: Path) -> Path | None:
     return pair_inputs(folder, m, trace, ckpt if ckpt and ckpt.is_file() else None)[0]
 
 
+def digest_problem(trace_path: Path) -> str | None:
+    """One line when the trace's tensors do not match its manifest's digests (`format.verify_trace`)."""
+    st, js = Path(trace_path).stat(), Path(trace_path).with_suffix(".json").stat()
+    return _digest_problem(str(trace_path), st.st_mtime_ns, st.st_size, js.st_mtime_ns, js.st_size)
+
+
+@cache
+def _digest_problem(path: str, *version) -> str | None:
+    from h3direct.errors import H3Error
+    from h3direct.traces.format import load_trace, verify_trace
+
+    try:
+        bad = verify_trace(load_trace(path))
+    except H3Error as exc:
+        return f"{path}: unreadable trace ({exc})"
+    if bad:
+        return f"{path}: tensors do not match the manifest ({len(bad)} problem(s), first: {bad[0]})"
+    return None
+
+
 def checkpoint_problem(trace_path: Path, m: dict, ckpt: Path) -> str | None:
     if not ckpt.is_file():
         return f"{trace_path}: checkpoint {ckpt.name} not found beside the trace"
@@ -345,7 +365,7 @@ def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
         paired = {}
         for st, m in metas.items():
             ckpt = folder / Path(m["checkpoint"]).name
-            problem = checkpoint_problem(st, m, ckpt)
+            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
             if problem is None:
                 inputs, problem = pair_inputs(folder, m, st, ckpt)
             if problem:
@@ -399,6 +419,10 @@ def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
             if bad:
                 problems.append(f"{st}: {', '.join(bad)} do(es) not match the manifest's sha256 (edited or replaced)")
                 continue
+            problem = digest_problem(st)
+            if problem:
+                problems.append(problem)
+                continue
             dtype = str(m.get("compute_dtype", "fp32"))
             twin = None
             if dtype != "fp32":
@@ -443,7 +467,7 @@ def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str
             if missing:
                 problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
                 continue
-            problem = checkpoint_problem(st, m, ckpt)
+            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
             if problem is None and m.get("inputs_sha256") and file_sha256(inputs) != m["inputs_sha256"]:
                 problem = f"{st}: {inputs.name} does not match the manifest's inputs_sha256 (edited or replaced)"
             if problem:
