@@ -3,7 +3,7 @@
 Registered as a `pytest11` entry point (pyproject.toml) under the name `parity_tests.plugin`, so the options exist
 wherever pytest starts (any working directory, any rootdir): `pytest -m parity --trace-dir /data/traces` parses
 `/data/traces` as the option's value, not as a test path. Without the installed entry point, load it with
-`-p parity_tests.plugin`; the checkout's root conftest.py loads it too. The module name and the entry point name are
+`-p parity_tests.plugin` (the checkout's pyproject addopts does). The module name and the entry point name are
 the same, so every route registers it once.
 
 Parity options (the merge gate, `pytest -m parity`):
@@ -55,6 +55,18 @@ def given_trace_dirs(config) -> list[Path] | None:
         return None
     start = Path(config.invocation_params.dir)
     return [Path(os.path.abspath(start / Path(p).expanduser())) for p in given]
+
+
+def pytest_load_initial_conftests(early_config, parser, args):
+    """`pytest -m parity --trace-dir DIR` started outside the checkout, with no test path: run the installed gate
+    (this package's tests) instead of collecting nothing from the working directory."""
+    ns = early_config.known_args_namespace
+    if not getattr(ns, "trace_dir", None) or getattr(ns, "file_or_dir", None) or getattr(ns, "pyargs", False):
+        return
+    here = Path(__file__).resolve().parent
+    start = Path(early_config.invocation_params.dir).resolve()
+    if start != here.parent and here.parent not in start.parents:
+        args.append(str(here))
 
 
 def trace_roots(config) -> list[Path]:

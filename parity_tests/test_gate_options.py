@@ -75,3 +75,10 @@ def test_missing_trace_dir_is_a_usage_error(tmp_path):
     r = _pytest(["-m", "parity", "--trace-dir", str(tmp_path / "typo"), str(REPO / "parity_tests")], tmp_path)
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"--trace-dir: not a directory: {tmp_path / 'typo'}" in r.stderr + r.stdout
+
+
+def test_started_outside_the_checkout_without_a_test_path_runs_the_gate(outside_root, tmp_path):
+    """`pytest -m parity --trace-dir DIR` from another folder, nothing else: the installed gate runs on DIR."""
+    r = _pytest(["-m", "parity", "--trace-dir", str(outside_root), "-k", "test_dit_layers and teacher"], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "1 passed" in r.stdout and f"dit 1/1, vae 0/0, generate 0/0; roots: {outside_root}" in r.stdout
