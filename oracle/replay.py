@@ -61,7 +61,8 @@ def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[st
 
     static = trace.manifest.get("static_inputs") or {}
     args: list[Any] = []
-    if f"{layer}.in.0" not in trace and derived is not None:
+    derived_args = f"{layer}.in.0" not in trace and derived is not None
+    if derived_args:
         for i, a in enumerate(derived.args(layer)):
             if a is None:
                 found, value = _static_input(static, layer, i)
@@ -71,7 +72,7 @@ def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[st
                 a = value
             args.append(a)
     i = 0
-    while not args:
+    while not derived_args:
         name = f"{layer}.in.{i}"
         if name in trace:
             t = trace.get(name).clone()
@@ -85,8 +86,6 @@ def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[st
                 break
             args.append(value)
         i += 1
-        if f"{layer}.in.{i}" not in trace and not _static_input(static, layer, i)[0]:
-            break
     if not args:
         raise H3Error(f"no recorded inputs '{layer}.in.N' in this trace and none derivable", path=trace.path)
     kwargs: dict[str, Any] = {}

@@ -16,9 +16,13 @@ import torch
 GOLDENS = Path(__file__).resolve().parents[1] / "fixtures" / "comfy"
 
 
-def record(ndarrays_regression, name: str, arrays: dict) -> None:
+def record(ndarrays_regression, name: str, arrays: dict, rounding: dict[str, float] | None = None) -> None:
+    """Bit for bit, except the keys of `rounding` (key -> a rel-L2 budget from budgets.toml): outputs of a float
+    computation whose summation order depends on the thread count, held to that budget x their largest magnitude."""
     data = {k: (v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in arrays.items()}
-    ndarrays_regression.check(data, fullpath=GOLDENS / f"{name}.npz", default_tolerance=dict(atol=0.0, rtol=0.0))
+    tolerances = {k: dict(atol=float(rel * np.abs(data[k]).max()), rtol=0.0) for k, rel in (rounding or {}).items()}
+    ndarrays_regression.check(data, fullpath=GOLDENS / f"{name}.npz", tolerances=tolerances,
+                              default_tolerance=dict(atol=0.0, rtol=0.0))
 
 
 def load(name: str) -> dict[str, torch.Tensor]:
