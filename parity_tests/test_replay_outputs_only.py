@@ -99,3 +99,16 @@ def test_replay_comfy_on_outputs_only_trace(outputs_only, layer, comfy_root):
                         "--comfy-root", comfy_root, "--direct"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "[comfy]" in r.stdout and "[h3direct]" in r.stdout and "all within budget" in r.stdout, r.stdout
+
+
+def test_recorded_inputs_of_a_fully_recorded_module():
+    """ComfyUI replay's inputs for a module whose `.in.N` are recorded: every one, tensors and static values."""
+    from h3direct.traces.format import load_trace
+    from oracle.replay import recorded_inputs
+
+    trace = load_trace(FIXTURES / f"{STEM}.safetensors")
+    args, kwargs = recorded_inputs(trace, "blocks.1")
+    assert len(args) == 4 and not kwargs
+    assert args[0].shape == trace.get("blocks.1.in.0").shape and isinstance(args[2], list)
+    args, kwargs = recorded_inputs(trace, "blocks.1.attn")
+    assert len(args) == 1 and kwargs["rope_freqs"].shape == trace.get("blocks.0.in.3").shape
