@@ -156,6 +156,7 @@ def open_run(args: argparse.Namespace):
         "checkpoint": checkpoint.name,
         "checkpoint_sha256": file_sha256(checkpoint),
         "inputs": Path(args.inputs).name,
+        "inputs_sha256": file_sha256(args.inputs),
         "task": inputs.task,
         "variant": inputs.variant,
         "seed": inputs.sampler_seed,

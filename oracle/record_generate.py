@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--attention", default="pytorch", help="ComfyUI attention switch (default pytorch)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--easycache", metavar="THRESHOLD[,START,END]",
+                        help="apply ComfyUI's EasyCache node (reuse_threshold, start_percent, end_percent; defaults "
+                             "0.15 / 0.95); records which steps called the model (cache.evaluated)")
     parser.add_argument("--out", required=True, help="output trace .safetensors (manifest written beside it)")
 
 
@@ -46,8 +49,43 @@ def _shifted(env, patcher, shift_video: float, shift_audio: float):
     return out.result[0] if hasattr(out, "result") else out[0]
 
 
+def parse_easycache(value: str | None) -> dict | None:
+    if not value:
+        return None
+    try:
+        parts = [float(p) for p in value.split(",")]
+    except ValueError:
+        raise H3Error(f"--easycache {value!r}: expected THRESHOLD[,START,END] numbers") from None
+    if not 1 <= len(parts) <= 3:
+        raise H3Error(f"--easycache {value!r}: expected THRESHOLD[,START,END]")
+    threshold, start, end = (parts + [0.15, 0.95][len(parts) - 1:])[:3]
+    if not (threshold >= 0 and 0 <= start <= end <= 1):
+        raise H3Error(f"--easycache {value!r}: need threshold >= 0 and 0 <= start <= end <= 1")
+    return {"mode": "easycache", "threshold": threshold, "start_percent": start, "end_percent": end,
+            "subsample_factor": 8}
+
+
+def _with_easycache(patcher, cache: dict, calls: list):
+    """The model patched by ComfyUI's own EasyCache node, plus an inner wrapper noting every model call it lets
+    through (the sampler sigma of the call)."""
+    import importlib
+
+    nodes = importlib.import_module("comfy_extras.nodes_easycache")
+    out = nodes.EasyCacheNode.execute(patcher, cache["threshold"], cache["start_percent"], cache["end_percent"], False)
+    patched = out.result[0] if hasattr(out, "result") else out[0]
+    wrappers = importlib.import_module("comfy.patcher_extension").WrappersMP
+
+    def note_call(executor, *args, **kwargs):
+        opts = args[3] if len(args) > 3 and isinstance(args[3], dict) else kwargs.get("transformer_options", {})
+        calls.append(float(opts["sigmas"].reshape(-1)[0]))
+        return executor(*args, **kwargs)
+
+    patched.add_wrapper_with_key(wrappers.DIFFUSION_MODEL, "h3_oracle_calls", note_call)
+    return patched
+
+
 def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str, scheduler: str,
-                      shift_video: float, shift_audio: float) -> tuple[list, dict]:
+                      shift_video: float, shift_audio: float, cache: dict | None = None) -> tuple[list, dict]:
     import torch
 
     from oracle.record import build_conditioning
@@ -59,6 +97,9 @@ def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str
     if type(patcher.model).__name__ != "MiniMaxH3":
         raise H3Error(f"ComfyUI detected {type(patcher.model).__name__}, not MiniMaxH3", path=checkpoint)
     patcher = _shifted(env, patcher, shift_video, shift_audio)
+    calls: list[float] = []
+    if cache:
+        patcher = _with_easycache(patcher, cache, calls)
     ms = patcher.get_model_object("model_sampling")
     sigmas = samplers.calculate_sigmas(ms, scheduler, steps).to(torch.float32)
     shapes = [tuple(inputs.video_latent.shape), tuple(inputs.audio_latent.shape)]
@@ -89,6 +130,10 @@ def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str
     for label, t in zip(("video", "audio"), parts, strict=True):
         items.append((f"sample_out.{label}", t.detach().clone()))
     items.append(("sampler.sigmas", sigmas.clone()))
+    if cache:
+        table = [float(s) for s in sigmas[:-1]]
+        called = {table.index(c) for c in calls if c in table}
+        items.append(("cache.evaluated", torch.tensor([int(i in called) for i in range(steps)], dtype=torch.int64)))
     facts = {
         "sampler": sampler, "scheduler": scheduler, "steps": steps, "cfg": 1.0, "denoise": 1.0,
         "sampling": {"shift": float(ms.shift), "audio_shift": float(getattr(ms, "audio_shift", 0.0) or 0.0),
@@ -98,6 +143,8 @@ def record_generation(env, checkpoint: Path, inputs, *, steps: int, sampler: str
         "inference_dtype": str(patcher.model.get_dtype_inference()),
         "attention": env.attention_function(),
     }
+    if cache:
+        facts["cache"] = cache
     return items, facts
 
 
@@ -108,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint, inputs, env, common = open_run(args)
     items, facts = record_generation(env, checkpoint, inputs, steps=args.steps, sampler=args.sampler,
                                      scheduler=args.scheduler, shift_video=args.shift_video,
-                                     shift_audio=args.shift_audio)
+                                     shift_audio=args.shift_audio, cache=parse_easycache(args.easycache))
     manifest = {
         "kind": "generate",
         **common,

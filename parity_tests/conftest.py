@@ -1,16 +1,56 @@
-"""Parametrization of the parity gate over the discovered traces, and the parity report."""
+"""Parametrization of the parity gate over the discovered traces, the no-case check, and the parity report.
+
+A gate that finds nothing must not pass: when the trace roots yield no DiT, VAE or generation case at all (or,
+with the default roots, fewer cases than the committed fixtures hold), the run stops with one line naming the roots
+searched. A kind with no case in the given roots (say a folder of DiT traces only) has its tests deselected, not
+skipped, and the terminal summary lists how many cases of each kind ran.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
-from h3direct.traces.discovery import find_dit_cases, find_vae_cases, trace_roots
+from h3direct.traces.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
+from parity_tests.plugin import given_trace_dirs, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()
 
+# What fixtures/ holds (checked when the gate runs on its default roots): deleting a fixture trace, or a discovery
+# change that stops pairing one, fails the run instead of shrinking it. Raise these when adding fixture traces.
+FIXTURE_CASES = {"dit": 5, "vae": 5, "generate": 4}
+KIND_OF_PARAM = {"dit_case": "dit", "vae_case": "vae", "gen_case": "generate"}
+NO_CASE = "no-case"
 
-def _cases(config):
+
+class Cases:
+    def __init__(self, dit, vae, gen, problems, roots):
+        self.dit, self.vae, self.gen, self.problems, self.roots = dit, vae, gen, problems, roots
+
+    def of(self, kind: str) -> list:
+        return {"dit": self.dit, "vae": self.vae, "generate": self.gen}[kind]
+
+    def shortfall(self, config) -> str | None:
+        """One line when the roots hold no case at all, or fewer than the committed fixtures (default roots)."""
+        where = ", ".join(map(str, self.roots)) or "(no root)"
+        if not (self.dit or self.vae or self.gen):
+            return (f"parity gate: no DiT, VAE or generation trace case found in {where} "
+                    f"(searched for trace_*.json manifests with their checkpoints and inputs)")
+        if given_trace_dirs(config) is None and not config.getoption("--comfy-root"):
+            short = []
+            for kind, want in FIXTURE_CASES.items():
+                got = sum(1 for c in self.of(kind) if c.trace.parent.resolve() == FIXTURES.resolve())
+                if got < want:
+                    short.append(f"{kind} {got} < {want}")
+            if short:
+                return (f"parity gate: fixtures/ yields fewer cases than it holds ({', '.join(short)}); "
+                        f"roots searched: {where}")
+        return None
+
+
+def _cases(config) -> Cases:
     if not hasattr(config, "_h3_cases"):
         roots = trace_roots(config)
         comfy = config.getoption("--comfy-root")
@@ -20,33 +60,72 @@ def _cases(config):
             roots = [record_live(roots, comfy, config)]
         dit, dit_problems = find_dit_cases(roots)
         vae, vae_problems = find_vae_cases(roots)
-        config._h3_cases = (dit, vae, dit_problems + vae_problems, roots)
+        gen, gen_problems = find_generate_cases(roots)
+        config._h3_cases = Cases(dit, vae, gen, dit_problems + vae_problems + gen_problems, roots)
     return config._h3_cases
 
 
 def pytest_generate_tests(metafunc):
     config = metafunc.config
-    if "dit_case" in metafunc.fixturenames:
-        dit, _, _, roots = _cases(config)
-        if not dit:
-            metafunc.parametrize("dit_case", [pytest.param(None, marks=pytest.mark.skip(
-                reason=f"no DiT traces found in {', '.join(map(str, roots)) or 'any --trace-dir'}"))])
-        else:
-            metafunc.parametrize("dit_case", dit, ids=[c.id for c in dit])
-    if "vae_case" in metafunc.fixturenames:
-        _, vae, _, roots = _cases(config)
-        want = config.getoption("--vae-dtype")
-        vae = [c for c in vae if want == "all" or c.dtype == want]
-        if not vae:
-            metafunc.parametrize("vae_case", [pytest.param(None, marks=pytest.mark.skip(
-                reason=f"no VAE traces ({want}) found in {', '.join(map(str, roots))}"))])
-        else:
-            metafunc.parametrize("vae_case", vae, ids=[c.id for c in vae])
+    for param, kind in KIND_OF_PARAM.items():
+        if param not in metafunc.fixturenames:
+            continue
+        cases = _cases(config).of(kind)
+        if kind == "vae":
+            want = config.getoption("--vae-dtype")
+            cases = [c for c in cases if want == "all" or c.dtype == want]
+        if cases:
+            metafunc.parametrize(param, cases, ids=[c.id for c in cases])
+        else:  # deselected in pytest_collection_modifyitems: no case of this kind in the roots
+            metafunc.parametrize(param, [None], ids=[NO_CASE])
+
+
+def pytest_collection_modifyitems(config, items):
+    parity = [it for it in items if "parity" in it.keywords]
+    if not parity:
+        return
+    cases = _cases(config)
+    line = cases.shortfall(config)
+    if line:
+        raise pytest.UsageError(line)
+    keep, drop = [], []
+    for it in items:
+        cs = getattr(it, "callspec", None)
+        empty = cs is not None and any(p in cs.params and cs.params[p] is None for p in KIND_OF_PARAM)
+        (drop if empty else keep).append(it)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+_ran: dict[str, set[str]] = defaultdict(set)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    cs = getattr(item, "callspec", None)
+    if cs is not None and rep.when == "call" and not rep.skipped:
+        for param, kind in KIND_OF_PARAM.items():
+            if cs.params.get(param) is not None:
+                _ran[kind].add(cs.params[param].id)
+    return rep
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not hasattr(config, "_h3_cases"):
+        return
+    cases = config._h3_cases
+    found = {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}
+    ran = ", ".join(f"{k} {len(_ran[k])}/{found[k]}" for k in ("dit", "vae", "generate"))
+    terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(map(str, cases.roots))}")
+    if getattr(config, "_h3_live_warning", None):
+        terminalreporter.write_line(f"WARNING: {config._h3_live_warning}", yellow=True)
 
 
 @pytest.fixture(scope="session")
 def trace_problems(request):
-    return _cases(request.config)[2]
+    return _cases(request.config).problems
 
 
 @pytest.fixture(scope="session")

@@ -48,9 +48,37 @@ def _manifest(trace: Path) -> dict:
         return {}
 
 
+def source_drift(roots: list[Path], comfy_root: str) -> str | None:
+    """A warning when the H3 sources of the ComfyUI checkout differ from those the traces of `roots` were recorded
+    with (manifest `environment.h3_sources_sha256`), else None."""
+    from oracle.comfy_env import resolve_root, source_digest
+
+    ours = source_digest(resolve_root(comfy_root))
+    recorded: dict[str, list[str]] = {}
+    for root in roots:
+        for j in sorted(Path(root).glob("trace_*.json")):
+            digest = (_manifest(j.with_suffix(".safetensors")).get("environment") or {}).get("h3_sources_sha256")
+            if digest and digest != ours:
+                recorded.setdefault(digest, []).append(j.stem)
+    if not recorded:
+        return None
+    names = sorted(n for v in recorded.values() for n in v)
+    return (f"live mode: the H3 sources of {comfy_root} (sha256 {ours[:12]}) differ from those {len(names)} "
+            f"trace(s) were recorded with (e.g. {names[0]}: {next(iter(recorded))[:12]}); fresh recordings may "
+            f"legitimately differ from the committed fixtures")
+
+
 def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
     """Re-record every pairable trace of `roots` with ComfyUI at `comfy_root`; returns the folder of new traces."""
+    import warnings
+
     from h3direct.traces.discovery import find_dit_cases, find_generate_cases, find_vae_cases
+
+    drift = source_drift(roots, comfy_root)
+    if drift:
+        warnings.warn(drift, stacklevel=2)
+        if config is not None:
+            config._h3_live_warning = drift
 
     out = Path(tempfile.mkdtemp(prefix="h3_live_traces_"))
     log = out / "record.log"

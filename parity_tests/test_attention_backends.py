@@ -28,7 +28,8 @@ def _params():
 @pytest.fixture(scope="module")
 def sample_cases(request):
     """One trace per compute dtype (the first found): enough to exercise a backend's numerics."""
-    from h3direct.traces.discovery import find_dit_cases, trace_roots
+    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.plugin import trace_roots
 
     cases, _ = find_dit_cases(trace_roots(request.config))
     picked = {}

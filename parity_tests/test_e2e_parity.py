@@ -61,11 +61,23 @@ def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "
     with torch.no_grad():
         context = model.preprocess_text(inputs["text_states"].to(device), backend=attention)
         denoiser = Denoiser(model, context, conditioning_of(inputs), scale, backend=attention)
+        step_cache = None
+        if m.get("cache"):  # ComfyUI ran with its EasyCache node: run h3direct's cache with the same settings
+            from h3direct.sampling.caches import CacheSettings, with_cache
+
+            c = m["cache"]
+            settings = CacheSettings(mode=c["mode"], threshold=float(c["threshold"]),
+                                     start_percent=float(c["start_percent"]), end_percent=float(c["end_percent"]),
+                                     subsample_factor=int(c.get("subsample_factor", 8)))
+            denoiser, _, step_cache = with_cache(denoiser, settings, shift)
         noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
         out = sample(denoiser, noise_v, noise_a, sigmas,
                      latent_video=lat_v, latent_audio=lat_a, sampler=str(m.get("sampler", "euler")),
                      audio_scale=scale, callback=on_step, **masks)
     ours["sample_out.video"], ours["sample_out.audio"] = out.video, out.audio
+    if step_cache is not None:
+        reused = set(step_cache.reused_steps(sigmas.cpu()))
+        ours["cache.evaluated"] = torch.tensor([int(i not in reused) for i in range(len(sigmas) - 1)])
 
     result = E2EResult(case, attention)
     b = budgets.lookup(mode="e2e", kind="*", compute=case.compute, weights=case.weights, attention=attention)
@@ -85,31 +97,6 @@ def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "
         result.layers.append(LayerResult(name, "step", "e2e", rel, sq, metrics.max_abs(mine, ref), ok, rule,
                                          b.provenance, redo))
     return result
-
-
-def _cases(config) -> list[GenerateCase]:
-    from parity_tests.conftest import _cases as gate_cases
-
-    roots = gate_cases(config)[3]  # the gate's roots (live mode: the freshly recorded folder)
-    cases, problems = find_generate_cases(roots)
-    return cases, problems, roots
-
-
-def pytest_generate_tests(metafunc):
-    if "gen_case" not in metafunc.fixturenames:
-        return
-    cases, _, roots = _cases(metafunc.config)
-    if not cases:
-        reason = (f"no generation trace (manifest kind 'generate', from `python -m oracle record-generate`) in "
-                  f"{', '.join(map(str, roots)) or 'any --trace-dir'}")
-        metafunc.parametrize("gen_case", [pytest.param(None, marks=pytest.mark.skip(reason=reason))])
-    else:
-        metafunc.parametrize("gen_case", cases, ids=[c.id for c in cases])
-
-
-def test_generation_traces_pair_up(request):
-    _, problems, _ = _cases(request.config)
-    assert not problems, "\n".join(problems)
 
 
 def test_e2e_per_step_latents(gen_case, gate_options, report):
@@ -132,3 +119,28 @@ def test_e2e_gate_catches_a_perturbed_step(gen_case, gate_options):
     result = run_e2e_case(gen_case, attention=gate_options["attention"], budgets=gate_options["budgets"],
                           device=gate_options["device"], trace=Trace(trace.path, tensors, trace.manifest, trace.stored))
     assert result.first_failure is not None and result.first_failure.name == name, result.report()
+
+
+def test_easycache_runs_reproduce_comfyui_decisions(gate_options):
+    """ComfyUI's EasyCache node (fixtures/trace_gen_*_easycache*): h3direct's `easycache` reuses exactly the steps
+    ComfyUI reused and reproduces every step; a flipped decision in the record is caught at `cache.evaluated`."""
+    from h3direct.traces.discovery import FIXTURES
+    from h3direct.traces.format import Trace, load_trace
+
+    cases = [c for c in find_generate_cases([FIXTURES])[0] if c.manifest.get("cache")]
+    assert len(cases) >= 2, "the EasyCache fixture traces are missing"
+    for case in cases:
+        trace = load_trace(case.trace)
+        evaluated = trace.get("cache.evaluated")
+        assert 0 < int(evaluated.sum()) < len(evaluated), f"{case.id}: ComfyUI reused no step (or every step)"
+        result = run_e2e_case(case, attention="sdpa", budgets=gate_options["budgets"])
+        assert result.passed, result.report()
+        assert any(r.name == "cache.evaluated" and r.passed for r in result.layers)
+        flipped = evaluated.clone()
+        i = int((evaluated == 0).nonzero()[0])
+        flipped[i] = 1
+        tensors = dict(trace.tensors)
+        tensors["cache.evaluated"] = flipped
+        bad = run_e2e_case(case, attention="sdpa", budgets=gate_options["budgets"],
+                           trace=Trace(trace.path, tensors, trace.manifest, trace.stored))
+        assert any(r.name == "cache.evaluated" and not r.passed for r in bad.layers), bad.report()

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3direct.traces.discovery import find_dit_cases
-from h3direct.traces.format import Trace
+from h3direct.traces.format import Trace, tensor_sha256, tensor_stats
 from parity_tests.gate import run_dit_case
 
 pytestmark = pytest.mark.parity
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.parity
 
 @pytest.fixture(scope="module")
 def fp32_case(request):
-    from h3direct.traces.discovery import trace_roots
+    from h3direct.traces.discovery import FIXTURES
 
-    cases, _ = find_dit_cases(trace_roots(request.config))
+    cases, _ = find_dit_cases([FIXTURES])  # the gate's own proof uses the committed fixtures, whatever the roots
     full = [c for c in cases if c.compute == "fp32" and c.weights == "bf16"
             and json.loads(c.trace.with_suffix(".json").read_text()).get("trace_detail", "full") == "full"]
     if not full:
@@ -96,6 +96,11 @@ def test_scaled_layer_in_a_copied_trace_fails_with_replay_command(fp32_case, tmp
     assert layer in tensors, "fixture trace must store the layer unaliased"
     tensors[layer] = tensors[layer] * 1.01
     save_file(tensors, path)
+    # a trace that really recorded this (manifest digests consistent), not an edited file discovery would refuse
+    mpath = path.with_suffix(".json")
+    m = json.loads(mpath.read_text())
+    m["tensors"][layer].update(tensor_stats(tensors[layer]), sha256=tensor_sha256(tensors[layer]))
+    mpath.write_text(json.dumps(m))
     cases, problems = find_dit_cases([tmp_path])
     assert not problems and len(cases) == 1
     result = run_dit_case(cases[0], mode="teacher")

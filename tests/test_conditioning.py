@@ -9,8 +9,10 @@ from h3direct.errors import H3Error
 from h3direct.sampling import conditioning as hc
 
 try:
+    import comfy_goldens as goldens
     from comfy_defs import load, needs_comfy
 except ImportError:
+    from tests import comfy_goldens as goldens
     from tests.comfy_defs import load, needs_comfy
 
 ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
@@ -88,22 +90,52 @@ def test_fl2va_and_guide_match_oracle():
 
 @needs_comfy
 @pytest.mark.comfy
-def test_geometry_vs_comfy_functions():
+def test_geometry_vs_comfy_functions(ndarrays_regression):
     nodes = load("comfy_extras/nodes_minimax_h3.py", ["CANVAS_MULTIPLE", "BASE_SHORT_EDGE", "MAX_PIXELS", "FPS",
                  "AUDIO_LATENT_FPS", "align_frame_count", "video_latent_t", "temporal_shape", "adapt_canvas"])
-    for n in range(1, 400, 3):
+    frames = list(FRAME_COUNTS)
+    temporal = [list(nodes.temporal_shape(n)) for n in frames]
+    canvas = [list(nodes.adapt_canvas(w, h)) for w, h in CANVASES]
+    goldens.record(ndarrays_regression, "geometry", {"frames": frames, "temporal_shape": temporal,
+                                                     "canvas_in": CANVASES, "adapt_canvas": canvas})
+    for n in frames:
         assert hc.temporal_shape(n) == nodes.temporal_shape(n)
-    for w, h in [(1920, 1080), (1080, 1920), (64, 64), (4000, 300), (300, 4000), (1344, 768), (777, 333)]:
+    for w, h in CANVASES:
         assert hc.adapt_canvas(w, h) == nodes.adapt_canvas(w, h)
+
+
+FRAME_COUNTS = range(1, 400, 3)
+CANVASES = [(1920, 1080), (1080, 1920), (64, 64), (4000, 300), (300, 4000), (1344, 768), (777, 333)]
+
+
+def test_geometry_vs_comfy_golden():
+    g = goldens.load("geometry")
+    for n, want in zip(g["frames"].tolist(), g["temporal_shape"].tolist(), strict=True):
+        assert list(hc.temporal_shape(n)) == want, n
+    for (w, h), want in zip(g["canvas_in"].tolist(), g["adapt_canvas"].tolist(), strict=True):
+        assert list(hc.adapt_canvas(w, h)) == want, (w, h)
 
 
 @needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("crop", [False, True])
 @pytest.mark.parametrize("src,dst", [((50, 70), (96, 64)), ((64, 96), (64, 96)), ((81, 33), (32, 64))])
-def test_resize_bitwise_vs_comfy(crop, src, dst):
+def test_resize_bitwise_vs_comfy(crop, src, dst, ndarrays_regression):
     from PIL import Image
     ut = load("comfy/utils.py", ["lanczos", "common_upscale"], Image=Image)
-    img = torch.rand(2, src[0], src[1], 3)
+    img = torch.rand(2, src[0], src[1], 3, generator=torch.Generator().manual_seed(src[0] * 1000 + src[1]))
     ref = ut.common_upscale(img.movedim(-1, 1), dst[0], dst[1], "lanczos", "center" if crop else "disabled").movedim(1, -1)
+    goldens.record(ndarrays_regression, _resize_name(crop, src, dst), {"frames": img, "resized": ref})
     assert torch.equal(hc.resize_frames(img, dst[0], dst[1], crop), ref)
+
+
+def _resize_name(crop, src, dst):
+    return f"resize_{src[0]}x{src[1]}_to_{dst[0]}x{dst[1]}_{'crop' if crop else 'stretch'}"
+
+
+@pytest.mark.parametrize("crop", [False, True])
+@pytest.mark.parametrize("src,dst", [((50, 70), (96, 64)), ((64, 96), (64, 96)), ((81, 33), (32, 64))])
+def test_resize_bitwise_vs_comfy_golden(crop, src, dst):
+    """ComfyUI's common_upscale (lanczos via PIL, center crop or stretch) on the recorded frames, to the bit."""
+    g = goldens.load(_resize_name(crop, src, dst))
+    assert torch.equal(hc.resize_frames(g["frames"], dst[0], dst[1], crop), g["resized"])

@@ -18,6 +18,11 @@ from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, unswizzle_block_sc
 from h3direct.checkpoint.synthetic import dit_plan, write_dit_checkpoint, write_state_dict
 from h3direct.config import H3Config
 
+try:
+    import comfy_goldens as goldens
+except ImportError:  # rootdir-relative import
+    from tests import comfy_goldens as goldens
+
 ORACLE = Path(os.environ.get("H3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
 needs_oracle = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"shared oracle data not found at {ORACLE}")
 
@@ -281,7 +286,7 @@ def _open_comfy():
 @pytest.mark.comfy
 @pytest.mark.parametrize("quant", ["none", "nvfp4"])
 @pytest.mark.parametrize("adaln", ["full", "curve"])
-def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln):
+def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln, ndarrays_regression, data_regression):
     """ComfyUI detects our config, loads every key (none missing / unexpected), and its own forward keeps
     O(1) activations through all blocks (8 layers here)."""
     from safetensors.torch import load_file
@@ -322,6 +327,71 @@ def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln):
     assert sorted(stds) == list(range(cfg.num_layers))
     for value in [ctx.std().item(), *stds.values(), out_v.std().item(), out_a.std().item()]:
         assert 0.3 < value < 5.0, (stds, ctx.std().item(), out_v.std().item(), out_a.std().item())
+    # what ComfyUI made of the file, committed for the CI twin below
+    import hashlib
+
+    deq = {}
+    for layer in nvfp4_layer_names(cfg) if quant == "nvfp4" else []:
+        w = dm.get_submodule(layer).weight.dequantize()
+        deq[layer] = [str(w.dtype).removeprefix("torch."), list(w.shape),
+                      hashlib.sha256(w.float().contiguous().numpy().tobytes()).hexdigest()]
+    data_regression.check({"detected_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in detected.items()},
+                           "keys": {k: [str(v.dtype).removeprefix("torch."), list(v.shape)]
+                                    for k, v in sorted(dm.state_dict().items())},
+                           "dequantized_sha256": deq},
+                          fullpath=goldens.GOLDENS / f"made_checkpoint_{adaln}_{quant}.yml")
+    g = torch.Generator().manual_seed(0)
+    text = (torch.randn(1, 24, 3, 6, 8, generator=g), torch.randn(1, 32, 2, 10, generator=g),
+            torch.randn(1, 12, cfg.text_dim, generator=g))[2]
+    from h3direct.traces.budgets import load_budgets
+
+    rel = load_budgets().lookup(mode="free", kind="output", compute="fp32",
+                                weights="nvfp4_w4a16" if quant == "nvfp4" else "bf16", attention="sdpa").rel_l2
+    goldens.record(ndarrays_regression, f"made_checkpoint_{adaln}_{quant}",
+                   {"video": video, "audio": audio, "text": text, "context": ctx, "out_video": out_v,
+                    "out_audio": out_a}, rounding={"context": rel, "out_video": rel, "out_audio": rel})
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+@pytest.mark.parametrize("adaln", ["full", "curve"])
+def test_made_checkpoint_as_comfyui_loads_it_golden(tmp_path, quant, adaln):
+    """make-checkpoint's file as ComfyUI loaded it (detected config, every key's dtype / shape, its NVFP4 decode, its
+    forward on fixed inputs), against the same file loaded by h3direct."""
+    import hashlib
+
+    import yaml
+
+    from h3direct.checkpoint.synthetic import resolve_config
+    from h3direct.dit.loader import load_dit
+    from h3direct.dit.model import Conditioning
+    from h3direct.traces.budgets import load_budgets
+    from h3direct.traces.metrics import rel_l2
+
+    want = yaml.safe_load((goldens.GOLDENS / f"made_checkpoint_{adaln}_{quant}.yml").read_text())
+    ref = goldens.load(f"made_checkpoint_{adaln}_{quant}")
+    cfg = resolve_config("tiny", None, adaln).replace(num_layers=8)
+    path = tmp_path / "m.safetensors"
+    write_dit_checkpoint(path, cfg, quant, seed=5)
+    assert {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.comfy_dict().items()} == \
+        want["detected_config"]
+    with safe_open(str(path), "pt") as f:
+        ours = {k: f.get_slice(k) for k in f.keys()}
+        assert set(ours) == set(want["keys"])
+        for k, (_comfy_dtype, shape) in want["keys"].items():  # ComfyUI holds bf16 upcast to fp32
+            assert list(ours[k].get_shape()) == shape, k
+        for layer, (dtype, shape, digest) in want["dequantized_sha256"].items():
+            w = dequantize_nvfp4(f.get_tensor(f"{layer}.weight"), f.get_tensor(f"{layer}.weight_scale"),
+                                 f.get_tensor(f"{layer}.weight_scale_2"), getattr(torch, dtype), shape=tuple(shape))
+            assert hashlib.sha256(w.float().contiguous().numpy().tobytes()).hexdigest() == digest, layer
+    model = load_dit(path, compute_dtype="fp32", device="cpu")
+    weights = "nvfp4_w4a16" if quant == "nvfp4" else "bf16"
+    budget = load_budgets().lookup(mode="free", kind="output", compute="fp32", weights=weights, attention="sdpa")
+    with torch.no_grad():
+        ctx = model.preprocess_text(ref["text"])
+        out_v, out_a = model.forward_inner(ref["video"], ref["audio"], torch.tensor([800.0]), ctx, Conditioning())
+    for name, got in (("context", ctx), ("out_video", out_v), ("out_audio", out_a)):
+        err = rel_l2(got.float(), ref[name].reshape(got.shape).float())
+        assert err <= budget.rel_l2, f"{name}: rel-L2 {err:.3e} > {budget.rel_l2:g}"
 
 
 @pytest.mark.parametrize("preset, adaln, expected", [

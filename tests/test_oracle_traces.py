@@ -129,4 +129,5 @@ def test_fixture_traces_are_full_detail_version_1() -> None:
     for p in dit:
         t = load_trace(p.with_suffix(".safetensors"))
         assert t.version == 1 and t.manifest.get("trace_detail", "full") == "full", p.name
-        assert "blocks.1.in.0" in t, f"{p.name}: block inputs missing (teacher forcing needs them)"
+        last = int(t.manifest["unet_config_detected"]["num_layers"]) - 1
+        assert f"blocks.{last}.in.0" in t, f"{p.name}: block inputs missing (teacher forcing needs them)"

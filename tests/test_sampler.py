@@ -9,9 +9,15 @@ from h3direct.sampling import sampler as hs
 from h3direct.sampling import schedules
 
 try:
+    import comfy_goldens as goldens
     from comfy_defs import load, needs_comfy
 except ImportError:  # rootdir-relative import
+    from tests import comfy_goldens as goldens
     from tests.comfy_defs import load, needs_comfy
+
+SCHEDULES = [(sch, steps) for steps in (1, 4, 9) for sch in ("simple", "normal", "sgm_uniform")]
+SAMPLER_RUNS = [(name, masked, cfg) for cfg in (1.0, 3.5) for masked in (False, True)
+                for name in ("euler", "heun", "dpmpp_2m")]
 
 VS, AS = (1, 24, 3, 4, 6), (1, 32, 2, 10)
 
@@ -109,21 +115,34 @@ def _comfy_model_sampling(ms):
 @pytest.mark.comfy
 @pytest.mark.parametrize("scheduler", ["simple", "normal", "sgm_uniform"])
 @pytest.mark.parametrize("steps", [1, 4, 9])
-def test_schedule_bitwise_vs_comfy(scheduler, steps):
+def test_schedule_bitwise_vs_comfy(scheduler, steps, ndarrays_regression):
     ms, _, sm, _ = _comfy()
     m = _comfy_model_sampling(ms)
     ref = {"simple": lambda: sm.simple_scheduler(m, steps), "normal": lambda: sm.normal_scheduler(m, steps),
            "sgm_uniform": lambda: sm.normal_scheduler(m, steps, sgm=True)}[scheduler]()
+    goldens.record(ndarrays_regression, f"schedule_{scheduler}_{steps}", {"sigmas": ref})
+    assert torch.equal(schedules.sigmas_for(steps, scheduler), ref)
+
+
+@pytest.mark.parametrize("scheduler,steps", SCHEDULES)
+def test_schedule_bitwise_vs_comfy_golden(scheduler, steps):
+    ref = goldens.load(f"schedule_{scheduler}_{steps}")["sigmas"]
     assert torch.equal(schedules.sigmas_for(steps, scheduler), ref)
 
 
 @needs_comfy
 @pytest.mark.comfy
-def test_denoise_fraction_vs_comfy():
+def test_denoise_fraction_vs_comfy(ndarrays_regression):
     ms, _, sm, _ = _comfy()
     m = _comfy_model_sampling(ms)
     full = sm.simple_scheduler(m, int(4 / 0.6))
+    goldens.record(ndarrays_regression, "schedule_simple_4_denoise0.6", {"sigmas": full[-5:]})
     assert torch.equal(schedules.sigmas_for(4, "simple", denoise=0.6), full[-5:])
+
+
+def test_denoise_fraction_vs_comfy_golden():
+    ref = goldens.load("schedule_simple_4_denoise0.6")["sigmas"]
+    assert torch.equal(schedules.sigmas_for(4, "simple", denoise=0.6), ref)
 
 
 def _comfy_run(name, denoise_pos, denoise_neg, cfg, noise_v, noise_a, lat_v, lat_a, mask_v, mask_a, sigmas):
@@ -170,35 +189,67 @@ def _comfy_run(name, denoise_pos, denoise_neg, cfg, noise_v, noise_a, lat_v, lat
     return ut.unpack_latents(x, shapes)
 
 
+def _run_inputs(masked):
+    g = torch.Generator().manual_seed(11)
+    nz = hnoise.initial_noise(7, VS, AS)
+    lv, la = (torch.randn(VS, generator=g), torch.randn(AS, generator=g)) if masked else (torch.zeros(VS), torch.zeros(AS))
+    mv = ma = None
+    if masked:
+        mv = torch.ones(1, 1, *VS[2:]); mv[:, :, 0] = 0
+        ma = torch.ones(1, 1, *AS[2:]); ma[..., :4] = 0
+    return nz.video, nz.audio, lv, la, mv, ma, schedules.sigmas_for(4)
+
+
+def _h3_run(name, masked, cfg, nv, na, lv, la, mv, ma, sig):
+    seen = []
+    out = hs.sample(_fake_denoise(), nv, na, sig, latent_video=lv if masked else None,
+                    latent_audio=la if masked else None, sampler=name, cfg=cfg,
+                    denoise_negative=_fake_denoise(0.3, 0.2), mask_video=mv, mask_audio=ma, callback=seen.append)
+    assert [s.index for s in seen] == [0, 1, 2, 3] and seen[0].sigma == float(sig[0])
+    return out
+
+
 @needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("name", ["euler", "heun", "dpmpp_2m"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("cfg", [1.0, 3.5])
-def test_sampling_bitwise_vs_comfy(name, masked, cfg):
-    nz = hnoise.initial_noise(7, VS, AS)
-    lv, la = (torch.randn(VS), torch.randn(AS)) if masked else (torch.zeros(VS), torch.zeros(AS))
-    mv = ma = None
-    if masked:
-        mv = torch.ones(1, 1, *VS[2:]); mv[:, :, 0] = 0
-        ma = torch.ones(1, 1, *AS[2:]); ma[..., :4] = 0
-    sig = schedules.sigmas_for(4)
+def test_sampling_bitwise_vs_comfy(name, masked, cfg, ndarrays_regression):
+    nv, na, lv, la, mv, ma, sig = _run_inputs(masked)
     pos, neg = _fake_denoise(), _fake_denoise(0.3, 0.2)
-    ref_v, ref_a = _comfy_run(name, pos, neg, cfg, nz.video, nz.audio, lv, la, mv, ma, sig)
-    seen = []
-    out = hs.sample(pos, nz.video, nz.audio, sig, latent_video=lv if masked else None, latent_audio=la if masked else None,
-                    sampler=name, cfg=cfg, denoise_negative=neg, mask_video=mv, mask_audio=ma, callback=seen.append)
+    ref_v, ref_a = _comfy_run(name, pos, neg, cfg, nv, na, lv, la, mv, ma, sig)
+    arrays = {"noise_video": nv, "noise_audio": na, "latent_video": lv, "latent_audio": la, "sigmas": sig,
+              "out_video": ref_v, "out_audio": ref_a}
+    if masked:
+        arrays.update(mask_video=mv, mask_audio=ma)
+    goldens.record(ndarrays_regression, f"sample_{name}_{'mask' if masked else 'nomask'}_cfg{cfg:g}", arrays)
+    out = _h3_run(name, masked, cfg, nv, na, lv, la, mv, ma, sig)
     assert torch.equal(out.video, ref_v) and torch.equal(out.audio, ref_a)
-    assert [s.index for s in seen] == [0, 1, 2, 3] and seen[0].sigma == float(sig[0])
+
+
+@pytest.mark.parametrize("name,masked,cfg", SAMPLER_RUNS)
+def test_sampling_bitwise_vs_comfy_golden(name, masked, cfg):
+    """ComfyUI's KSAMPLER run (sampler, cfg with a negative, denoise mask) on the recorded inputs, reproduced to the bit."""
+    g = goldens.load(f"sample_{name}_{'mask' if masked else 'nomask'}_cfg{cfg:g}")
+    out = _h3_run(name, masked, cfg, g["noise_video"], g["noise_audio"], g["latent_video"], g["latent_audio"],
+                  g.get("mask_video"), g.get("mask_audio"), g["sigmas"])
+    assert torch.equal(out.video, g["out_video"]) and torch.equal(out.audio, g["out_audio"])
 
 
 @needs_comfy
 @pytest.mark.comfy
-def test_noise_bitwise_vs_comfy_prepare_noise():
+def test_noise_bitwise_vs_comfy_prepare_noise(ndarrays_regression):
     nt = load("comfy/nested_tensor.py", ["NestedTensor"])
     sp = load("comfy/sample.py", ["prepare_noise_inner", "prepare_noise"],
               comfy=type("C", (), {"nested_tensor": nt})())
     latent = nt.NestedTensor([torch.zeros(VS), torch.zeros(AS)])
     ref = sp.prepare_noise(latent, 42).unbind()
+    goldens.record(ndarrays_regression, "prepare_noise_seed42", {"video": ref[0], "audio": ref[1]})
     got = hnoise.initial_noise(42, VS, AS)
     assert torch.equal(got.video, ref[0]) and torch.equal(got.audio, ref[1])
+
+
+def test_noise_bitwise_vs_comfy_prepare_noise_golden():
+    ref = goldens.load("prepare_noise_seed42")
+    got = hnoise.initial_noise(42, VS, AS)
+    assert torch.equal(got.video, ref["video"]) and torch.equal(got.audio, ref["audio"])

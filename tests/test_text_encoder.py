@@ -13,8 +13,10 @@ from h3direct.sampling.conditioning import PresentationItem
 from h3direct.text import encoder as hte
 
 try:
+    import comfy_goldens as goldens
     from comfy_defs import needs_comfy
 except ImportError:
+    from tests import comfy_goldens as goldens
     from tests.comfy_defs import needs_comfy
 
 ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
@@ -261,7 +263,7 @@ def test_text_embeds_file(tmp_path):
 @needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("task", ["ref2va_av", "fl2va"])
-def test_presentation_matches_oracle_token_ids(task):
+def test_presentation_matches_oracle_token_ids(task, ndarrays_regression, data_regression):
     inp, man = ORACLE / f"inputs_public_curve_{task}.safetensors", ORACLE / f"trace_curve_bf16_{task}_fp32.json"
     if not inp.exists():
         pytest.skip(f"{inp} missing")
@@ -269,15 +271,40 @@ def test_presentation_matches_oracle_token_ids(task):
 
     tdir = Path(os.environ["H3_COMFY_ROOT"]) / "comfy/text_encoders/qwen25_tokenizer"
     qt = Qwen2Tokenizer.from_pretrained(str(tdir))
-    tok = lambda s: qt(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    seen = {}
+
+    def tok(s):
+        seen[s] = qt(s, add_special_tokens=False)["input_ids"]
+        return seen[s]
+
     nc = json.loads(man.read_text())["node_conditioning"]
     want = load_file(str(inp))
     spec = nc["geometry"]["task_spec"]
+    p = hte.build_presentation(spec["prompt"], _presentation_items(task), tok)
+    # ComfyUI's presentation (recorded by ComfyUI's MiniMaxH3Tokenizer into the shared inputs) and its tokenizer's ids
+    goldens.record(ndarrays_regression, f"presentation_{task}", {"token_ids": want["token_ids"],
+                                                                  "token_tags": want["token_tags"]})
+    data_regression.check({"prompt": spec["prompt"], "tokens": [{"text": t, "ids": i} for t, i in sorted(seen.items())]},
+                          fullpath=goldens.GOLDENS / f"presentation_{task}_tokens.yml")
+    assert p.token_ids == want["token_ids"].tolist()
+    assert torch.equal(p.tags, want["token_tags"].long())
+
+
+def _presentation_items(task):
     if task == "ref2va_av":
-        items = [PresentationItem("image", torch.zeros(1, 64, 96, 3)), PresentationItem("audio"),
-                 PresentationItem("video", torch.zeros(1, 64, 64, 3), [0.0]), PresentationItem("audio")]
-    else:
-        items = [PresentationItem("image", torch.zeros(1, 64, 96, 3))] * 2
-    p = hte.build_presentation(spec["prompt"], items, tok)
+        return [PresentationItem("image", torch.zeros(1, 64, 96, 3)), PresentationItem("audio"),
+                PresentationItem("video", torch.zeros(1, 64, 64, 3), [0.0]), PresentationItem("audio")]
+    return [PresentationItem("image", torch.zeros(1, 64, 96, 3))] * 2
+
+
+@pytest.mark.parametrize("task", ["ref2va_av", "fl2va"])
+def test_presentation_matches_comfy_golden(task):
+    """The prompt presentation (vision pads, audio blocks, tags) against ComfyUI's recorded token ids and tags."""
+    import yaml
+
+    want = goldens.load(f"presentation_{task}")
+    spec = yaml.safe_load((goldens.GOLDENS / f"presentation_{task}_tokens.yml").read_text())
+    tokens = {e["text"]: e["ids"] for e in spec["tokens"]}
+    p = hte.build_presentation(spec["prompt"], _presentation_items(task), lambda s: list(tokens[s]))
     assert p.token_ids == want["token_ids"].tolist()
     assert torch.equal(p.tags, want["token_tags"].long())

@@ -23,8 +23,10 @@ from h3direct.text import encoder as hte
 from h3direct.text import vision as qv
 
 try:
+    import comfy_goldens as goldens
     from comfy_defs import needs_comfy
 except ImportError:
+    from tests import comfy_goldens as goldens
     from tests.comfy_defs import needs_comfy
 
 # rel-L2 bounds of this file, with where they come from
@@ -252,3 +254,72 @@ def test_nvfp4_awq_file_matches_comfy(comfy_run):
     err = rel_l2(got.states, want["awq.states"])
     print(f"awq: rel-L2 {err:.3e}")
     assert err <= TOLERANCES[("comfy_parity", "fp32")], f"awq: rel-L2 {err:.3e}"
+
+
+# ---------------------------------------------------------------- ComfyUI's answers, committed (CI, no ComfyUI)
+
+CASES = {
+    "text": ("a red fox jumps over the lazy dog", lambda inp: []),
+    "image": ("the fox from picture one runs",
+              lambda inp: [PresentationItem("image", inp["image"]), PresentationItem("audio")]),
+    "video": ("the clip continues", lambda inp: [PresentationItem("video", inp["video"], [0.0, 0.5, 1.0])]),
+    "awq": ("quantized", lambda inp: [PresentationItem("image", inp["image"])]),
+}
+TOKENS = goldens.GOLDENS / "text_encoder_tokens.yml"
+
+
+@needs_comfy
+@pytest.mark.comfy
+def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regression):
+    """ComfyUI's encoder outputs (states, tags) and its tokenizer's ids for every string the presentations ask
+    for, as committed goldens (checked bit for bit; rewritten from ComfyUI with --force-regen)."""
+    _, inputs, want, _ = comfy_run
+    tokenize, seen = _qwen_tokenize(), {}
+
+    def recording(text):
+        seen[text] = tokenize(text)
+        return seen[text]
+
+    for prompt, items in CASES.values():
+        hte.build_presentation(prompt, items(inputs), recording)
+    from h3direct.traces.budgets import load_budgets
+
+    rel = load_budgets().lookup(mode="free", kind="output", compute="fp32", weights="bf16", attention="sdpa").rel_l2
+    goldens.record(ndarrays_regression, "text_encoder", {**want, **{f"input.{k}": v for k, v in inputs.items()}},
+                   rounding={k: rel for k in want if k.endswith(".states")})
+    data_regression.check({"tokens": [{"text": t, "ids": ids} for t, ids in sorted(seen.items())]}, fullpath=TOKENS)
+
+
+@pytest.fixture(scope="module")
+def comfy_golden(tmp_path_factory):
+    import yaml
+
+    g = goldens.load("text_encoder")
+    tokens = {e["text"]: e["ids"] for e in yaml.safe_load(TOKENS.read_text())["tokens"]}
+    work = tmp_path_factory.mktemp("te_golden")
+    enc = hte.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
+    save_file(hte.comfy_state_dict(enc), work / "te.safetensors")
+    save_file(_awq_state_dict(enc), work / "te_awq.safetensors")
+    inputs = {k.removeprefix("input."): v for k, v in g.items() if k.startswith("input.")}
+
+    def tokenize(text):
+        assert text in tokens, f"{text!r} was not tokenized by ComfyUI when the goldens were recorded"
+        return list(tokens[text])
+
+    return inputs, g, work, tokenize
+
+
+@pytest.mark.parametrize("case", ["text", "image", "video", "awq"])
+def test_encoder_matches_comfy_golden(comfy_golden, case):
+    """Our Qwen3-VL encoder (text only, image, video, NVFP4-AWQ file) against ComfyUI's recorded states and tags."""
+    inputs, want, work, tokenize = comfy_golden
+    enc = hte.load_text_encoder(work / ("te_awq.safetensors" if case == "awq" else "te.safetensors"),
+                                config=COMFY_TEST_CONFIG)
+    prompt, items = CASES[case]
+    got = enc.encode(hte.build_presentation(prompt, items(inputs), tokenize))
+    if f"{case}.tags" in want:
+        assert torch.equal(got.tags, want[f"{case}.tags"].long())
+    ref = want[f"{case}.states"]
+    assert got.states.shape == ref.shape
+    err = rel_l2(got.states, ref)
+    assert err <= TOLERANCES[("comfy_parity", "fp32")], f"{case}: rel-L2 {err:.3e}"

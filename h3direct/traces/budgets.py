@@ -62,7 +62,9 @@ class BudgetTable:
                 if best is None or b.specificity >= best.specificity:
                     best = b
         if best is None:
-            raise H3Error(f"no parity budget matches {key}", path=self.path)
+            what = ", ".join(str(key.get(k, "*")) for k in ("mode", "compute", "weights", "attention"))
+            raise H3Error(f"no calibrated budget for ({what}) (kind {key.get('kind', '*')}): add a calibrated entry "
+                          f"to the budgets table", path=self.path)
         return best
 
 
@@ -80,6 +82,10 @@ def load_budgets(path: str | Path | None = None) -> BudgetTable:
             raise H3Error(f"budget entry {i}: unknown field(s) {sorted(unknown)}", path=path)
         if not e.get("provenance"):
             raise H3Error(f"budget entry {i} has no provenance", path=path)
+        if str(e.get("mode", "*")) in ("*", "teacher", "free", "e2e") and all(
+                str(e.get(k, "*")) == "*" for k in ("compute", "weights", "attention")):
+            raise H3Error(f"budget entry {i} is a catch-all (compute, weights and attention all '*'): name the "
+                          f"combination it was calibrated on", path=path)
         entries.append(Budget(match={k: str(e.get(k, "*")) for k in KEYS}, rel_l2=e.get("rel_l2"), k=e.get("k"),
                               floor=float(e.get("floor", 0.0)), sqnr_db=e.get("sqnr_db"), psnr_db=e.get("psnr_db"),
                               psnr_min_db=e.get("psnr_min_db"), ssim_mean=e.get("ssim_mean"),

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from h3direct.errors import H3Error
 
 TRACE_FORMAT = "h3-trace/1"
+STATS_REL = 1e-5  # how far a legacy manifest's float stats may sit from ours (float32 vs float64 summation)
 
 
 
@@ -150,6 +151,52 @@ def _storage_form(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as stored in the trace file (C order, storage dtype)."""
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8) if t.numel() else t
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def verify_trace(trace: Trace) -> list[str]:
+    """Why the trace's tensors do not match its manifest (empty when they do).
+
+    Manifests written by `save_trace` carry a sha256 per stored tensor: every stored tensor must be listed and match
+    it, and every listed tensor must be stored. Older manifests (../shared/oracle) carry per-tensor mean / std /
+    absmax only, computed by another program in another summation order: those must match to STATS_REL (relative to the
+    value, or to the tensor's std for a mean near 0); any real edit of a tensor moves them far more.
+    """
+    problems: list[str] = []
+    info = trace.manifest.get("tensors") or {}
+    stored = set(trace.stored)
+    if not info:
+        return ["manifest lists no tensors (no digests to check)"]
+    for name in sorted(set(info) - stored):
+        if name not in trace.aliases:
+            problems.append(f"{name}: listed in the manifest, not stored")
+    for name in trace.stored:
+        meta = info.get(name)
+        if meta is None:
+            problems.append(f"{name}: stored, not listed in the manifest")
+            continue
+        t = trace.tensors[name]
+        if list(t.shape) != list(meta.get("shape", t.shape)):
+            problems.append(f"{name}: shape {list(t.shape)} != manifest {meta.get('shape')}")
+        elif "sha256" in meta:
+            if tensor_sha256(t) != meta["sha256"]:
+                problems.append(f"{name}: sha256 differs from the manifest")
+        else:  # a manifest without digests (../shared/oracle, older h3-trace/1 files): its float stats
+            stats = tensor_stats(t)
+            scale = max(abs(float(meta.get("std") or 0.0)), abs(float(meta.get("absmax") or 0.0)) * 1e-3, 1e-30)
+            for k in ("mean", "std", "absmax"):
+                want, got = meta.get(k), stats[k]
+                if isinstance(want, int | float) and isinstance(got, int | float) and \
+                        abs(got - want) > STATS_REL * max(abs(want), scale):
+                    problems.append(f"{name}: {k} {got!r} != manifest {want!r}")
+                    break
+    return problems
+
+
 def _digest(t: torch.Tensor) -> tuple:
     raw = t.view(torch.uint8) if t.numel() else t
     return (str(t.dtype), tuple(t.shape), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
@@ -189,7 +236,8 @@ def save_trace(
             continue
         seen[key] = name
         stored[name] = s
-        info[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), **tensor_stats(t)}
+        info[name] = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), **tensor_stats(t),
+                      "sha256": tensor_sha256(s)}
     out_manifest = dict(manifest or {})
     out_manifest["trace_format"] = TRACE_FORMAT
     out_manifest["order"] = names

@@ -35,6 +35,9 @@ class Site:
     kind: str  # budget key: linear | norm | rope | attention | adaln | modulate | block | embed | time | output
     needs: tuple[str, ...]  # recorded tensors it reads
     run: Callable[[], torch.Tensor]
+    # the positional inputs of the module that produced `name` (ComfyUI's call signature), derived like `run`'s;
+    # None in the list = a non-tensor argument (taken from the manifest's static_inputs by the oracle)
+    args: Callable[[], list] | None = None
 
 
 # Tensors ComfyUI keeps in float32 when it computes in bf16/fp16 (read off its bf16 traces): the sampler's latents,
@@ -46,17 +49,33 @@ FP32_ISLANDS = ("sampler.", "dit_forward.", "dit_inner.", "video_patch_proj.", "
 class TraceView:
     """Recorded tensors in their produced dtype, on a device.
 
+    A module input (`blocks.0.in.1`, …) that the trace does not hold is derived from what it does hold, the way
+    the model computes it (`derive`): traces of other tools record outputs and leave inputs to be derived from
+    the previous layer (../shared/oracle/README.md). Recorded tensors always win.
+
     For a model computing in another dtype than the trace (bf16 against an fp32 trace): `dtypes_from`, ComfyUI's
     own trace of the case in that dtype, gives each tensor's dtype; without one, `compute_dtype` replaces float32
     outside ComfyUI's float32 islands."""
 
     def __init__(self, trace, device="cpu", dtypes_from=None, compute_dtype=None):
         self.trace, self.device, self.dtypes_from, self.compute_dtype = trace, device, dtypes_from, compute_dtype
+        self.derivations: dict[str, tuple[Callable[[], torch.Tensor], tuple[str, ...]]] = {}
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def derive(self, name: str, fn: Callable[[], torch.Tensor], needs) -> None:
+        self.derivations[name] = (fn, tuple(needs))
 
     def __contains__(self, name):
-        return name in self.trace
+        if name in self.trace:
+            return True
+        d = self.derivations.get(name)
+        return d is not None and all(n in self for n in d[1])
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.trace and name in self.derivations:
+            if name not in self.cache:
+                self.cache[name] = self.derivations[name][0]()
+            return self.cache[name]
         t = self.trace.get(name)
         src = self.dtypes_from if self.dtypes_from is not None and name in self.dtypes_from else self.trace
         dtype = DTYPES.get(src.produced_dtype(name) or "", t.dtype)
@@ -67,33 +86,37 @@ class TraceView:
 
 
 def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | None = None, *,
-          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None,
-          compute_dtype=None) -> Iterator[Site]:
+          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None, compute_dtype=None,
+          view: TraceView | None = None) -> Iterator[Site]:
     """Every teacher-forced site of `model` for this trace, in execution order (available or not).
 
-    dtypes_from, compute_dtype: see TraceView (a bf16 model against an fp32 trace)."""
-    c, T = model.config, TraceView(trace, device, dtypes_from, compute_dtype)
+    dtypes_from, compute_dtype: see TraceView (a bf16 model against an fp32 trace). `view`: the TraceView the sites
+    read (and register their derivable inputs in); default a new one."""
+    c, T = model.config, view or TraceView(trace, device, dtypes_from, compute_dtype)
     H, D = c.num_attention_heads, c.attention_head_dim
 
-    def site(name, kind, needs, fn):
-        return Site(name, kind, tuple(needs), fn)
+    def site(name, kind, needs, fn, args=None):
+        return Site(name, kind, tuple(needs), fn, args)
 
     # ---- text: condition_proj and the token refiner ---------------------------------------
     if text_states is not None:
-        yield site("condition_proj.out", "linear", (),
-                   lambda: model.condition_proj(text_states[0].to(device, model.compute_dtype)))
+        text = lambda: text_states[0].to(device, model.compute_dtype)  # noqa: E731
+        yield site("condition_proj.out", "linear", (), lambda: model.condition_proj(text()), lambda: [text()])
     prev = "condition_proj.out"
     for i, blk in enumerate(model.token_refiner.blocks):
         p = f"token_refiner.blocks.{i}"
         yield from _attention_sites(p, blk, T, H, D, backend, rope=False, dtype=model.compute_dtype)
-        yield site(f"{p}.norm1.out", "norm", [prev], lambda blk=blk, prev=prev: blk.norm1(T(prev)))
+        yield site(f"{p}.norm1.out", "norm", [prev], lambda blk=blk, prev=prev: blk.norm1(T(prev)),
+                   lambda prev=prev: [T(prev)])
+        residual = lambda prev=prev, p=p: T(f"{p}.attn.out_proj.out") + T(prev)  # noqa: E731
         yield site(f"{p}.norm2.out", "norm", [prev, f"{p}.attn.out_proj.out"],
-                   lambda blk=blk, prev=prev, p=p: blk.norm2(T(f"{p}.attn.out_proj.out") + T(prev)))
+                   lambda blk=blk, residual=residual: blk.norm2(residual()), lambda residual=residual: [residual()])
         yield from _mlp_sites(p, blk.mlp, T)
-        yield site(f"{p}.out", "block", [prev], lambda blk=blk, prev=prev: blk(T(prev), backend=backend))
+        yield site(f"{p}.out", "block", [prev], lambda blk=blk, prev=prev: blk(T(prev), backend=backend),
+                   lambda prev=prev: [T(prev)])
         prev = f"{p}.out"
     yield site("token_refiner.final_norm.out", "norm", [prev],
-               lambda prev=prev: model.token_refiner.final_norm(T(prev)))
+               lambda prev=prev: model.token_refiner.final_norm(T(prev)), lambda prev=prev: [T(prev)])
 
     # ---- embeddings --------------------------------------------------------------------------
     if not c.is_curve:
@@ -106,10 +129,13 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
             args = t.float()[:, None] * freqs[None]
             return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
-        yield site("time_embedder.proj_in.out", "linear", ["time_embedder.in.0"], lambda: te.proj_in(te_features()))
-        yield site("time_embedder.out", "time", ["time_embedder.in.0"], lambda: te(T("time_embedder.in.0")))
+        yield site("time_embedder.proj_in.out", "linear", ["time_embedder.in.0"], lambda: te.proj_in(te_features()),
+                   lambda: [te_features()])
+        yield site("time_embedder.out", "time", ["time_embedder.in.0"], lambda: te(T("time_embedder.in.0")),
+                   lambda: [T("time_embedder.in.0")])
         yield site("time_embedder.proj_out.out", "linear", ["time_embedder.proj_in.out"],
-                   lambda: te.proj_out(F.silu(T("time_embedder.proj_in.out"))))
+                   lambda: te.proj_out(F.silu(T("time_embedder.proj_in.out"))),
+                   lambda: [F.silu(T("time_embedder.proj_in.out"))])
 
     def layout_and_plan():
         v, a, ctx = T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.context")
@@ -141,6 +167,13 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
         layout = layout_and_plan()[0]
         return rotation_table(rope_angles(layout.position_ids, model.rope.inv_freq.to(device)), model.compute_dtype)
 
+    # module inputs a trace may not hold, derived from the stream-level inputs like the model does
+    T.derive("time_embedder.in.0",
+             lambda: torch.tensor(layout_and_plan()[1].values, dtype=torch.float32, device=device), inner)
+    T.derive("blocks.0.in.1", t_emb, inner)
+    T.derive("blocks.0.in.3", rope_table, inner)
+    T.derive("blocks.0.in.0", lambda: _packed_input(model, T, cond, layout_and_plan()[0]),
+             inner + ("video_patch_proj.out", "audio_patch_proj.out"))
     yield site("layout.position_ids", "embed", inner, lambda: layout_and_plan()[0].position_ids)
     yield site("blocks.0.in.1", "time", inner, t_emb)
     yield site("blocks.0.in.3", "rope", inner, rope_table)
@@ -156,8 +189,9 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
         p = f"blocks.{i}"
         x_in = prev
         yield from (site(f"{p}.adaln_proj.out.{k}", "adaln", [temb],
-                         lambda blk=blk, k=k: blk.adaln_proj(T(temb))[k]) for k in range(6))
-        yield site(f"{p}.norm1.out", "norm", [x_in], lambda blk=blk, x_in=x_in: blk.norm1(T(x_in)))
+                         lambda blk=blk, k=k: blk.adaln_proj(T(temb))[k], lambda: [T(temb)]) for k in range(6))
+        yield site(f"{p}.norm1.out", "norm", [x_in], lambda blk=blk, x_in=x_in: blk.norm1(T(x_in)),
+                   lambda x_in=x_in: [T(x_in)])
         ada = [f"{p}.adaln_proj.out.{k}" for k in range(6)]
 
         def mod(norm_name, k_shift, k_scale, ada=ada):
@@ -178,7 +212,8 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
             return gated_residual_(T(x_in).clone(), T(ada[2]), T(f"{p}.attn.out_proj.out"), runs)
 
         yield site(f"{p}.norm2.out", "norm", [x_in, ada[2], f"{p}.attn.out_proj.out", *inner],
-                   lambda blk=blk, after_attn=after_attn: blk.norm2(after_attn()))
+                   lambda blk=blk, after_attn=after_attn: blk.norm2(after_attn()),
+                   lambda after_attn=after_attn: [after_attn()])
         yield site(f"{p}.mlp.in.0", "modulate", [f"{p}.norm2.out", *ada[3:5], *inner],
                    lambda p=p, mod=mod: mod(f"{p}.norm2.out", 3, 4))
         if f"{p}.mlp.in.0" in T:
@@ -191,7 +226,8 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
             runs = layout_and_plan()[1].runs
             return blk(T(x_in).clone(), T(temb), runs, T(table), backend=backend)
 
-        yield site(f"{p}.out", "block", [x_in, temb, table, *inner], whole)
+        yield site(f"{p}.out", "block", [x_in, temb, table, *inner], whole,
+                   lambda x_in=x_in: [T(x_in), T(temb), None, T(table)])
         prev = f"{p}.out"
 
     # ---- final layer ----------------------------------------------------------------------------
@@ -199,27 +235,37 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
     x_last = "final_layer.in.0" if "final_layer.in.0" in T else prev
     t_last = "final_layer.in.1" if "final_layer.in.1" in T else temb
     yield from (site(f"final_layer.adaln_proj.out.{k}", "adaln", [t_last],
-                     lambda k=k: fl.adaln_proj(T(t_last))[k]) for k in range(2))
+                     lambda k=k: fl.adaln_proj(T(t_last))[k], lambda: [T(t_last)]) for k in range(2))
 
     def final_norm(which):
         layout, _ = layout_and_plan()
         s = layout.segment(which)
         return fl.norm(T(x_last)[s.start:s.stop])
 
-    yield site("final_layer.norm.out", "norm", [x_last, *inner], lambda: final_norm("video"))
-    yield site("final_layer.norm#1.out", "norm", [x_last, *inner], lambda: final_norm("audio"))
+    def final_rows(which):
+        s = layout_and_plan()[0].segment(which)
+        return T(x_last)[s.start:s.stop]
 
-    def head(which):
+    yield site("final_layer.norm.out", "norm", [x_last, *inner], lambda: final_norm("video"),
+               lambda: [final_rows("video")])
+    yield site("final_layer.norm#1.out", "norm", [x_last, *inner], lambda: final_norm("audio"),
+               lambda: [final_rows("audio")])
+
+    def head_in(which):
         layout, plan = layout_and_plan()
         shift, scale = T("final_layer.adaln_proj.out.0"), T("final_layer.adaln_proj.out.1")
         row = plan.video_row if which == "video" else plan.audio_row
         n = T("final_layer.norm.out" if which == "video" else "final_layer.norm#1.out")
-        h = (n * (1.0 + scale[row]) + shift[row]).to(torch.float32)
-        return (fl.video_out if which == "video" else fl.audio_out)(h)
+        return (n * (1.0 + scale[row]) + shift[row]).to(torch.float32)
+
+    def head(which):
+        return (fl.video_out if which == "video" else fl.audio_out)(head_in(which))
 
     heads_need = ("final_layer.adaln_proj.out.0", "final_layer.adaln_proj.out.1", *inner)
-    yield site("final_layer.video_out.out", "output", ("final_layer.norm.out", *heads_need), lambda: head("video"))
-    yield site("final_layer.audio_out.out", "output", ("final_layer.norm#1.out", *heads_need), lambda: head("audio"))
+    yield site("final_layer.video_out.out", "output", ("final_layer.norm.out", *heads_need), lambda: head("video"),
+               lambda: [head_in("video")])
+    yield site("final_layer.audio_out.out", "output", ("final_layer.norm#1.out", *heads_need), lambda: head("audio"),
+               lambda: [head_in("audio")])
 
     # ---- the whole inner forward from the recorded stream-level inputs --------------------------
     def inner_forward(k):
@@ -254,7 +300,7 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
     attn = blk.attn
     src_fn, src_needs = src or ((lambda: T(f"{p}.norm1.out")), (f"{p}.norm1.out",))
     qkv = f"{p}.attn.qkv_proj.out"
-    yield Site(qkv, "linear", src_needs, lambda: attn.qkv_proj(src_fn()))
+    yield Site(qkv, "linear", src_needs, lambda: attn.qkv_proj(src_fn()), lambda: [src_fn()])
 
     def part(i):
         x = T(qkv)
@@ -270,8 +316,10 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
         qn, kn = f"{p}.attn.rope_q", f"{p}.attn.rope_k"
     else:
         s_of = lambda: T(qkv).shape[0]  # noqa: E731
-        yield Site(f"{p}.attn.q_norm.out", "norm", (qkv,), lambda: attn.q_norm(part(0).reshape(s_of(), H, D)))
-        yield Site(f"{p}.attn.k_norm.out", "norm", (qkv,), lambda: attn.k_norm(part(1).reshape(s_of(), H, D)))
+        yield Site(f"{p}.attn.q_norm.out", "norm", (qkv,), lambda: attn.q_norm(part(0).reshape(s_of(), H, D)),
+                   lambda: [part(0).reshape(s_of(), H, D)])
+        yield Site(f"{p}.attn.k_norm.out", "norm", (qkv,), lambda: attn.k_norm(part(1).reshape(s_of(), H, D)),
+                   lambda: [part(1).reshape(s_of(), H, D)])
         qn, kn = f"{p}.attn.q_norm.out", f"{p}.attn.k_norm.out"
 
     def attend():
@@ -284,25 +332,27 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
 
     yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, qn, kn), attend)
     yield Site(f"{p}.attn.out_proj.out", "linear", (f"{p}.attn.out_proj.in",),
-               lambda: attn.out_proj(T(f"{p}.attn.out_proj.in")))
+               lambda: attn.out_proj(T(f"{p}.attn.out_proj.in")), lambda: [T(f"{p}.attn.out_proj.in")])
     yield Site(f"{p}.attn.out", "attention", src_needs + ((table,) if rope else ()),
-               lambda: attn(src_fn(), T(table) if rope else None, backend=backend))
+               lambda: attn(src_fn(), T(table) if rope else None, backend=backend), lambda: [src_fn()])
 
 
 def _mlp_sites(p, mlp, T, src: tuple[Callable[[], torch.Tensor], tuple[str, ...]] | None = None) -> Iterator[Site]:
     src_fn, src_needs = src or ((lambda: T(f"{p}.norm2.out")), (f"{p}.norm2.out",))
     fc1 = f"{p}.mlp.fc1.out"
-    yield Site(fc1, "linear", src_needs, lambda: mlp.fc1(src_fn()))
+    yield Site(fc1, "linear", src_needs, lambda: mlp.fc1(src_fn()), lambda: [src_fn()])
 
-    def down():
+    def swiglu():
         gate, up = T(fc1).chunk(2, dim=-1)
-        return mlp.fc2(F.silu(gate).mul_(up))
+        return F.silu(gate).mul_(up)
 
-    yield Site(f"{p}.mlp.fc2.out", "linear", (fc1,), down)
-    yield Site(f"{p}.mlp.out", "linear", src_needs, lambda: mlp(src_fn()))
+    yield Site(f"{p}.mlp.fc2.out", "linear", (fc1,), lambda: mlp.fc2(swiglu()), lambda: [swiglu()])
+    yield Site(f"{p}.mlp.out", "linear", src_needs, lambda: mlp(src_fn()), lambda: [src_fn()])
 
 
-def available_sites(model, trace, cond, text_states=None, **kw) -> list[Site]:
-    """Sites whose reference and every input the trace holds."""
-    return [s for s in sites(model, trace, cond, text_states, **kw)
-            if s.name in trace and all(n in trace for n in s.needs)]
+def available_sites(model, trace, cond, text_states=None, *, device="cpu", dtypes_from=None, compute_dtype=None,
+                    **kw) -> list[Site]:
+    """Sites whose reference the trace holds and whose every input it holds or can derive (`TraceView`)."""
+    view = TraceView(trace, device, dtypes_from, compute_dtype)
+    every = list(sites(model, trace, cond, text_states, device=device, view=view, **kw))
+    return [s for s in every if s.name in trace and all(n in view for n in s.needs)]

@@ -1,0 +1,125 @@
+"""pytest plugin of h3direct: the parity gate's options and the project's markers.
+
+Registered as a `pytest11` entry point (pyproject.toml) under the name `parity_tests.plugin`, so the options exist
+wherever pytest starts (any working directory, any rootdir): `pytest -m parity --trace-dir /data/traces` parses
+`/data/traces` as the option's value, not as a test path. Without the installed entry point, load it with
+`-p parity_tests.plugin` (the checkout's pyproject addopts does). The module name and the entry point name are
+the same, so every route registers it once.
+
+Parity options (the merge gate, `pytest -m parity`):
+  --trace-dir DIR     traces to gate against (repeatable; relative to where pytest was started); default: the
+                      committed fixtures/ and, when it sits beside the checkout, ../shared/oracle. A DIR may also be
+                      a folder of such directories.
+  --comfy-root R      live mode: record fresh ComfyUI traces first (into a temporary folder) and gate on them
+  --attention NAME    h3direct attention backend to gate (default sdpa)
+  --vae-dtype D       VAE dtype(s) to gate: fp32, fp16 or all (default all)
+  --device DEV        cpu (default) or cuda
+  --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
+
+Importing this module is cheap (no torch): pytest loads it in every run of the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPORT_DIR = Path(__file__).resolve().parents[1] / "parity-report"  # beside the checkout's parity_tests/
+
+MARKERS = {
+    "parity": "compares h3direct with ComfyUI traces (the merge gate)",
+    "comfy": "needs a ComfyUI checkout (--comfy-root or H3_COMFY_ROOT)",
+    "gpu": "needs a CUDA GPU",
+    "slow": "slow tier (opt-in: -m slow)",
+}
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("h3 parity")
+    g.addoption("--trace-dir", action="append", default=None, metavar="DIR", help="trace directory (repeatable)")
+    g.addoption("--comfy-root", default=None,
+                help="ComfyUI checkout: live mode (record fresh traces, then gate); also used by comfy tests")
+    g.addoption("--attention", default="sdpa", help="h3direct attention backend to gate")
+    g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
+    g.addoption("--device", default="cpu", help="cpu or cuda")
+    g.addoption("--budgets", default=None, help="budgets table (TOML)")
+    g.addoption("--parity-report", default=str(REPORT_DIR), help="where the parity report is written")
+
+
+def given_trace_dirs(config) -> list[Path] | None:
+    """The --trace-dir values as absolute paths (relative ones against the directory pytest was started in)."""
+    given = config.getoption("--trace-dir")
+    if not given:
+        return None
+    start = Path(config.invocation_params.dir)
+    return [Path(os.path.abspath(start / Path(p).expanduser())) for p in given]
+
+
+def pytest_load_initial_conftests(early_config, parser, args):
+    """`pytest -m parity --trace-dir DIR` started outside the checkout, with no test path: run the installed gate
+    (this package's tests) instead of collecting nothing from the working directory."""
+    ns = early_config.known_args_namespace
+    if not getattr(ns, "trace_dir", None) or getattr(ns, "file_or_dir", None) or getattr(ns, "pyargs", False):
+        return
+    here = Path(__file__).resolve().parent
+    start = Path(early_config.invocation_params.dir).resolve()
+    if start != here.parent and here.parent not in start.parents:
+        args.append(str(here))
+
+
+def trace_roots(config) -> list[Path]:
+    """The trace roots of a pytest run: the --trace-dir folders, else the defaults (fixtures/, ../shared/oracle)."""
+    given = given_trace_dirs(config)
+    if given is not None:
+        return given
+    from h3direct.traces.discovery import default_roots
+
+    return default_roots()
+
+
+def pytest_configure(config):
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    missing = [str(p) for p in given_trace_dirs(config) or [] if not p.is_dir()]
+    if missing:  # one line from pytest, before any collection
+        raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
+
+
+def comfy_root_of(config) -> str | None:
+    return config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT") or None
+
+
+def pytest_collection_modifyitems(config, items):
+    # `comfy` tests are the live re-check against a ComfyUI checkout; without one they are deselected (listed in the
+    # summary), not skipped: each claim they make is checked in CI against ComfyUI's committed answers
+    # (fixtures/comfy/, fixtures/trace_*), by a twin test that needs no ComfyUI.
+    if comfy_root_of(config) is None:
+        live = [it for it in items if "comfy" in it.keywords]
+        if live:
+            config.hook.pytest_deselected(items=live)
+            items[:] = [it for it in items if "comfy" not in it.keywords]
+            config._h3_comfy_deselected = len(live)
+    if config.getoption("-m"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow tier: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_h3_comfy_deselected", 0)
+    if n:
+        terminalreporter.write_line(
+            f"{n} comfy live re-check(s) deselected: no ComfyUI checkout (set H3_COMFY_ROOT or pass --comfy-root); "
+            f"their claims ran against ComfyUI's committed answers (fixtures/comfy/, fixtures/trace_*)")
+
+
+@pytest.fixture(scope="session")
+def comfy_root(request):
+    root = request.config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT")
+    if not root:
+        pytest.skip("needs a ComfyUI checkout: set H3_COMFY_ROOT or pass --comfy-root")
+    return root

@@ -1,0 +1,114 @@
+"""Replay works on every trace the gate accepts, also one that records outputs only (the oracle-format contract:
+a layer's inputs are derived from the previous layer's outputs): `python -m oracle replay --layer L` takes the
+names the gate prints and derives the inputs exactly as teacher forcing does — a linear, an MLP, an attention and
+a whole block, with h3direct (--direct) and with ComfyUI (comfy-marked, the live re-check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from h3direct.traces.discovery import FIXTURES, find_dit_cases
+from parity_tests.gate import run_dit_case
+
+pytestmark = pytest.mark.parity
+
+STEM = "trace_fx_bf16_ref2va_fp32"
+LAYERS = ["blocks.1.mlp.fc2.out", "blocks.1.mlp", "blocks.1.attn", "blocks.1", "token_refiner.blocks.0.attn.out"]
+POSITIONAL_INPUT = re.compile(r"\.in\.\d+$")
+
+
+@pytest.fixture(scope="module")
+def outputs_only(tmp_path_factory) -> Path:
+    """A copy of a fixture trace without any recorded module input (`*.in.N`) and without the manifest's
+    inputs name: what a third-party trace laid out like ../shared/oracle looks like."""
+    folder = tmp_path_factory.mktemp("outputs_only")
+    m = json.loads((FIXTURES / f"{STEM}.json").read_text())
+    tensors = {k: v for k, v in load_file(str(FIXTURES / f"{STEM}.safetensors")).items()
+               if not POSITIONAL_INPUT.search(k)}
+    m["order"] = [n for n in m["order"] if not POSITIONAL_INPUT.search(n)]
+    m["tensors"] = {k: v for k, v in m["tensors"].items() if k in tensors}
+    m["aliases"] = {k: v for k, v in m["aliases"].items() if not POSITIONAL_INPUT.search(k) and v in tensors}
+    for k in ("inputs", "inputs_sha256", "static_inputs_note"):
+        m.pop(k, None)
+    save_file(tensors, str(folder / f"{STEM}.safetensors"))
+    (folder / f"{STEM}.json").write_text(json.dumps(m))
+    for name in (m["checkpoint"], "inputs_fx_ref2va.safetensors"):
+        shutil.copy(FIXTURES / name, folder / name)
+    assert not any(".in." in n and POSITIONAL_INPUT.search(n) for n in tensors)
+    return folder / f"{STEM}.safetensors"
+
+
+def test_gate_teacher_forces_an_outputs_only_trace(outputs_only):
+    cases, problems = find_dit_cases([outputs_only.parent])
+    assert not problems and len(cases) == 1, problems
+    result = run_dit_case(cases[0], mode="teacher")
+    assert result.passed, result.report()
+    names = {r.name for r in result.layers}
+    for name in ("blocks.1.out", "blocks.1.attn.out", "blocks.1.mlp.fc1.out", "blocks.1.mlp.fc2.out",
+                 "blocks.1.attn.qkv_proj.out", "blocks.0.out", "final_layer.video_out.out"):
+        assert name in names, f"{name} not teacher-forced on the outputs-only trace"
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_replay_direct_on_outputs_only_trace(outputs_only, layer, capsys):
+    from oracle.__main__ import main
+
+    rc = main(["replay", "--trace", str(outputs_only), "--layer", layer, "--direct", "--no-comfy"])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    assert "[h3direct]" in out.out and "ok (" in out.out and "all within budget" in out.out, out.out
+
+
+def test_replay_direct_reports_a_perturbed_layer(outputs_only, tmp_path, capsys):
+    """The derived inputs come from the recorded outputs: scaling block 1's recorded output is caught there."""
+    from oracle.__main__ import main
+
+    for p in outputs_only.parent.iterdir():
+        shutil.copy(p, tmp_path / p.name)
+    path = tmp_path / outputs_only.name
+    tensors = load_file(str(path))
+    tensors["blocks.1.out"] = tensors["blocks.1.out"] * 1.01
+    save_file(tensors, str(path))
+    rc = main(["replay", "--trace", str(path), "--layer", "blocks.1", "--direct", "--no-comfy"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "OVER BUDGET" in out and "blocks.1.out" in out, out
+
+
+def test_replay_needs_something_to_run(outputs_only, capsys, monkeypatch):
+    from oracle.__main__ import main
+
+    monkeypatch.delenv("H3_COMFY_ROOT", raising=False)
+    rc = main(["replay", "--trace", str(outputs_only), "--layer", "blocks.1"])
+    assert rc == 2 and "nothing to replay" in capsys.readouterr().err
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("layer", LAYERS)
+def test_replay_comfy_on_outputs_only_trace(outputs_only, layer, comfy_root):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "oracle", "replay", "--trace", str(outputs_only), "--layer", layer,
+                        "--comfy-root", comfy_root, "--direct"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "[comfy]" in r.stdout and "[h3direct]" in r.stdout and "all within budget" in r.stdout, r.stdout
+
+
+def test_recorded_inputs_of_a_fully_recorded_module():
+    """ComfyUI replay's inputs for a module whose `.in.N` are recorded: every one, tensors and static values."""
+    from h3direct.traces.format import load_trace
+    from oracle.replay import recorded_inputs
+
+    trace = load_trace(FIXTURES / f"{STEM}.safetensors")
+    args, kwargs = recorded_inputs(trace, "blocks.1")
+    assert len(args) == 4 and not kwargs
+    assert args[0].shape == trace.get("blocks.1.in.0").shape and isinstance(args[2], list)
+    args, kwargs = recorded_inputs(trace, "blocks.1.attn")
+    assert len(args) == 1 and kwargs["rope_freqs"].shape == trace.get("blocks.0.in.3").shape
