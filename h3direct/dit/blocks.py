@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.tracer = None  # set by tracing.Tracer to record rope'd q/k
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None = None, *,
-                backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+                backend: str = DEFAULT_BACKEND, sp=None) -> torch.Tensor:
         # x: [S, hidden] -> [S, hidden]; qkv rows are contiguous q | k | v thirds
         s, h, d = x.shape[0], self.heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -55,7 +55,9 @@ class Attention(nn.Module):
         else:
             q, k = self.q_norm(q.view(s, h, d)), self.k_norm(k.view(s, h, d))
         v = v.reshape(s, h, d).clone()
-        out = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)
+        # sp: a `parallel.SequenceParallel` when x is this rank's slice of the sequence (all-to-all around attention)
+        attend = attention if sp is None else sp.attention
+        out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)
         return self.out_proj(out[0])
 
 
@@ -160,11 +162,12 @@ class DiTBlock(nn.Module):
         self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, curve)
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, runs: list[ModRun], rope_table: torch.Tensor, *,
-                backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1) -> torch.Tensor:
+                backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, sp=None) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
+        # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
         h = modulate_(self.norm1(x), shift_msa, scale_msa, runs)
-        x = gated_residual_(x, gate_msa, self.attn(h, rope_table, backend=backend), runs)
+        x = gated_residual_(x, gate_msa, self.attn(h, rope_table, backend=backend, sp=sp), runs)
         h = modulate_(self.norm2(x), shift_mlp, scale_mlp, runs)
         return gated_residual_(x, gate_mlp, self.mlp(h, chunks=mlp_chunks), runs)
 
