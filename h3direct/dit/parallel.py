@@ -207,7 +207,7 @@ def init_from_env(requested: int | None = None, device: str | torch.device | Non
         return _ACTIVE
     import torch.distributed as dist
 
-    dev = torch.device(device or "cpu")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
