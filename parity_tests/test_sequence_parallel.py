@@ -25,19 +25,24 @@ from parity_tests.gate import gate_tensors
 pytestmark = pytest.mark.parity
 
 ROOT = Path(__file__).resolve().parents[1]
-# t2va + ref2va, bf16 + NVFP4 checkpoints, fp32 compute: the shared set when it sits beside the checkout,
-# else the committed fixtures (bf16 ref2va, NVFP4 ref2va, t2va with a denoise mask)
-SHARED = ("trace_bf16_t2va_fp32", "trace_bf16_ref2va_fp32", "trace_nvfp4_t2va_fp32", "trace_nvfp4_ref2va_fp32")
+# t2va + ref2va, bf16 + NVFP4 checkpoints, fp32 compute: the shared set when it sits beside the checkout (plus
+# a curve-adaLN case with seven interleaved segments, so modulation runs straddle the slice boundary), else the
+# committed fixtures (bf16 ref2va, curve NVFP4 ref2va, curve t2va with a denoise mask). The teacher-forced run
+# adds fl2va (keyframe condition rows) to the shared set.
+SHARED = ("trace_bf16_t2va_fp32", "trace_bf16_ref2va_fp32", "trace_nvfp4_t2va_fp32", "trace_nvfp4_ref2va_fp32",
+          "trace_curve_bf16_ref2va_av_fp32")
+SHARED_TEACHER = (*SHARED, "trace_curve_bf16_fl2va_fp32")
 FIXTURE = ("trace_fx_bf16_ref2va_fp32", "trace_fx_curve_nvfp4_ref2va_fp32", "trace_fx_curve_bf16_t2va_mask_fp32")
 
 
-def _cases() -> list[DitCase]:
-    root, stems = (SHARED_ORACLE, SHARED) if SHARED_ORACLE.is_dir() else (FIXTURES, FIXTURE)
+def _cases(shared: tuple[str, ...]) -> list[DitCase]:
+    root, stems = (SHARED_ORACLE, shared) if SHARED_ORACLE.is_dir() else (FIXTURES, FIXTURE)
     found = {c.trace.stem: c for c in find_dit_cases([root])[0]}
     return [found[s] for s in stems if s in found]
 
 
-CASES = _cases()
+CASES = _cases(SHARED)
+TEACHER_CASES = _cases(SHARED_TEACHER)
 
 
 def _torchrun(nproc: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -99,10 +104,10 @@ def test_torchrun_trace_matches_comfyui_and_single_process(case, world, tmp_path
 def test_sharded_layers_teacher_forced(tmp_path):
     """Every sharded site fed ComfyUI's recorded inputs, within the same budgets (2 ranks, all cases at once)."""
     out = tmp_path / "teacher.json"
-    proc = _torchrun(2, "-m", "parity_tests.sp_worker", "--out", str(out), *(str(c.trace) for c in CASES))
+    proc = _torchrun(2, "-m", "parity_tests.sp_worker", "--out", str(out), *(str(c.trace) for c in TEACHER_CASES))
     assert out.is_file(), proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    for case in CASES:
+    for case in TEACHER_CASES:
         r = results[case.id]
         names = {x["name"] for x in r["layers"]}
         assert {"blocks.0.attn.out_proj.in", "blocks.0.attn.out", "dit_inner.out.video"} <= names, names

@@ -12,8 +12,10 @@ Around each attention, two `all_to_all_single` swap the split axis:
 
 so each rank attends the *whole* sequence for H/W heads: the same arithmetic as one process, per head.
 Everything row-wise (linears, norms, rope, adaLN modulation, gated residuals, MLP) runs on the slice; the
-rope table and the adaLN runs (row ranges → modulation row) are cut to the slice. After the last block the
-slices are all-gathered so the final layer, the sampler and the writer see the full sequence on every rank.
+rope table and the adaLN runs (row ranges → modulation row, i.e. the per-row segment ids) are cut to the
+slice. H3's attention has no mask; the sampler's denoise mask acts on the full latents, outside the DiT.
+After the last block the slices are all-gathered so the final layer, the sampler and the writer see the
+full sequence on every rank (the embeddings before the first block are computed on every rank: cheap).
 
 Entry points: `init_from_env()` (joins the process group `torchrun` describes in its environment),
 `active()`, `is_writer()` (rank 0 writes files), `shutdown()`.
