@@ -14,6 +14,7 @@ Rank 0 writes the JSON (`--out`, or $OUT/bench_sp.json).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,34 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 
 GEOMETRIES = {"full": "960x544x124,1344x768x124", "tiny": "64x64x22,96x64x22"}
 ROCE_GBPS = 200.0  # two DGX Sparks, ConnectX-7 RoCE
+
+
+def a2a_bytes_per_layer(config, seq_len: int, world: int, itemsize: int = 2) -> dict:
+    """Bytes that leave one rank per DiT block (as many arrive): the q|k|v swap and the output swap."""
+    rows = -(-seq_len // world)
+    inner = config.num_attention_heads * config.attention_head_dim
+    qkv = 3 * rows * inner * itemsize * (world - 1) // world
+    out = rows * inner * itemsize * (world - 1) // world
+    return {"qkv": qkv, "out": out, "total": qkv + out}
+
+
+def projection(config, seq_len: int, world: int, link_gbps: float, link_efficiency: float,
+               tflops: list[float]) -> dict:
+    """All-to-all seconds per step over a link of `link_gbps` (per direction) and, for a few effective
+    single-device TFLOP/s, s/step on 1 and `world` devices (compute split evenly, no overlap with the a2a)."""
+    per_layer = a2a_bytes_per_layer(config, seq_len, world)
+    gather = -(-seq_len // world) * world * config.hidden_size * 2 * (world - 1) // world
+    step_bytes = per_layer["total"] * config.num_layers + gather
+    a2a_s = step_bytes / (link_gbps / 8 * 1e9 * link_efficiency)
+    flop = C.step_flops(config, seq_len)["total_tflop"]
+    rows = []
+    for tf in tflops:
+        t1 = flop / tf
+        tn = t1 / world + a2a_s
+        rows.append({"tflops": tf, "s_per_step_x1": t1, f"s_per_step_x{world}": tn, "efficiency": t1 / (world * tn)})
+    return {"seq_len": seq_len, "world": world, "bytes_per_layer": per_layer, "bytes_per_step": step_bytes,
+            "link_gbps": link_gbps, "link_efficiency": link_efficiency, "a2a_s_per_step": a2a_s,
+            "tflop_per_step": flop, "rows": rows}
 
 
 def parse_args(argv=None):
@@ -35,6 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--text-len", type=int, default=None, help="text tokens (default 256; tiny 8)")
     ap.add_argument("--sigma", type=float, default=0.8)
     ap.add_argument("--no-single", action="store_true", help="skip the 1-GPU reference steps")
+    ap.add_argument("--project", action="store_true", help="print the two-DGX-Spark projection (200 Gb/s RoCE) "
+                    "from the analytic message sizes and exit; builds nothing")
     return ap.parse_args(argv)
 
 
@@ -52,6 +83,14 @@ def main(argv=None) -> int:
 
     preset = C.resolve_common(args)
     args.text_len = args.text_len or preset.text_len
+    config = H3Config.from_name(preset.dit_config)
+    if args.project:
+        for geo in (args.geometries or GEOMETRIES[args.preset]).split(","):
+            w, h, f = (int(x) for x in geo.lower().split("x"))
+            p = projection(config, C.workload(w, h, f, args.text_len)["seq_len"], 2, ROCE_GBPS, 0.85,
+                           [40.0, 60.0, 100.0])
+            print(json.dumps({"geometry": geo, **p}))
+        return 0
     sp = parallel.init_from_env(None, args.device)
     world, rank = (sp.world, sp.rank) if sp else (1, 0)
     dev = sp.device if sp else torch.device(args.device)
@@ -61,7 +100,6 @@ def main(argv=None) -> int:
         args.out = os.devnull
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     run = C.Run("bench_sp", args)
-    config = H3Config.from_name(preset.dit_config)
     run.data.update(env=C.env_info(dev), world_size=world, config=config.comfy_dict(), results=[])
     with run.phase("build"):
         model, info = build_dit(config, args.weights, dev, seed=args.seed,
