@@ -101,6 +101,25 @@ def test_torchrun_trace_matches_comfyui_and_single_process(case, world, tmp_path
     assert vs_single.passed, vs_single.report()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs (found {torch.cuda.device_count()})")
+def test_torchrun_trace_on_two_gpus(tmp_path):
+    """NCCL: the same gate on 2 GPUs, against ComfyUI's CPU trace and the 1-GPU trace (fp32 budget)."""
+    case = CASES[0]
+    traces = {}
+    for n in (1, 2):
+        out = tmp_path / f"x{n}.safetensors"
+        proc = _torchrun(n, "-m", "h3direct", "trace", "--device", "cuda", "--checkpoint", str(case.checkpoint),
+                         "--inputs", str(case.inputs), "--compute-dtype", "fp32", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        from h3direct.traces.format import load_trace
+
+        traces[n] = load_trace(out)
+    for ref, what in ((None, "ComfyUI"), (traces[1], "1 GPU")):
+        r = gate_tensors(case, _outputs(traces[2]), reference=ref, title=f"{case.id} [2 GPUs] vs {what}")
+        assert r.passed, r.report()
+
+
 def test_sharded_layers_teacher_forced(tmp_path):
     """Every sharded site fed ComfyUI's recorded inputs, within the same budgets (2 ranks, all cases at once)."""
     out = tmp_path / "teacher.json"
