@@ -208,14 +208,50 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         elif mode == "free":
             with Tracer(model) as tracer:
                 one_step(model, inputs, backend=attention, device=device)
-            for name in trace.names_in_order():
-                if name not in tracer.tensors:
-                    result.skipped.append(name)
-                    continue
-                kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
-                result.layers.append(_compare(name, kind, mode, tracer.tensors[name], trace, budgets, case,
-                                              attention, twin, comfy_root, key))
+            _gate_free(result, tracer.tensors, trace, budgets, case, attention, twin, comfy_root, key)
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
     result.attention_calls = attention_stats() or None
+    return result
+
+
+def _gate_free(result: CaseResult, ours: dict[str, torch.Tensor], trace: Trace, budgets: BudgetTable,
+               case: DitCase, attention: str, twin: Trace | None, comfy_root: str | None,
+               key: str | None = None) -> CaseResult:
+    """Compare `ours` with `trace` at every tensor the trace records (free-running mode), into `result`."""
+    for name in trace.names_in_order():
+        if name not in ours:
+            result.skipped.append(name)
+            continue
+        kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
+        result.layers.append(_compare(name, kind, "free", ours[name], trace, budgets, case, attention, twin,
+                                      comfy_root, key))
+    return result
+
+
+def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Trace | None = None,
+                 attention: str = "sdpa", budgets: BudgetTable | None = None, comfy_root: str | None = None,
+                 title: str = "") -> CaseResult:
+    """Free-mode gate of already computed tensors (e.g. a trace that `h3direct trace` wrote under torchrun)
+    against `reference` (default: the case's ComfyUI trace), at every tensor the reference records."""
+    trace = reference or _trace(str(case.trace))
+    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    return _gate_free(CaseResult(case, "free", attention, title=title), ours, trace, budgets or load_budgets(), case,
+                      attention, twin, comfy_root)
+
+
+def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: str = "cpu",
+                        budgets: BudgetTable | None = None) -> CaseResult:
+    """Teacher-forced sites of the sequence-parallel DiT (`h3direct.traces.replay_sharded`); collective: every
+    rank of `sp` calls it with the same case. The model is loaded attached to `sp` (`parallel.init_from_env`)."""
+    from h3direct.traces.replay_sharded import available_sharded_sites
+
+    budgets = budgets or load_budgets()
+    trace, inputs, model, cond = _setup(case, device)
+    sp.attach(model)
+    result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
+    with torch.no_grad():
+        for s in available_sharded_sites(model, trace, cond, sp, backend=attention, device=device):
+            result.layers.append(_compare(s.name, s.kind, "teacher", s.run(), trace, budgets, case, attention,
+                                          None, None))
     return result

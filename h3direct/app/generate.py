@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "
                    "OMP_NUM_THREADS; 1 for the bundled tiny models, which only lose from threading)")
     g.add_argument("--mlp-chunks", type=int, default=1, help="run the DiT MLPs in this many row chunks")
+    g.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
+                   help="Ulysses sequence parallelism of the DiT over N processes (default under torchrun: its "
+                        "whole world): torchrun --nproc-per-node N -m h3direct generate ...; rank 0 writes")
     g.add_argument("--vae-dtype", choices=VAE_DTYPES, default=None, help="video VAE dtype (env H3_VAE_DTYPE; "
                    "default: fp16 on CUDA, fp32 on CPU)")
     g.add_argument("--vae-tile-size", type=int, default=None, help="video VAE spatial tile in px (env "
@@ -403,6 +406,7 @@ def generate_clip(pipe, args: argparse.Namespace, callback=None, on_stage=None, 
 
     from h3direct.app import provenance
     from h3direct.app.pipeline import video_soundtrack
+    from h3direct.dit import parallel
     from h3direct.sampling.caches import CacheSettings
     from h3direct.vae.mp4 import write_mp4
 
@@ -422,8 +426,10 @@ def generate_clip(pipe, args: argparse.Namespace, callback=None, on_stage=None, 
     t = time.perf_counter()
     meta = {"comment": json.dumps(provenance_of(args, pipe), separators=(",", ":"), ensure_ascii=False),
             "encoder": f"h3direct {provenance.version()}"}
-    out = write_mp4(output or args.output, res.frames, res.fps, res.audio, res.sample_rate,
-                    loglevel=args.ffmpeg_loglevel, metadata=meta)
+    out = output or args.output
+    if parallel.is_writer():  # under torchrun every rank holds the same clip; rank 0 writes it
+        out = write_mp4(out, res.frames, res.fps, res.audio, res.sample_rate, loglevel=args.ffmpeg_loglevel,
+                        metadata=meta)
     if on_stage is not None:
         on_stage("done")
     return res, out, time.perf_counter() - t
@@ -480,9 +486,10 @@ def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import json
     import sys
     import time
+
+    from h3direct.dit import parallel
 
     t_start = time.perf_counter()
     notes: list[str] = []
@@ -490,6 +497,22 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         for n in notes:
             print(f"h3direct generate: note: {n}", file=sys.stderr, flush=True)
+    sp = parallel.init_from_env(args.sequence_parallel, args.device)  # under torchrun: join its process group
+    try:
+        return _generate_on(args, sp, t_start)
+    finally:
+        parallel.shutdown()
+
+
+def _generate_on(args: argparse.Namespace, sp, t_start: float) -> int:
+    import json
+    import sys
+    import time
+
+    from h3direct.dit import parallel
+
+    if sp is not None:
+        args.device = str(sp.device)  # each rank on its own GPU (cuda:LOCAL_RANK)
     pipe, sources, seconds, load_mem = load_pipeline(args)
     progress = Progress(args.steps, args.progress or (not args.quiet and sys.stderr.isatty()))
     try:
@@ -499,6 +522,8 @@ def _generate(args: argparse.Namespace) -> int:
     timings = {**seconds, **res.timings, "write": round(write_s, 4),
                "total": round(time.perf_counter() - t_start, 4)}
     summary = summary_of(args, res, out, pipe, sources, timings, load_mem)
-    if not args.quiet:
+    if sp is not None:
+        summary.update(parallel.manifest_fields())
+    if not args.quiet and parallel.is_writer():
         print(json.dumps(summary, separators=(",", ":")), flush=True)
     return 0

@@ -825,6 +825,11 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from h3direct.dit import parallel
+
+    if parallel.env_world_size() > 1:  # every rank would bind the port and take requests alone
+        raise H3Error("serve does not run under torchrun yet (sequence parallelism needs every rank to see each "
+                      "request); use h3direct generate under torchrun, or serve with one process")
     threads = torch.get_num_threads()
     service = Service(args)
     service.check_flags()  # flags and model files: before binding

@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.tracer = None  # set by tracing.Tracer to record rope'd q/k
 
     def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None = None, *,
-                backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+                backend: str = DEFAULT_BACKEND, sp=None) -> torch.Tensor:
         # x: [S, hidden] -> [S, hidden]. The projection's features are q | k | v, each split into heads.
         seq = x.shape[0]
         q, k, v = (third.view(seq, self.heads, self.head_dim) for third in self.qkv_proj(x).chunk(3, dim=-1))
@@ -61,7 +61,9 @@ class Attention(nn.Module):
                 self.tracer.record_tensor(self, "rope_k", k)
         v = v.contiguous()  # a dense copy of the strided v slice for the attention kernels
         q, k, v = (rearrange(t, "s h d -> 1 h s d") for t in (q, k, v))
-        return self.out_proj(attention(q, k, v, backend)[0])
+        # sp: a `parallel.SequenceParallel` when x is this rank's slice of the sequence (all-to-all around attention)
+        attend = attention if sp is None else sp.attention
+        return self.out_proj(attend(q, k, v, backend)[0])
 
 
 class MLP(nn.Module):
@@ -167,10 +169,11 @@ class DiTBlock(nn.Module):
         self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, curve)
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, runs: list[ModRun], rope_table: torch.Tensor, *,
-                backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1) -> torch.Tensor:
+                backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, sp=None) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
+        # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         mods = self.adaln_proj(t_emb)  # shift, scale, gate of the attention, then the same three of the MLP
-        sublayers = ((self.norm1, partial(self.attn, rope_table=rope_table, backend=backend)),
+        sublayers = ((self.norm1, partial(self.attn, rope_table=rope_table, backend=backend, sp=sp)),
                      (self.norm2, partial(self.mlp, chunks=mlp_chunks)))
         compiled = fused.compile_enabled(x)  # opt-in: norm+modulation and the gated residual as compiled passes
         for i, (norm, sublayer) in enumerate(sublayers):

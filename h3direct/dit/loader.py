@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from h3direct.config import H3Config
+from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
 from h3direct.dit.linear import NVFP4_MODES, Linear, NVFP4Linear, resolve_nvfp4_mode
 from h3direct.dit.model import H3DiT
@@ -182,6 +183,9 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
     model.eval()
+    sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
+    if sp is not None:
+        sp.attach(model)
     return model
 
 

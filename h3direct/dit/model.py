@@ -7,6 +7,7 @@ raw model outputs out ([−v_video, −v_audio]). The sampler-facing wrapper (au
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,7 @@ class H3DiT(nn.Module):
                                       c.final_norm_eps, curve)
         self.compute_dtype = torch.float32  # set by the loader
         self.tracer = None
+        self.parallel = None  # a parallel.SequenceParallel: the blocks run on this rank's slice of the sequence
 
     # ---- text ------------------------------------------------------------------------------
     def preprocess_text(self, text_states: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
@@ -171,9 +173,17 @@ class H3DiT(nn.Module):
         t_emb = self.time_embedding(plan.values, device)
         rope_table = rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)),
                                     self.compute_dtype)
+        runs, sp = plan.runs, self.parallel
         with sequence_hints(layout.segment("video").start):  # rows before the target video: conditioning
-            for block in self.blocks:
-                h = block(h, t_emb, plan.runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
+            if sp is None:
+                for block in self.blocks:
+                    h = block(h, t_emb, runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
+            else:  # Ulysses: this rank's rows; attention sees every row (a head slice), so the hint stays global
+                h, rope_table, runs = sp.split(h, rope_table, runs)
+                with _tracer_hook(self.tracer, sp.record_hook):
+                    for block in self.blocks:
+                        h = block(h, t_emb, runs, rope_table, backend=backend, mlp_chunks=mlp_chunks, sp=sp)
+                h = sp.gather(h)
 
         vs, aseg = layout.segment("video"), layout.segment("audio")
         v, a = self.final_layer(h, t_emb, (vs.start, vs.stop, plan.video_row), (aseg.start, aseg.stop, plan.audio_row))
@@ -185,3 +195,16 @@ class H3DiT(nn.Module):
     def _record(self, name, tensor):
         if self.tracer is not None:
             self.tracer.record(name, tensor)
+
+
+@contextmanager
+def _tracer_hook(tracer, hook):
+    """Route a tracer's records through `hook` (sharded blocks gather their per-row tensors)."""
+    if tracer is None:
+        yield
+        return
+    tracer.gather = hook
+    try:
+        yield
+    finally:
+        tracer.gather = None

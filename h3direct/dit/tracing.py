@@ -27,6 +27,7 @@ class Tracer:
         self._names = {m: n for n, m in model.named_modules() if n}
         self._inputs_re = re.compile(inputs_for) if inputs_for else None
         self._skip_re = re.compile(skip) if skip else None
+        self.gather = None  # (name, tensor) -> tensor: set while sharded blocks run (h3direct.dit.parallel)
 
     # ---- explicit records ------------------------------------------------------------------
     def record(self, name: str, tensor: torch.Tensor) -> None:
@@ -35,6 +36,8 @@ class Tracer:
             while f"{name}#{k}" in self.tensors:
                 k += 1
             name = f"{name}#{k}"
+        if self.gather is not None:
+            tensor = self.gather(name, tensor)
         self.tensors[name] = tensor.detach().clone().cpu()
 
     def record_tensor(self, module: nn.Module, suffix: str, tensor: torch.Tensor) -> None:
