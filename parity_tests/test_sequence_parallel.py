@@ -188,10 +188,13 @@ def test_world_size_not_dividing_heads_is_one_line_exit_2(tmp_path):
     case = CASES[0]
     proc = _torchrun(3, "-m", "h3direct", "trace", "--checkpoint", str(case.checkpoint), "--inputs",
                      str(case.inputs), "--out", str(tmp_path / "t.safetensors"))
-    assert proc.returncode != 0  # torchrun's own status (1) when its workers fail; each worker exits 2:
-    assert proc.stderr.count("exitcode  : 2") == 3, proc.stderr[-3000:]
+    # torchrun exits 1 when a worker fails; the first worker to fail (its "root cause") exited 2 with one line.
+    # (torchrun may SIGTERM the other ranks before they reach their own exit 2.)
+    assert proc.returncode != 0
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert "exitcode  : 2" in root_cause, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if "h3direct trace: error:" in ln]
-    assert len(lines) == 3 and all("attention heads are not divisible by 3" in ln for ln in lines), proc.stderr
+    assert lines and all("attention heads are not divisible by 3" in ln for ln in lines), proc.stderr
     assert "/h3direct/" not in proc.stderr  # no traceback from our code (torchrun prints its launcher's own)
     assert not (tmp_path / "t.safetensors").exists()
 
