@@ -29,8 +29,9 @@ tar xJf "$CARRY/comfy.tar.xz" -C /tmp/comfy || exit 3
 python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/*.whl || exit 3
 export PYTHONPATH="$PWD:$SITE" H3_COMFY_ROOT=/tmp/comfy
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.txt"
-python3 -c "import torch, comfy_kitchen as ck; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'cudnn', torch.backends.cudnn.version(), 'comfy_kitchen', ck.__version__, 'sol', ck.sol_attn_is_available())" \
+python3 -c "import torch, comfy_kitchen as ck, importlib.metadata as md; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'comfy_kitchen', md.version('comfy-kitchen'), 'sol', \
+ck.sol_attn_is_available())" \
   2>&1 | tee -a "$OUT/env.txt"
 
 mkdir -p "$IN"

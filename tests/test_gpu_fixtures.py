@@ -79,3 +79,22 @@ def test_record_device_cuda_without_a_gpu_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "cuda" in r.stderr
     assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_sol_reference_error_on_the_gpu_fixture(tmp_path):
+    """At S = 64 every key block is the query's own (diagonal) block: Sol-Attn's reference is exact attention up
+    to its bf16 inputs, and the script's extraction reproduces ComfyUI's recorded attention output."""
+    pytest.importorskip("comfy_kitchen.backends.eager.sol_attn", reason="needs comfy-kitchen >= 0.2.40")
+    out = tmp_path / "sol.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sol_reference_error.py"), "--trace",
+                        str(GPU / "trace_gpu_small_bf16_ref2va_bf16.safetensors"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["block"] for row in rows} == {0, 1}
+    assert all(row["seq_len"] == 64 and row["rel_l2_vs_exact"] <= 4e-3 and row["exact_vs_comfy"] <= 4e-3
+               for row in rows), rows
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sol_reference_error.py"), "--trace",
+                          str(ROOT / "fixtures" / "trace_fx_bf16_ref2va_bf16.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "head_dim 32" in bad.stderr
