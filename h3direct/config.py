@@ -164,4 +164,12 @@ PRESETS: dict[str, H3Config] = {
     "tiny-curve": H3Config(hidden_size=128, num_layers=2, token_refiner_num_layers=1, num_attention_heads=4,
                            attention_head_dim=32, ffn_hidden_size=256, text_dim=96, rope_inv_freq_len=4,
                            adaln_curve_grid=33, time_embed_dim=8),
+    # head_dim 128 (what the GPU attention kernels are built for) at a size small enough to commit its checkpoints
+    # and GPU traces (fixtures/gpu/): 2 heads x 128, 2 blocks, 1 refiner block, the released rope width (16)
+    "small": H3Config(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
+                      attention_head_dim=128, ffn_hidden_size=512, text_dim=64, timestep_input_dim=64,
+                      time_embed_hidden_size=256, time_embed_dim=128, rope_inv_freq_len=16),
+    "small-curve": H3Config(hidden_size=256, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
+                            attention_head_dim=128, ffn_hidden_size=512, text_dim=64, rope_inv_freq_len=16,
+                            adaln_curve_grid=33, time_embed_dim=8),
 }

@@ -71,18 +71,41 @@ class ComfyEnv:
         mm = importlib.import_module("comfy.ldm.minimax.model")
         return getattr(mm.optimized_attention, "__name__", repr(mm.optimized_attention))
 
+    def gpu_fields(self) -> dict[str, Any]:
+        """The GPU ComfyUI ran on (name, compute capability, CUDA / cuDNN versions); empty on the CPU."""
+        import torch
+
+        if self.device != "cuda":
+            return {}
+        major, minor = torch.cuda.get_device_capability()
+        return {
+            "gpu_name": torch.cuda.get_device_name(),
+            "gpu_capability": f"{major}.{minor}",
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        }
+
+    def nvfp4_mode(self) -> str:
+        """How ComfyUI runs NVFP4 linears here: w4a4 (FP4 GEMM) on compute capability >= 10, else w4a16."""
+        import torch
+
+        if self.device == "cuda" and torch.cuda.get_device_capability()[0] >= 10:
+            return "w4a4"
+        return "w4a16"
+
     def describe(self) -> dict[str, Any]:
         import torch
 
         try:
             import comfy_kitchen
 
-            ck_version = getattr(comfy_kitchen, "__version__", "unknown")
+            ck_version = getattr(comfy_kitchen, "__version__", None) or _dist_version("comfy-kitchen")
         except ImportError:  # pragma: no cover - comfy-kitchen is required by ComfyUI's H3 code
             ck_version = None
         return {
             "comfy_root": str(self.root),
             "device": self.device,
+            **self.gpu_fields(),
             "torch": torch.__version__,
             "comfy_kitchen": ck_version,
             "deterministic": True,
@@ -91,6 +114,15 @@ class ComfyEnv:
             "num_threads": torch.get_num_threads(),
             "h3_sources_sha256": source_digest(self.root),
         }
+
+
+def _dist_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def resolve_root(root: str | Path | None) -> Path:
@@ -189,6 +221,8 @@ def open_comfy(
         setattr(args, ATTENTION_FLAGS[attention], True)
     if hasattr(args, "disable_dynamic_vram"):
         args.disable_dynamic_vram = True
+    if device == "cuda":  # cuBLAS is deterministic only with a fixed workspace (read when its handle is created)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     if device == "cuda":
         torch.backends.cudnn.benchmark = False

@@ -163,6 +163,7 @@ def open_run(args: argparse.Namespace):
         "sampler_seed": inputs.sampler_seed,
         "compute_dtype_requested": args.compute_dtype,
         "bf16_patched": env.bf16_patched,
+        "nvfp4_mode": env.nvfp4_mode(),
     }
     return checkpoint, inputs, env, common
 

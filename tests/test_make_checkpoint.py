@@ -397,6 +397,7 @@ def test_made_checkpoint_as_comfyui_loads_it_golden(tmp_path, quant, adaln):
 @pytest.mark.parametrize("preset, adaln, expected", [
     ("tiny", "curve", "tiny-curve"), ("tiny-curve", "full", "tiny"),
     ("full", "curve", "full-curve"), ("full-curve", "full", "full"), ("tiny", None, "tiny"),
+    ("small", "curve", "small-curve"), ("small-curve", "full", "small"),
 ])
 def test_adaln_switch_gives_the_matching_preset(preset, adaln, expected):
     from h3direct.checkpoint.synthetic import resolve_config

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from h3direct.errors import ConfigError, H3Error
 
-CURVE_GRID = {"tiny": 33, "full": 1025}  # adaln_t_table rows of the curve form per preset
+CURVE_GRID = {"tiny": 33, "small": 33, "full": 1025}  # adaln_t_table rows of the curve form per preset
 CURVE_TIME_EMBED_DIM = 8
 COMPONENTS = ("dit", "video_vae", "audio_vae")
 
@@ -48,7 +48,8 @@ _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write (default dit)")
-    parser.add_argument("--preset", default="tiny", help="size preset: tiny | full (default tiny)")
+    parser.add_argument("--preset", default="tiny",
+                        help="size preset: tiny | small | full, or their -curve forms (default tiny)")
     parser.add_argument("--config", metavar="JSON", help="config as a JSON file or inline JSON object "
                         "(H3Config fields for the DiT, constructor args for a VAE); overrides --preset")
     parser.add_argument("--quant", choices=("none", "nvfp4"), default="none", help="DiT weight format")
@@ -107,7 +108,8 @@ def resolve_config(preset: str = "tiny", config_json: str | None = None, adaln: 
         cfg = cfg.replace(adaln_curve_grid=grid, time_embed_dim=CURVE_TIME_EMBED_DIM)
     elif adaln == "full" and cfg.is_curve:
         # the time-embedder sizes of the matching full-form preset
-        full = H3Config.from_name("tiny" if preset.startswith("tiny") and config_json is None else "full")
+        base = preset.removesuffix("-curve")
+        full = H3Config.from_name(base if config_json is None and base in ("tiny", "small") else "full")
         cfg = cfg.replace(adaln_curve_grid=None, time_embed_dim=full.time_embed_dim,
                           timestep_input_dim=full.timestep_input_dim,
                           time_embed_hidden_size=full.time_embed_hidden_size)
