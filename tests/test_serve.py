@@ -281,7 +281,7 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
     ("embeds_symlink_passwd", {"text_embeds": "passwd.safetensors"}, 400, "no such file under the input folder"),
     ("embeds_garbage", {"text_embeds": "garbage.safetensors"}, 400, "safetensors"),
     ("embeds_image", {"text_embeds": "ref.png"}, 400, "safetensors"),
-    ("embeds_wrong_width", {"text_embeds": "emb_wrong_width.safetensors"}, 400, "width"),
+    ("embeds_wrong_width", {"text_embeds": "emb_wrong_width.safetensors"}, 400, "width 33"),
     # output: a relative .mp4 path inside --output-root
     ("output_parent", {"output": "../escape.mp4"}, 400, "output"),
     ("output_absolute", {"output": "{outside}/escape.mp4"}, 400, "output"),

@@ -36,7 +36,7 @@ def probe_media(path: str | os.PathLike, kind: str, what: str) -> None:
         raise H3Error(f"{what}: not a readable {kind} file ({e.__class__.__name__})", path=p) from None
 
 
-def read_text_embeds(path: str | os.PathLike, what: str = "--text-embeds", widths: tuple[int, ...] | None = None):
+def read_text_embeds(path: str | os.PathLike, what: str = "--text-embeds"):
     """A TextConditioning from a safetensors file of `text_states` [1, L, D] + `token_tags` [L]."""
     from h3direct.text.encoder import load_text_embeds
 
@@ -59,9 +59,6 @@ def read_text_embeds(path: str | os.PathLike, what: str = "--text-embeds", width
         raise H3Error(f"{what}: not a readable safetensors file ({type(e).__name__})", path=p) from None
     if text.states.shape[1] == 0:
         raise H3Error(f"{what}: text_states has no tokens", path=p)
-    if widths is not None and text.states.shape[-1] not in widths:
-        raise H3Error(f"{what}: text_states width {text.states.shape[-1]} does not fit the DiT (needs one of "
-                      f"{', '.join(map(str, widths))})", path=p)
     if not bool(text.states.isfinite().all()):
         raise H3Error(f"{what}: text_states holds NaN or infinite values", path=p)
     return text

@@ -305,14 +305,19 @@ class H3Pipeline:
             raise H3Error("no text encoder is loaded: pass --text-encoder FILE or --text-embeds FILE")
         return self.text_encoder.encode(build_presentation(prompt, list(presentation), self.tokenize))
 
-    def _context(self, text) -> tuple[torch.Tensor, torch.Tensor]:
+    def check_text(self, text) -> None:
+        """H3Error unless `text` (a TextConditioning) fits the DiT: states [1, L, text_dim], tags [L]."""
         c = self.dit.config
         states = text.states
         if states.ndim != 3 or states.shape[0] != 1 or states.shape[-1] not in (c.text_dim, c.hidden_size):
-            raise H3Error(f"text states {list(states.shape)} do not fit the DiT: expected [1, L, {c.text_dim}] "
-                          f"(its text_dim); pass a matching --text-encoder or --text-embeds")
+            raise H3Error(f"text states {list(states.shape)} do not fit the DiT: width {states.shape[-1]}, expected "
+                          f"[1, L, {c.text_dim}] (its text_dim); pass a matching --text-encoder or --text-embeds")
         if text.tags.shape[0] != states.shape[1]:
             raise H3Error(f"token tags ({text.tags.shape[0]}) and text states ({states.shape[1]}) differ in length")
+
+    def _context(self, text) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_text(text)
+        states = text.states
         ctx = self.dit.preprocess_text(states.to(self.device), backend=self.attention)
         return ctx, text.tags.to(self.device)
 

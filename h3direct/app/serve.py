@@ -353,11 +353,7 @@ class Service:
             # generate's defaults and checks: sizes, frames, steps, limits, media probes, text embeddings
             gen.resolve_args(ns, check_output=False, limits=self.limits)
             if ns.text_embeds is not None:
-                c = self.pipe.dit.config
-                width = ns.text_embeds.states.shape[-1]
-                if width not in (c.text_dim, c.hidden_size):
-                    raise H3Error(f"--text-embeds: text_states width {width} does not fit the DiT (text_dim "
-                                  f"{c.text_dim})")
+                self.pipe.check_text(ns.text_embeds)  # the pipeline's own check, here before queueing
             check_backend(ns.attention, torch.empty(0, device=self.pipe.device, dtype=self.pipe.dit.compute_dtype))
         except H3Error as e:
             raise H3Error(self._field_names(str(e))) from None
