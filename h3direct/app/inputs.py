@@ -38,6 +38,7 @@ def probe_media(path: str | os.PathLike, kind: str, what: str) -> None:
 
 def read_text_embeds(path: str | os.PathLike, what: str = "--text-embeds"):
     """A TextConditioning from a safetensors file of `text_states` [1, L, D] + `token_tags` [L]."""
+    from h3direct.checkpoint.safetensors_header import read_header
     from h3direct.text.encoder import load_text_embeds
 
     p = Path(path)
@@ -46,11 +47,11 @@ def read_text_embeds(path: str | os.PathLike, what: str = "--text-embeds"):
     size = p.stat().st_size
     if size > MAX_TEXT_EMBEDS_BYTES:
         raise H3Error(f"{what}: {size} bytes is too large for a text-embeddings file", path=p)
-    with open(p, "rb") as f:
-        head = f.read(8)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 2 <= n <= min(size - 8, 100_000_000):
-        raise H3Error(f"{what}: not a safetensors file (needs text_states [1,L,D] and token_tags [L])", path=p)
+    try:
+        read_header(p, check=True)  # the header parses and its tensors span the file, before any tensor is read
+    except H3Error:
+        raise H3Error(f"{what}: not a safetensors file (needs text_states [1,L,D] and token_tags [L])",
+                      path=p) from None
     try:
         text = load_text_embeds(p)
     except H3Error as e:
