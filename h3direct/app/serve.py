@@ -337,9 +337,8 @@ class Service:
         ns = ns if ns is not None else argparse.Namespace(upload_dir=None)
         for k, v in self.defaults.items():
             setattr(ns, k, v)
-        for k in MODEL_FLAGS:
+        for k in MODEL_FLAGS:  # compute_dtype included: as load_pipeline resolved it
             setattr(ns, k, getattr(self.args, k))
-        ns.compute_dtype = self.args.compute_dtype
         body = req.model_dump(exclude_unset=True)
         for name, value in body.items():
             if name == "output" or value is None:
