@@ -606,13 +606,10 @@ def create_app(service: Service):
         traceback.print_exception(exc, file=sys.stderr)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    def admit(req) -> Job:
-        return service.admit(req)
-
     async def admitted(req):
         """(job, None) or (None, the error response)."""
         try:
-            return await run_in_threadpool(admit, req), None
+            return await run_in_threadpool(service.admit, req), None
         except H3Error as e:
             return None, _error(400, str(e))
         except Full as e:
