@@ -47,17 +47,9 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _one_line_error(message: str):
-    import sys
-
-    print(f"h3direct generate: error: {message} (see h3direct generate --help)", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from h3direct.app import bundled, limits
 
-    parser.error = _one_line_error  # argparse's own errors (bad int, bad choice): one line too, no usage dump
     parser.formatter_class = HelpFormatter
     size = ("(the size flags default to a small clip that takes seconds on a CPU with the bundled models; give all "
             "four for a real one, e.g. 1344 768 124 8)")
