@@ -8,6 +8,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -310,6 +311,8 @@ def test_bad_request_is_4xx_at_once_and_the_server_keeps_serving(server, service
     got = _call(server, "POST", "/generate", None if raw else body, raw=raw)
     elapsed = time.perf_counter() - t
     msg = _assert_error(got, status, needle)
+    # a request is told its field names, never `h3direct generate`'s flags; only server flags may appear
+    assert all(f.startswith("--max-") or f == "--text-encoder" for f in re.findall(r"--[\w*-]+", msg)), msg
     assert elapsed < 1.0, f"{elapsed:.2f} s to refuse"
     assert str(roots["in"]) not in msg  # the server's own folders stay out of its answers
     assert {k: _files(roots[k]) for k in ("out", "outside")} == before  # nothing written anywhere

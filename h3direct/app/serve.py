@@ -365,7 +365,7 @@ class Service:
             message = message.replace(str(self.input_root) + os.sep, "")
         if self._uploads is not None:
             message = re.sub(re.escape(str(self._uploads)) + r"/request-[^/]*/", "upload:", message)
-        for flag, name in _FLAG_TO_FIELD:
+        for flag, name in _flag_to_field():
             message = re.sub(re.escape(flag) + r"(?![\w-])", name, message)
         return message
 
@@ -458,15 +458,12 @@ class Service:
         return gen.summary_of(ns, res, out, pipe, self.sources, timings, self.load_memory)
 
 
-# generate's messages name its flags; a request names fields (longest flag first: --ref-image-size)
-_FLAG_TO_FIELD = sorted(
-    [(f"--{k.replace('_', '-')}", k) for k in (
-        "prompt", "negative_prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "cfg",
-        "ref_image_size", "first_frame", "last_frame", "text_embeds", "attention", "cache_mode", "cache_threshold",
-        "cache_start_percent", "cache_end_percent", "cache_subsample_factor")]
-    + [("--ref-image", "ref_images"), ("--ref-video", "ref_videos"), ("--ref-audio", "ref_audios"),
-       ("--cache-*", "cache_*")],
-    key=lambda fn: -len(fn[0]))
+@functools.cache
+def _flag_to_field() -> list[tuple[str, str]]:
+    """generate's messages name its flags; a request names fields. (flag, field) for every request field, longest
+    flag first (--ref-image-size before --ref-image)."""
+    pairs = [(f"--{FIELD_DEST.get(k, k).replace('_', '-')}", k) for k in _request_model().model_fields]
+    return sorted([*pairs, ("--cache-*", "cache_*")], key=lambda fn: -len(fn[0]))
 
 
 def _rss_bytes() -> int:
