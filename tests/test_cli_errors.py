@@ -174,7 +174,9 @@ def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_pat
                                                      bundled.DEFAULT_STEPS)
     assert any("--width/--height/--steps" in n and "96x64" in n for n in notes), notes
     assert any("--frames 30 snapped up to 39" in n for n in notes), notes
-    assert generate.snapped_frames(30) == 39 and generate.snapped_frames(22) == 22 and generate.snapped_frames(5) == 5
+    from h3direct.sampling.conditioning import align_frame_count  # the grid the note and the pipeline use
+
+    assert align_frame_count(30) == 39 and align_frame_count(22) == 22 and align_frame_count(5) == 5
 
 
 class _KillOnFirstMux:

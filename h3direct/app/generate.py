@@ -172,11 +172,6 @@ def _check_text(flag: str, text: str) -> None:
         raise H3Error(f"{flag} is not valid UTF-8 text (undecodable byte at character {e.start}); pass UTF-8") from None
 
 
-def snapped_frames(frames: int) -> int:
-    """The model's frame grid: up to the next 17k+5 (ComfyUI's H3 nodes do the same)."""
-    return 5 + 17 * -(-(frames - 5) // 17)
-
-
 def _check_request(args: argparse.Namespace) -> None:
     import math
 
@@ -261,10 +256,13 @@ def resolve_args(args: argparse.Namespace, notes: list | None = None, *, check_o
     lim.check(limits, steps=args.steps, frames=args.frames, width=args.width, height=args.height,
               prompts={"prompt": args.prompt, "negative_prompt": args.negative_prompt},
               references=len(args.ref_image) + len(args.ref_video) + len(args.ref_audio))
-    snapped = snapped_frames(args.frames)
-    if notes is not None and snapped != args.frames:
-        notes.append(f"--frames {args.frames} snapped up to {snapped} (the model's 17k+5 frame grid)")
     _check_files(args, check_output=check_output)
+    if notes is not None:  # after every check: the grid's module imports torch, which a refusal need not pay
+        from h3direct.sampling.conditioning import align_frame_count
+
+        snapped = align_frame_count(args.frames)
+        if snapped != args.frames:
+            notes.append(f"--frames {args.frames} snapped up to {snapped} (the model's 17k+5 frame grid)")
     return args
 
 
