@@ -63,6 +63,7 @@ BAD = [  # (argv, words the one line must contain); paths relative to the `files
     (["generate", "--ref-image", "garbage.png", "-o", O], "not a readable image"),
     (["generate", "--ref-video", "garbage.png", "-o", O], "not a readable video"),
     (["generate", "--ref-audio", "garbage.png", "-o", O], "audio"),
+    (["generate", *["--ref-video", "garbage.png"] * 4, "-o", O], "--ref-video given 4 times; H3 takes at most 3"),
     (["generate", "--first-frame", "missing.png", "-o", O], "not found"),
     (["generate", "--cfg", "nan", "-o", O], "--cfg nan is not a finite number"),
     (["generate", "--cfg", "inf", "-o", O], "--cfg inf is not a finite number"),
@@ -152,7 +153,8 @@ def test_help_shows_choices_and_defaults(capsys):
 def test_choices_match_the_runtime():
     """The CLI names its choices without importing torch; they must be the runtime's own tables."""
     from h3direct.dit.attention import backends
-    from h3direct.sampling.caches import CACHE_MODES
+    from h3direct.sampling.caches import CACHE_MODES, CacheSettings
+    from h3direct.sampling.conditioning import MAX_REF_AUDIOS, MAX_REF_IMAGES, MAX_REF_VIDEOS
     from h3direct.sampling.sampler import SAMPLERS
     from h3direct.sampling.schedules import SCHEDULERS
     from h3direct.vae.api import VIDEO_DTYPES
@@ -160,6 +162,10 @@ def test_choices_match_the_runtime():
     assert generate.SAMPLERS == SAMPLERS and generate.SCHEDULERS == SCHEDULERS
     assert generate.CACHE_MODES == CACHE_MODES and tuple(backends()) == generate.ATTENTION
     assert set(generate.VAE_DTYPES) <= set(VIDEO_DTYPES)
+    defaults = CacheSettings()
+    assert generate.CACHE_DEFAULTS == {k: getattr(defaults, k) for k in generate.CACHE_DEFAULTS}
+    assert set(generate.CACHE_DEFAULTS) == {"threshold", "start_percent", "end_percent", "subsample_factor"}
+    assert generate.REF_CAPS == {"image": MAX_REF_IMAGES, "video": MAX_REF_VIDEOS, "audio": MAX_REF_AUDIOS}
 
 
 def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_path):

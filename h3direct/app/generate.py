@@ -34,6 +34,7 @@ SCHEDULERS = ("simple", "normal", "sgm_uniform")  # h3direct.sampling.schedules.
 CACHE_MODES = ("off", "easycache", "h3_cache")  # h3direct.sampling.caches.CACHE_MODES
 ATTENTION = ("sdpa", "cudnn_sdpa", "fa3", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")  # dit.attention.backends()
 VAE_DTYPES = ("fp32", "fp16")
+REF_CAPS = {"image": 9, "video": 3, "audio": 3}  # h3direct.sampling.conditioning.MAX_REF_{IMAGES,VIDEOS,AUDIOS}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -68,9 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("request")
     g.add_argument("--prompt", default="", help="text prompt")
     g.add_argument("--negative-prompt", default="", help="negative prompt (only used with --cfg > 1)")
-    g.add_argument("--ref-image", action="append", default=[], metavar="FILE", help="reference image (≤ 9)")
-    g.add_argument("--ref-video", action="append", default=[], metavar="FILE", help="reference video (≤ 3)")
-    g.add_argument("--ref-audio", action="append", default=[], metavar="FILE", help="reference audio (≤ 3)")
+    for kind, cap in REF_CAPS.items():
+        g.add_argument(f"--ref-{kind}", action="append", default=[], metavar="FILE", help=f"reference {kind} (≤ {cap})")
     g.add_argument("--ref-image-size", choices=("match", "max"), default="match",
                    help="reference image sizing (ComfyUI's ref_image_size)")
     g.add_argument("--first-frame", metavar="FILE", help="first frame image (fl2va)")
@@ -217,10 +217,10 @@ def _check_request(args: argparse.Namespace) -> None:
     refs = args.ref_image or args.ref_video or args.ref_audio
     if refs and (args.first_frame or args.last_frame):
         raise H3Error("--first-frame/--last-frame (fl2va) and --ref-* (ref2va) are separate tasks; give one kind")
-    for flag, items, cap in (("--ref-image", args.ref_image, 9), ("--ref-video", args.ref_video, 3),
-                             ("--ref-audio", args.ref_audio, 3)):
-        if len(items) > cap:
-            raise H3Error(f"{flag} given {len(items)} times; H3 takes at most {cap}")
+    for kind, cap in REF_CAPS.items():
+        n = len(getattr(args, f"ref_{kind}"))
+        if n > cap:
+            raise H3Error(f"--ref-{kind} given {n} times; H3 takes at most {cap}")
     if args.vae_config and not args.vae:
         raise H3Error("--vae-config describes --vae; give --vae too (the bundled VAE has its own config)")
     if args.audio_vae_config and not args.audio_vae:
