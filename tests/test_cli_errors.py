@@ -222,3 +222,13 @@ def test_sigterm_during_the_write_leaves_no_temp_file(cache_env, tmp_path, monke
     assert rc == 130 and "interrupted" in err, err
     assert list(out.iterdir()) == []  # neither the mp4 nor its temporary file
     assert signal.getsignal(signal.SIGTERM) == handler  # the CLI put the previous handler back
+
+
+def test_serve_output_root_is_checked_as_a_folder(tmp_path):
+    """Any entry inside --output-root (here a folder named like an mp4) is no reason to refuse it."""
+    from h3direct.app.serve import Service
+
+    (tmp_path / "probe.mp4").mkdir()
+    args = cli.build_parser("serve").parse_args(["serve", "--output-root", str(tmp_path)])
+    Service(args).check_flags()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.mp4"]  # the write probe left nothing behind

@@ -226,11 +226,11 @@ class Service:
             raise H3Error(f"--job-timeout {self.args.job_timeout} must be > 0 seconds")
         if self.args.max_body_mb < 1:
             raise H3Error(f"--max-body-mb {self.args.max_body_mb} must be >= 1")
-        from h3direct.app.paths import check_output
+        from h3direct.app.paths import check_output_dir
 
         if self.input_root is not None and not self.input_root.is_dir():
             raise H3Error("--input-root: folder not found", path=self.input_root)
-        check_output(self.output_root / "probe.mp4", "--output-root")  # the folder, or where it will be made
+        check_output_dir(self.output_root, "--output-root")  # the folder, or where it will be made
         try:
             self.output_root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
