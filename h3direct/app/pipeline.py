@@ -10,15 +10,13 @@
 One generation, in ComfyUI's order (`nodes_minimax_h3.py` + KSampler):
 1. task from the references: none -> t2va; first/last frame -> fl2va (keyframes); reference images / videos /
    audio -> ref2va. Geometry (17k+5 frames, latent shapes) and reference preprocessing:
-   `h3direct.sampling.conditioning`,
-   references encoded with our VAEs;
+   `h3direct.sampling.conditioning`, references encoded with our VAEs;
 2. text: the presentation (reference labels + vision pads, then the prompt) through the text encoder, or given
    states (`text_embeds`); the DiT's condition_proj + token refiner run once (`H3DiT.preprocess_text`);
 3. initial noise from the seed exactly as ComfyUI draws it (`h3direct.sampling.noise`), zero clean latent;
 4. sigma schedule (`h3direct.sampling.schedules`, the DiT's video shift), sampler (`h3direct.sampling.sampler`)
-   around the
-   `Denoiser` (optionally wrapped by a step cache, `h3direct.sampling.caches`); the conditioning payload seed is the
-   sampler seed, as ComfyUI's `extra_conds`;
+   around the `Denoiser` (optionally wrapped by a step cache, `h3direct.sampling.caches`); the conditioning
+   payload seed is the sampler seed, as ComfyUI's `extra_conds`;
 5. decode: video VAE -> uint8 frames, audio VAE -> stereo waveform.
 """
 
