@@ -157,7 +157,7 @@ BAD = [
     (["--sampler", "ddim"], "ddim"),
     (["--scheduler", "karras"], "karras"),
     (["--cache-mode", "lru"], "lru"),
-    (["--cache-start-percent", "0.9", "--cache-end-percent", "0.1", "--cache-mode", "easycache"], "start_percent"),
+    (["--cache-start-percent", "0.9", "--cache-end-percent", "0.1", "--cache-mode", "easycache"], "--cache-*: cache start_percent"),
     (["--vae-tile-size", "-1"], "tile size"),
     (["--vae-dtype", "bf8"], "bf8"),
     (["--ffmpeg-loglevel", "loud"], "loud"),

@@ -255,7 +255,7 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
     ("seed_huge", {"seed": 2**70}, 400, "seed"),
     ("cfg_zero", {"cfg": 0}, 400, "cfg"),
     ("cache_window_reversed", {"cache_mode": "easycache", "cache_start_percent": 0.9, "cache_end_percent": 0.1},
-     400, "start_percent"),
+     400, "cache_*: cache start_percent"),
     # abusive: each would hold the worker for hours or allocate far beyond any device
     ("steps_a_billion", {"steps": 1_000_000_000}, 400, "--max-steps"),
     ("frames_3601", {"frames": 3601}, 400, "frames"),

@@ -202,7 +202,7 @@ def _check_request(args: argparse.Namespace) -> None:
         try:
             CacheSettings(args.cache_mode, args.cache_threshold, args.cache_start_percent, args.cache_end_percent,
                           args.cache_subsample_factor)
-        except (ValueError, TypeError) as e:
+        except H3Error as e:  # its message names its fields; say which flags they are
             raise H3Error(f"--cache-*: {e}") from None
     if args.threads is not None and args.threads < 1:
         raise H3Error(f"--threads {args.threads} must be >= 1")
