@@ -251,10 +251,12 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
 
 
 def find_inputs(trace) -> Path | None:
-    """The inputs file of a trace: the manifest's `inputs`, else the folder's file that reproduces sampler.x_in."""
-    from h3direct.traces.discovery import _find_inputs
+    """The inputs file of a trace, paired as the gate pairs it (`discovery.pair_inputs`), or None."""
+    from h3direct.traces.discovery import pair_inputs
 
-    return _find_inputs(trace.path.parent, trace.manifest, trace.path)
+    folder, m = trace.path.parent, trace.manifest
+    ckpt = folder / Path(str(m["checkpoint"])).name if m.get("checkpoint") else None
+    return pair_inputs(folder, m, trace.path, ckpt if ckpt and ckpt.is_file() else None)[0]
 
 
 def budget_for(trace, kind: str, attention: str = "sdpa", budgets_path: str | None = None):
