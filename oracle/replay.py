@@ -52,12 +52,20 @@ def _static_input(static: dict, layer: str, i: int) -> tuple[bool, Any]:
     return False, None
 
 
+def _recorded(trace, name: str):
+    """A fresh copy of a recorded tensor in the dtype its program produced (stored widened to float32)."""
+    import torch
+
+    t = trace.get(name).clone()
+    dt = trace.produced_dtype(name)
+    return t.to(getattr(torch, dt)) if dt and hasattr(torch, dt) else t
+
+
 def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[str, Any]]:
     """Positional inputs `<layer>.in.N` (tensors at their produced dtype, or manifest static values) + kwargs.
 
     `derived`: a `DerivedInputs` used when the trace holds no `<layer>.in.0` (a trace of outputs only): the module's
     tensor inputs are then derived from the recorded outputs as the gate's teacher forcing does."""
-    import torch
 
     static = trace.manifest.get("static_inputs") or {}
     args: list[Any] = []
@@ -75,11 +83,7 @@ def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[st
     while not derived_args:
         name = f"{layer}.in.{i}"
         if name in trace:
-            t = trace.get(name).clone()
-            dt = trace.produced_dtype(name)
-            if dt and hasattr(torch, dt):
-                t = t.to(getattr(torch, dt))
-            args.append(t)
+            args.append(_recorded(trace, name))
         else:
             found, value = _static_input(static, layer, i)
             if not found:
@@ -93,9 +97,7 @@ def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[st
         block = layer.rsplit(".", 1)[0]
         table = next((n for n in (f"{block}.in.3", "blocks.0.in.3") if n in trace), None)
         if table is not None:
-            t = trace.get(table).clone()
-            dt = trace.produced_dtype(table)
-            kwargs["rope_freqs"] = t.to(getattr(torch, dt)) if dt and hasattr(torch, dt) else t
+            kwargs["rope_freqs"] = _recorded(trace, table)
         elif derived is not None:
             kwargs["rope_freqs"] = derived.view("blocks.0.in.3")
         else:
@@ -251,10 +253,12 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
 
 
 def find_inputs(trace) -> Path | None:
-    """The inputs file of a trace: the manifest's `inputs`, else the folder's file that reproduces sampler.x_in."""
-    from h3direct.traces.discovery import _find_inputs
+    """The inputs file of a trace, paired as the gate pairs it (`discovery.pair_inputs`), or None."""
+    from h3direct.traces.discovery import pair_inputs
 
-    return _find_inputs(trace.path.parent, trace.manifest, trace.path)
+    folder, m = trace.path.parent, trace.manifest
+    ckpt = folder / Path(str(m["checkpoint"])).name if m.get("checkpoint") else None
+    return pair_inputs(folder, m, trace.path, ckpt if ckpt and ckpt.is_file() else None)[0]
 
 
 def budget_for(trace, kind: str, attention: str = "sdpa", budgets_path: str | None = None):

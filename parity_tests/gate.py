@@ -202,9 +202,7 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
             sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
                                     dtypes_from=twin if key else None,
                                     compute_dtype=model.compute_dtype if key else None)
-            for s in sites:
-                result.layers.append(_compare(s.name, s.kind, mode, s.run(), trace, budgets, case, attention, twin,
-                                              comfy_root, key))
+            _gate_sites(result, sites, trace, budgets, case, attention, twin, comfy_root, key)
         elif mode == "free":
             with Tracer(model) as tracer:
                 one_step(model, inputs, backend=attention, device=device)
@@ -213,6 +211,14 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
             raise ValueError(f"unknown gate mode {mode!r}")
     result.attention_calls = attention_stats() or None
     return result
+
+
+def _gate_sites(result: CaseResult, sites, trace: Trace, budgets: BudgetTable, case: DitCase, attention: str,
+                twin: Trace | None, comfy_root: str | None, key: str | None = None) -> None:
+    """Run every teacher-forced site (`replay.Site`) and compare it with `trace`, into `result`."""
+    for s in sites:
+        result.layers.append(_compare(s.name, s.kind, "teacher", s.run(), trace, budgets, case, attention, twin,
+                                      comfy_root, key))
 
 
 def _gate_free(result: CaseResult, ours: dict[str, torch.Tensor], trace: Trace, budgets: BudgetTable,
@@ -251,7 +257,6 @@ def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: s
     sp.attach(model)
     result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
     with torch.no_grad():
-        for s in available_sharded_sites(model, trace, cond, sp, backend=attention, device=device):
-            result.layers.append(_compare(s.name, s.kind, "teacher", s.run(), trace, budgets, case, attention,
-                                          None, None))
+        _gate_sites(result, available_sharded_sites(model, trace, cond, sp, backend=attention, device=device), trace,
+                    budgets, case, attention, None, None)
     return result

@@ -56,7 +56,11 @@ def _synthetic_verdicts(b: Budget) -> None:
     if b.bitwise:
         ours = ref.clone()
         ours[0, 0] = torch.nextafter(ours[0, 0], torch.tensor(math.inf, dtype=torch.float64))
-        assert not verdict(b, rel=1e-17, sqnr=300.0, identical=False)[0]
+        rel = float((ours - ref).norm() / ref.norm())  # one ulp in one element: far below any rel-L2 limit
+        assert not verdict(b, rel=rel, sqnr=-20.0 * math.log10(rel), identical=torch.equal(ours, ref))[0], \
+            "a bitwise entry passed a one-ulp difference"
+        assert verdict(b, rel=0.0, sqnr=math.inf, identical=torch.equal(ref.clone(), ref))[0], \
+            "a bitwise entry failed an identical tensor"
     if b.k is not None:
         comfy = 1e-2
         limit = b.k * comfy + b.floor

@@ -2,8 +2,8 @@
 ../shared/oracle: `trace_*.safetensors` + `.json` manifests beside the checkpoints and inputs files.
 
 Pairing rules, most explicit first: a manifest's own `inputs` / `checkpoint` fields (relative to the
-trace's folder); otherwise the inputs files of the folder whose `h3_inputs` variant equals the manifest's
-task and whose σ·noise + (1 − σ)·latent reproduces the trace's `sampler.x_in.video` exactly.
+trace's folder); otherwise the one inputs file of the folder whose `h3_inputs` variant equals the manifest's
+task and which reproduces every recorded input the trace holds (`input_mismatch`, `pair_inputs`).
 """
 
 from __future__ import annotations
@@ -175,9 +175,8 @@ def input_mismatch(inputs: Path, trace, checkpoint: Path | None) -> str | None:
     """Why the inputs file cannot be the one `trace` was recorded from, or None when it reproduces every recorded
     input the trace holds: the text states (`condition_proj.in.0`, or through the checkpoint's condition_proj:
     `condition_proj.out`), the sampler inputs `sampler.x_in.video` (σ·noise + (1 − σ)·latent, bitwise) and
-    `sampler.x_in.audio`, the
-    timestep (1000·σ) and the reference / keyframe latents (the condition rows of `video_patch_proj` and
-    `audio_patch_proj`, inputs or outputs)."""
+    `sampler.x_in.audio`, the timestep (1000·σ) and the reference / keyframe latents (the condition rows of
+    `video_patch_proj` and `audio_patch_proj`, inputs or outputs)."""
     from h3direct.dit.embed import pack_audio, patchify_video
     from h3direct.dit.model import Conditioning
     from h3direct.traces.inputs import load_inputs
@@ -309,12 +308,6 @@ def pair_inputs(folder: Path, m: dict, trace_path: Path, checkpoint: Path | None
         return None, (f"{trace_path}: no inputs file in {folder} reproduces its recorded inputs"
                       + (f" ({closest})" if closest else f" (no inputs file of task {task!r})"))
     return distinct[0], None
-
-
-def _find_inputs(folder: Path, m: dict, trace: Path) -> Path | None:
-    """The paired inputs file, or None (see `pair_inputs` for the reason)."""
-    ckpt = folder / Path(str(m["checkpoint"])).name if m.get("checkpoint") else None
-    return pair_inputs(folder, m, trace, ckpt if ckpt and ckpt.is_file() else None)[0]
 
 
 def digest_problem(trace_path: Path) -> str | None:

@@ -138,14 +138,9 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
                    lambda: [F.silu(T("time_embedder.proj_in.out"))])
 
     def layout_and_plan():
-        v, a, ctx = T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.context")
-        layout = model.layout_for(ctx.shape[1], v, a, cond)
-        plan = plan_timesteps(layout, T("dit_inner.in.timestep"), shift_video=c.sigma_shift_video,
-                              shift_audio=c.sigma_shift_audio, text_tags=cond.text_token_tags,
-                              visual_cond_aug=cond.visual_cond_noise_aug, audio_cond_aug=cond.audio_cond_noise_aug)
-        return layout, plan
+        return layout_and_plan_of(model, T, cond)
 
-    inner = ("dit_inner.in.video", "dit_inner.in.audio", "dit_inner.in.context", "dit_inner.in.timestep")
+    inner = INNER
 
     def embed(which):
         v, a = T("dit_inner.in.video"), T("dit_inner.in.audio")
@@ -275,6 +270,21 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
 
     yield site("dit_inner.out.video", "model", inner, lambda: inner_forward(0))
     yield site("dit_inner.out.audio", "model", inner, lambda: inner_forward(1))
+
+
+# the recorded stream-level inputs of the inner forward, which the sequence layout and the timestep plan come from
+INNER = ("dit_inner.in.video", "dit_inner.in.audio", "dit_inner.in.context", "dit_inner.in.timestep")
+
+
+def layout_and_plan_of(model: H3DiT, T: TraceView, cond: Conditioning):
+    """The sequence layout and the per-run timestep plan of the traced step, from its recorded `INNER` tensors."""
+    c = model.config
+    v, a, ctx = T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.context")
+    layout = model.layout_for(ctx.shape[1], v, a, cond)
+    plan = plan_timesteps(layout, T("dit_inner.in.timestep"), shift_video=c.sigma_shift_video,
+                          shift_audio=c.sigma_shift_audio, text_tags=cond.text_token_tags,
+                          visual_cond_aug=cond.visual_cond_noise_aug, audio_cond_aug=cond.audio_cond_noise_aug)
+    return layout, plan
 
 
 def _packed_input(model, T, cond, layout):

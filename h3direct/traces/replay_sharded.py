@@ -18,10 +18,7 @@ import torch
 
 from h3direct.dit.model import Conditioning, H3DiT
 from h3direct.dit.parallel import SequenceParallel, local_runs
-from h3direct.dit.timesteps import plan_timesteps
-from h3direct.traces.replay import Site, TraceView
-
-INNER = ("dit_inner.in.video", "dit_inner.in.audio", "dit_inner.in.context", "dit_inner.in.timestep")
+from h3direct.traces.replay import INNER, Site, TraceView, layout_and_plan_of
 
 
 def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel, *, backend: str = "sdpa",
@@ -31,12 +28,7 @@ def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel,
     table = "blocks.0.in.3"
 
     def runs():
-        v, a, ctx = T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.context")
-        layout = model.layout_for(ctx.shape[1], v, a, cond)
-        plan = plan_timesteps(layout, T("dit_inner.in.timestep"), shift_video=c.sigma_shift_video,
-                              shift_audio=c.sigma_shift_audio, text_tags=cond.text_token_tags,
-                              visual_cond_aug=cond.visual_cond_noise_aug, audio_cond_aug=cond.audio_cond_noise_aug)
-        return plan.runs
+        return layout_and_plan_of(model, T, cond)[1].runs
 
     def rows(name: str, dim: int = 0) -> torch.Tensor:
         """This rank's slice of a recorded full-sequence tensor (sets the shard from its length)."""
