@@ -11,8 +11,6 @@ the same way.
 
 from __future__ import annotations
 
-from functools import partial, reduce
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -141,9 +139,8 @@ class RefinerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
         # x: [L, hidden] -> [L, hidden]; x ← sublayer(norm(x)) + x, the sum taken into the fresh output
-        for norm, sublayer in ((self.norm1, partial(self.attn, backend=backend)), (self.norm2, self.mlp)):
-            x = sublayer(norm(x)).add_(x)
-        return x
+        x = self.attn(self.norm1(x), backend=backend).add_(x)
+        return self.mlp(self.norm2(x)).add_(x)
 
 
 class TokenRefiner(nn.Module):
@@ -155,8 +152,9 @@ class TokenRefiner(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
         # x: [L, hidden] text features -> refined [L, hidden]
-        refined = reduce(lambda h, layer: layer(h, backend=backend), self.blocks, x)
-        return self.final_norm(refined)
+        for block in self.blocks:
+            x = block(x, backend=backend)
+        return self.final_norm(x)
 
 
 class DiTBlock(nn.Module):
