@@ -169,8 +169,3 @@ def dit_tensor_layout(config: H3Config, quant: str = "none", nvfp4_refiner: bool
     specs += [_spec(f"{path}.weight", (dim,), "bf16", "norm.weight") for path, dim in norms]
     specs += [_spec(key, shape, "buffer", key) for key, shape in buffers]  # kind = key for the two buffers
     return {s.name: s for s in sorted(specs, key=lambda s: s.name)}
-
-
-def master_layout(config: H3Config) -> dict[str, TensorSpec]:
-    """The dense (unquantized) layout: the master weights every variant is derived from."""
-    return dit_tensor_layout(config, "none")

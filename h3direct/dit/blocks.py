@@ -11,8 +11,6 @@ the same way.
 
 from __future__ import annotations
 
-from functools import partial, reduce
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -141,9 +139,8 @@ class RefinerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
         # x: [L, hidden] -> [L, hidden]; x ← sublayer(norm(x)) + x, the sum taken into the fresh output
-        for norm, sublayer in ((self.norm1, partial(self.attn, backend=backend)), (self.norm2, self.mlp)):
-            x = sublayer(norm(x)).add_(x)
-        return x
+        x = self.attn(self.norm1(x), backend=backend).add_(x)
+        return self.mlp(self.norm2(x)).add_(x)
 
 
 class TokenRefiner(nn.Module):
@@ -155,8 +152,9 @@ class TokenRefiner(nn.Module):
 
     def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
         # x: [L, hidden] text features -> refined [L, hidden]
-        refined = reduce(lambda h, layer: layer(h, backend=backend), self.blocks, x)
-        return self.final_norm(refined)
+        for block in self.blocks:
+            x = block(x, backend=backend)
+        return self.final_norm(x)
 
 
 class DiTBlock(nn.Module):
@@ -172,18 +170,26 @@ class DiTBlock(nn.Module):
                 backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, sp=None) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
         # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
-        mods = self.adaln_proj(t_emb)  # shift, scale, gate of the attention, then the same three of the MLP
-        sublayers = ((self.norm1, partial(self.attn, rope_table=rope_table, backend=backend, sp=sp)),
-                     (self.norm2, partial(self.mlp, chunks=mlp_chunks)))
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
         compiled = fused.compile_enabled(x)  # opt-in: norm+modulation and the gated residual as compiled passes
-        for i, (norm, sublayer) in enumerate(sublayers):
-            shift, scale, gate = mods[3 * i:3 * i + 3]
-            if compiled:
-                h = fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs)
-                x = fused.gated_residual(x, gate, sublayer(h), runs)
-            else:
-                x = gated_residual_(x, gate, sublayer(modulate_(norm(x), shift, scale, runs)), runs)
-        return x
+        h = _modulated(self.norm1, x, shift_a, scale_a, runs, compiled)
+        x = _add_gated(x, gate_a, self.attn(h, rope_table, backend=backend, sp=sp), runs, compiled)
+        h = _modulated(self.norm2, x, shift_m, scale_m, runs, compiled)
+        return _add_gated(x, gate_m, self.mlp(h, chunks=mlp_chunks), runs, compiled)
+
+
+def _modulated(norm: RMSNorm, x, shift, scale, runs: list[ModRun], compiled: bool) -> torch.Tensor:
+    """norm(x)·(1 + scale[row]) + shift[row] (a fresh tensor; x is not changed)."""
+    if compiled:
+        return fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs)
+    return modulate_(norm(x), shift, scale, runs)
+
+
+def _add_gated(x, gate, update, runs: list[ModRun], compiled: bool) -> torch.Tensor:
+    """x + update·gate[row] (in place on the eager path)."""
+    if compiled:
+        return fused.gated_residual(x, gate, update, runs)
+    return gated_residual_(x, gate, update, runs)
 
 
 class FinalLayer(nn.Module):

@@ -54,7 +54,7 @@ def _kaiser_beta(attenuation_db: float) -> float:
     if attenuation_db < 21.0:
         return 0.0
     excess = attenuation_db - 21
-    return 0.5842 * excess ** 0.4 + 0.07886 * (attenuation_db - 21.0)
+    return 0.5842 * excess ** 0.4 + 0.07886 * excess
 
 
 @functools.lru_cache(maxsize=64)
