@@ -18,7 +18,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,23 +106,10 @@ def rel_l2(a, b) -> float:
 
 
 def time_ms(fn, iters: int, device) -> float:
-    import torch
+    """Median ms per call after two warm-up calls (benchmarks._common.time_calls: CUDA events on the GPU)."""
+    from benchmarks._common import time_calls
 
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) / iters * 1e3
-    fn(), fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return time_calls(fn, device, warmup=2, iters=iters)["median_s"] * 1e3
 
 
 def kernel_names(fn, device) -> list[str]:
