@@ -178,3 +178,50 @@ def test_serve_h200_tiny(tmp_path):
     assert len(req["response"]["step_seconds"]) == 2
     assert data["ready_after"]["queue"]["completed"] == 1
     assert not (tmp_path / "work" / "dit_nvfp4.safetensors").exists()  # model files removed at the end
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.sh")))
+def test_shell_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(BENCH / script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_gpu_env_snippet_unpacks_and_packs(tmp_path):
+    """benchmarks/_gpu_env.sh (sourced by gpu_calibrate/groundtruth/speed.sh): the carried wheels land on
+    PYTHONPATH after the repo, pack_results tars $OUT into results.tgz and keeps only the names it is given."""
+    import tarfile
+
+    carry, src, out, site = tmp_path / "carry", tmp_path / "src", tmp_path / "out", tmp_path / "site"
+    for d in (carry, src, out / "sub"):
+        d.mkdir(parents=True)
+    for name, member in (("ck0240", "comfy_kitchen_marker"), ("fa3", "fa3_marker")):
+        (src / member).write_text(name)
+        with tarfile.open(carry / f"{name}.tar.xz", "w:xz") as t:
+            t.add(src / member, arcname=member)
+    for f in ("x.log", "sub/y.json", "keep.whl.xz", "gpu_made.tgz"):
+        (out / f).write_text(f)
+    script = 'set -u; . benchmarks/_gpu_env.sh; echo "PP=$PYTHONPATH"; pack_results "*.whl.xz" gpu_made.tgz'
+    env = {**os.environ, "CARRY": str(carry), "OUT": str(out)}
+    # $SITE is fixed at /tmp/h3site by the snippet; run it with a private copy so the test leaves nothing behind
+    text = (BENCH / "_gpu_env.sh").read_text()
+    assert "SITE=/tmp/h3site" in text
+    snippet = tmp_path / "benchmarks" / "_gpu_env.sh"
+    snippet.parent.mkdir()
+    snippet.write_text(text.replace("SITE=/tmp/h3site", f"SITE={site}"))
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"PP={tmp_path}:{site}" in proc.stdout
+    assert {p.name for p in site.iterdir()} == {"comfy_kitchen_marker", "fa3_marker"}
+    assert {p.name for p in out.iterdir()} == {"results.tgz", "keep.whl.xz", "gpu_made.tgz"}
+    with tarfile.open(out / "results.tgz") as t:
+        assert {n.lstrip("./") for n in t.getnames() if n not in (".", "./")} == {"x.log", "sub", "sub/y.json"}
+
+
+def test_gpu_env_snippet_exits_3_without_the_carried_wheels(tmp_path):
+    snippet = tmp_path / "benchmarks" / "_gpu_env.sh"
+    snippet.parent.mkdir()
+    snippet.write_text((BENCH / "_gpu_env.sh").read_text().replace("SITE=/tmp/h3site", f"SITE={tmp_path / 'site'}"))
+    env = {**os.environ, "CARRY": str(tmp_path / "missing"), "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", "-c", ". benchmarks/_gpu_env.sh; echo after"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "after" not in proc.stdout
