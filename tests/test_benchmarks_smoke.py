@@ -225,3 +225,27 @@ def test_gpu_env_snippet_exits_3_without_the_carried_wheels(tmp_path):
     proc = subprocess.run(["bash", "-c", ". benchmarks/_gpu_env.sh; echo after"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and "after" not in proc.stdout
+
+
+def test_env_options_sets_then_restores(monkeypatch):
+    import _common as C
+
+    monkeypatch.setenv("H3_BENCH_KEEP", "before")
+    monkeypatch.delenv("H3_BENCH_NEW", raising=False)
+    with pytest.raises(RuntimeError), C.env_options({"H3_BENCH_KEEP": 1.5, "H3_BENCH_NEW": "x"}):
+        assert os.environ["H3_BENCH_KEEP"] == "1.5" and os.environ["H3_BENCH_NEW"] == "x"
+        raise RuntimeError("restored even on error")
+    assert os.environ["H3_BENCH_KEEP"] == "before" and "H3_BENCH_NEW" not in os.environ
+
+
+def test_attention_kernels_cpu(tmp_path):
+    out = tmp_path / "attn.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "attention_kernels.py"), "--device", "cpu", "--seq", "256",
+                           "--heads", "2", "--backends", "sdpa,fa3", "--iters", "2", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["sdpa"]["status"] == "ok" and rows["sdpa"]["finite_structured"] and rows["sdpa"]["finite_random"]
+    for key in ("ms", "rel_l2_structured", "rel_l2_random"):
+        _finite(rows["sdpa"][key], f"sdpa {key}")
+    assert rows["fa3"]["status"].startswith("unavailable: "), rows["fa3"]
