@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,21 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
     t2 = time.perf_counter()
     return {"warmup_s": t1 - t0, "times_s": times, "median_s": statistics.median(times) if times else float("nan"),
             "wall_s": t2 - t1}
+
+
+@contextmanager
+def env_options(options: dict):
+    """Set these environment variables (values as strings) for the block, then restore what was there before."""
+    old = {k: os.environ.get(k) for k in options}
+    os.environ.update({k: str(v) for k, v in options.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def reset_peak(device) -> None:

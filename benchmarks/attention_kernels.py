@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,23 +105,10 @@ def rel_l2(a, b) -> float:
 
 
 def time_ms(fn, iters: int, device) -> float:
-    import torch
+    """Median ms per call after two warm-up calls (benchmarks._common.time_calls: CUDA events on the GPU)."""
+    from benchmarks._common import time_calls
 
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) / iters * 1e3
-    fn(), fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return time_calls(fn, device, warmup=2, iters=iters)["median_s"] * 1e3
 
 
 def kernel_names(fn, device) -> list[str]:
@@ -143,6 +128,7 @@ def kernel_names(fn, device) -> list[str]:
 def main(argv=None) -> int:
     import torch
 
+    from benchmarks._common import env_options
     from h3direct.dit.attention import (
         _PREFIX_ROWS,
         _REGISTRY,
@@ -172,30 +158,24 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{backend:15s} {env} unavailable: {reason}", flush=True)
             continue
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         token = _PREFIX_ROWS.set(prefix)
         try:
-            reset_attention_stats()
-            fn = _REGISTRY[backend].fn
-            for name, (q, k, v) in sets.items():
-                out = fn(q, k, v)
-                row[f"rel_l2_{name}"] = rel_l2(out, refs[name])
-                row[f"finite_{name}"] = bool(torch.isfinite(out).all())
-            q, k, v = sets["structured"]
-            call = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)  # noqa: E731
-            ms = time_ms(call, args.iters, device)
-            row.update(ms=ms, tflops=flop / ms / 1e9, kernels=kernel_names(call, device),
-                       calls=attention_stats().get(backend), status="ok")
+            with env_options(env):
+                reset_attention_stats()
+                fn = _REGISTRY[backend].fn
+                for name, (q, k, v) in sets.items():
+                    out = fn(q, k, v)
+                    row[f"rel_l2_{name}"] = rel_l2(out, refs[name])
+                    row[f"finite_{name}"] = bool(torch.isfinite(out).all())
+                q, k, v = sets["structured"]
+                call = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)  # noqa: E731
+                ms = time_ms(call, args.iters, device)
+                row.update(ms=ms, tflops=flop / ms / 1e9, kernels=kernel_names(call, device),
+                           calls=attention_stats().get(backend), status="ok")
         except Exception as exc:  # noqa: BLE001 - a broken backend is a row, not the end of the run
             row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
             _PREFIX_ROWS.reset(token)
-            for kk, vv in old.items():
-                if vv is None:
-                    os.environ.pop(kk, None)
-                else:
-                    os.environ[kk] = vv
         rows.append(row)
         print(f"{backend:15s} {env} " + (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  rel-L2 structured "
               f"{row['rel_l2_structured']:.2e} random {row['rel_l2_random']:.2e}  {row['kernels'][:2]}"

@@ -11,16 +11,8 @@ set -u
 OUT="${OUT:-/tmp/h3_gpu}"; mkdir -p "$OUT"
 CARRY="${CARRY:-../.whl}"
 PARTS="${PARTS:-gate kernels sage bench}"   # also: solk (sol_attn kernel at S = 20,050), contract
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-T0=$(date +%s)
-el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-SITE=/tmp/h3site; mkdir -p "$SITE"
-tar xJf "$CARRY/ck0240.tar.xz" -C "$SITE" && tar xJf "$CARRY/fa3.tar.xz" -C "$SITE" || exit 3
-export PYTHONPATH="$PWD:$SITE"
-if [ -f "$CARRY/comfy.tar.xz" ]; then  # ComfyUI for the same-run timing (never committed; packed outside the repo)
-  mkdir -p /tmp/comfy && tar xJf "$CARRY/comfy.tar.xz" -C /tmp/comfy
-  python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/*.whl
-fi
+. benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen, fa3), PYTHONPATH, unpack_comfy, pack_results
+[ -f "$CARRY/comfy.tar.xz" ] && unpack_comfy  # ComfyUI for the same-run timing
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, comfy_kitchen as ck, fa3_fwd_interface; print('torch', torch.__version__, 'sol', ck.sol_attn_is_available())" 2>&1 | tee -a "$OUT/env.txt"
 
@@ -85,5 +77,4 @@ case " $PARTS " in *" bench "*)
   el "bench_dit exit $?"; tail -25 "$OUT/bench_dit.log"
 ;; esac
 el "done"
-cd "$OUT" && tar czf results.tgz --exclude=results.tgz --exclude='*.whl.xz' ./* && \
-  find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name '*.whl.xz' -exec rm -rf {} +
+pack_results '*.whl.xz'

@@ -21,13 +21,9 @@ set -u
 OUT="${OUT:-/tmp/h3_gt}"; mkdir -p "$OUT"
 CARRY="${CARRY:-../.whl}"; IN="${IN:-/tmp/gt_in}"
 BACKENDS="${BACKENDS:-sdpa cudnn_sdpa fa3 ck_int8 sol_attn}"
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True H3_COMFY_COMMIT=0f1fa67a
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-SITE=/tmp/h3site; mkdir -p "$SITE" /tmp/comfy
-tar xJf "$CARRY/ck0240.tar.xz" -C "$SITE" && tar xJf "$CARRY/fa3.tar.xz" -C "$SITE" || exit 3
-tar xJf "$CARRY/comfy.tar.xz" -C /tmp/comfy || exit 3
-python3 -m pip install -q --no-deps --no-index --no-compile --target "$SITE" "$CARRY"/*.whl || exit 3
-export PYTHONPATH="$PWD:$SITE" H3_COMFY_ROOT=/tmp/comfy
+. benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen, fa3), PYTHONPATH, unpack_comfy, pack_results
+unpack_comfy || exit 3
+export H3_COMFY_COMMIT=0f1fa67a H3_COMFY_ROOT=/tmp/comfy
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, comfy_kitchen as ck, importlib.metadata as md; print('torch', torch.__version__, 'cuda', \
 torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'comfy_kitchen', md.version('comfy-kitchen'), 'sol', \
@@ -88,5 +84,4 @@ wait
 el "done"
 tar czf "$OUT/gpu_made.tgz" -C "$IN" h3_small_curve_bf16.safetensors h3_small_curve_nvfp4.safetensors \
   inputs_gpu_ref2va.safetensors
-cd "$OUT" && tar czf gpu_traces.tgz gpu/trace_* && rm -rf gpu && tar czf results.tgz --exclude=gpu_traces.tgz --exclude=gpu_made.tgz ./* && \
-  find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name gpu_traces.tgz ! -name gpu_made.tgz -exec rm -rf {} +
+(cd "$OUT" && tar czf gpu_traces.tgz gpu/trace_* && rm -rf gpu) && pack_results gpu_traces.tgz gpu_made.tgz

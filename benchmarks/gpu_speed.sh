@@ -3,11 +3,7 @@
 # (pytest -m parity --device cuda, committed budgets), then timed (bench_dit, median of 5) and profiled (one step).
 set -u
 OUT="${OUT:-/tmp/h3_speed}"; mkdir -p "$OUT"; CARRY="${CARRY:-../.whl}"
-export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-SITE=/tmp/h3site; mkdir -p "$SITE"
-tar xJf "$CARRY/ck0240.tar.xz" -C "$SITE" && tar xJf "$CARRY/fa3.tar.xz" -C "$SITE" || exit 3
-export PYTHONPATH="$PWD:$SITE"
+. benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen, fa3), PYTHONPATH, pack_results
 H3_COMPILE_ELEMENTWISE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py \
   --device cuda --attention fa3 --parity-report "$OUT/gate_fa3_compiled" > "$OUT/gate_fa3_compiled.log" 2>&1
 el "gate fa3 + compiled elementwise: $(tail -1 "$OUT/gate_fa3_compiled.log")"
@@ -21,4 +17,4 @@ for mode in eager compiled; do
   el "profile fa3 $mode"; tail -14 "$OUT/profile_fa3_$mode.log"
 done
 el done
-cd "$OUT" && tar czf results.tgz --exclude=results.tgz ./* && find . -mindepth 1 -maxdepth 1 ! -name results.tgz -exec rm -rf {} +
+pack_results

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -52,29 +51,6 @@ def _contract(path: str) -> dict:
     return c
 
 
-class _Env:
-    """Apply a path's H3_* options for its duration."""
-
-    def __init__(self, options: dict):
-        self.options, self.old = {k: str(v) for k, v in options.items()}, {}
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.options}
-        os.environ.update(self.options)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _timed(fn, dev, warmup: int, iters: int) -> dict:
-    r = C.time_calls(fn, dev, warmup=warmup, iters=iters)
-    return r
-
-
 def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dict]:
     import torch
     from bench_dit import make_inputs
@@ -99,7 +75,7 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
             raise SystemExit(f"run_contract: error: --paths: {name!r} is not a path of the contract")
         attn = spec["attention"]
         res = {"attention": attn, "options": spec.get("options", {})}
-        with _Env(spec.get("options", {})):
+        with C.env_options(spec.get("options", {})):
             reason = unavailable_reason(attn, like)
             if reason is not None:
                 paths[name] = {**res, "status": f"unavailable: {reason}"}
@@ -114,7 +90,7 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
                 res["text_refine_s"] = time.perf_counter() - t
                 den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=attn)
                 C.reset_peak(dev)
-                r = _timed(lambda den=den: den(video, audio, sigma), dev, warmup, timed)
+                r = C.time_calls(lambda den=den: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
             res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
                        denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
                        attention_calls=attention_stats() or None)

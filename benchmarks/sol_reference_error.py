@@ -35,14 +35,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def main(argv=None) -> int:
     import torch
 
     from h3direct.traces.format import load_trace
+    from h3direct.traces.metrics import rel_l2
 
     args = parse_args(argv)
     try:
@@ -82,7 +79,7 @@ def main(argv=None) -> int:
         recorded = trace.get(f"{name}.out_proj.in.0").float().reshape(1, s, heads, head_dim)
         exact = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-        sanity = _rel(exact, recorded)
+        sanity = rel_l2(exact, recorded)
         if not sanity <= SANITY:
             print(f"sol_reference_error: block {blk}: exact attention is {sanity:.2e} from ComfyUI's recorded output "
                   f"(> {SANITY:g}): q/k/v extraction does not match this trace", file=sys.stderr)
@@ -94,7 +91,7 @@ def main(argv=None) -> int:
         for kw in options:
             kw = {a: b for a, b in kw.items() if b is not None}
             out = ref_impl(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw).float()
-            row = {"block": blk, "seq_len": s, "options": kw, "rel_l2_vs_exact": _rel(out, exact),
+            row = {"block": blk, "seq_len": s, "options": kw, "rel_l2_vs_exact": rel_l2(out, exact),
                    "exact_vs_comfy": sanity, "attention_entropy": entropy, "max_prob": float(probs.max())}
             rows.append(row)
             print(f"block {blk} S={s} entropy/log(S) {entropy:.3f} max p {row['max_prob']:.4f} | {kw}: "

@@ -178,3 +178,81 @@ def test_serve_h200_tiny(tmp_path):
     assert len(req["response"]["step_seconds"]) == 2
     assert data["ready_after"]["queue"]["completed"] == 1
     assert not (tmp_path / "work" / "dit_nvfp4.safetensors").exists()  # model files removed at the end
+
+
+SHELL_SCRIPTS = sorted(str(p.relative_to(ROOT)) for pattern in ("benchmarks/*.sh", "fixtures/*.sh", "tools/*.sh",
+                                                                  "docker/*.sh") for p in ROOT.glob(pattern))
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_shell_scripts_parse_and_run_directly(script):
+    """Every shell script parses; those the docs run as `path/to/x.sh` (all but the sourced `_*.sh`) are executable."""
+    proc = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    if not Path(script).name.startswith("_"):
+        assert os.access(ROOT / script, os.X_OK), f"{script} lost its executable bit"
+
+
+def test_gpu_env_snippet_unpacks_and_packs(tmp_path):
+    """benchmarks/_gpu_env.sh (sourced by gpu_calibrate/groundtruth/speed.sh): the carried wheels land on
+    PYTHONPATH after the repo, pack_results tars $OUT into results.tgz and keeps only the names it is given."""
+    import tarfile
+
+    carry, src, out, site = tmp_path / "carry", tmp_path / "src", tmp_path / "out", tmp_path / "site"
+    for d in (carry, src, out / "sub"):
+        d.mkdir(parents=True)
+    for name, member in (("ck0240", "comfy_kitchen_marker"), ("fa3", "fa3_marker")):
+        (src / member).write_text(name)
+        with tarfile.open(carry / f"{name}.tar.xz", "w:xz") as t:
+            t.add(src / member, arcname=member)
+    for f in ("x.log", "sub/y.json", "keep.whl.xz", "gpu_made.tgz"):
+        (out / f).write_text(f)
+    script = 'set -u; . benchmarks/_gpu_env.sh; echo "PP=$PYTHONPATH"; pack_results "*.whl.xz" gpu_made.tgz'
+    env = {**os.environ, "CARRY": str(carry), "OUT": str(out)}
+    # $SITE is fixed at /tmp/h3site by the snippet; run it with a private copy so the test leaves nothing behind
+    text = (BENCH / "_gpu_env.sh").read_text()
+    assert "SITE=/tmp/h3site" in text
+    snippet = tmp_path / "benchmarks" / "_gpu_env.sh"
+    snippet.parent.mkdir()
+    snippet.write_text(text.replace("SITE=/tmp/h3site", f"SITE={site}"))
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"PP={tmp_path}:{site}" in proc.stdout
+    assert {p.name for p in site.iterdir()} == {"comfy_kitchen_marker", "fa3_marker"}
+    assert {p.name for p in out.iterdir()} == {"results.tgz", "keep.whl.xz", "gpu_made.tgz"}
+    with tarfile.open(out / "results.tgz") as t:
+        assert {n.lstrip("./") for n in t.getnames() if n not in (".", "./")} == {"x.log", "sub", "sub/y.json"}
+
+
+def test_gpu_env_snippet_exits_3_without_the_carried_wheels(tmp_path):
+    snippet = tmp_path / "benchmarks" / "_gpu_env.sh"
+    snippet.parent.mkdir()
+    snippet.write_text((BENCH / "_gpu_env.sh").read_text().replace("SITE=/tmp/h3site", f"SITE={tmp_path / 'site'}"))
+    env = {**os.environ, "CARRY": str(tmp_path / "missing"), "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", "-c", ". benchmarks/_gpu_env.sh; echo after"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "after" not in proc.stdout
+
+
+def test_env_options_sets_then_restores(monkeypatch):
+    import _common as C
+
+    monkeypatch.setenv("H3_BENCH_KEEP", "before")
+    monkeypatch.delenv("H3_BENCH_NEW", raising=False)
+    with pytest.raises(RuntimeError), C.env_options({"H3_BENCH_KEEP": 1.5, "H3_BENCH_NEW": "x"}):
+        assert os.environ["H3_BENCH_KEEP"] == "1.5" and os.environ["H3_BENCH_NEW"] == "x"
+        raise RuntimeError("restored even on error")
+    assert os.environ["H3_BENCH_KEEP"] == "before" and "H3_BENCH_NEW" not in os.environ
+
+
+def test_attention_kernels_cpu(tmp_path):
+    out = tmp_path / "attn.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "attention_kernels.py"), "--device", "cpu", "--seq", "256",
+                           "--heads", "2", "--backends", "sdpa,fa3", "--iters", "2", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["sdpa"]["status"] == "ok" and rows["sdpa"]["finite_structured"] and rows["sdpa"]["finite_random"]
+    for key in ("ms", "rel_l2_structured", "rel_l2_random"):
+        _finite(rows["sdpa"][key], f"sdpa {key}")
+    assert rows["fa3"]["status"].startswith("unavailable: "), rows["fa3"]

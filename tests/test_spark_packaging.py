@@ -734,6 +734,14 @@ def test_probe_finds_where_serve_listens(health_module, argv, address):
     assert health_module.serve_address(argv) == address
 
 
+def test_probe_default_port_is_serves(health_module):
+    """healthcheck.py stays stdlib-only (no h3direct/torch import per probe), so it keeps its own copy of serve's
+    default port: the two must not drift apart."""
+    from h3direct.app import serve
+
+    assert health_module.DEFAULT_PORT == serve.DEFAULT_PORT
+
+
 class _Ready(http.server.BaseHTTPRequestHandler):
     status = 503
 
