@@ -48,3 +48,23 @@ def test_fused_adaln_kernels_round_once():
     res = fused.gated_residual_(x.clone(), gate, upd, runs)
     assert _rel(res, want) <= 1.05 * _rel(want.bfloat16(), want)
     assert torch.equal(res[4000:], x[4000:])
+
+
+def test_fused_qk_norm_rope_rounds_once():
+    from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    s, heads, hd = 3001, 56, 128
+    qkv = (torch.randn(s, 3 * heads * hd, generator=g) * 2).to("cuda", torch.bfloat16)
+    wq, wk = ((1 + 0.3 * torch.randn(hd, generator=g)).to("cuda", torch.bfloat16) for _ in range(2))
+    pos = torch.stack([torch.arange(s) // 300, torch.arange(s) // 20 % 15, torch.arange(s) % 20], -1).double()
+    table = rotation_table(rope_angles(pos, 1.0 / 10000 ** (torch.arange(16) / 16)).cuda(), torch.bfloat16)
+    src = qkv.clone()
+    q, k, _ = (t.view(1, s, heads, hd) for t in qkv.chunk(3, dim=-1))
+    fused.qk_norm_rope_(q, k, wq, wk, table, 1e-6)
+    for part, w, i in ((q, wq, 0), (k, wk, 1)):
+        x = src.chunk(3, dim=-1)[i].reshape(1, s, heads, hd)
+        ref = rms_norm_rope(x.double(), w.double(), table.double(), 1e-6)
+        assert _rel(part, ref) <= 1.05 * _rel(ref.bfloat16(), ref)
+        assert _rel(part, ref) < _rel(rms_norm_rope(x, w, table, 1e-6), ref)
+    assert torch.equal(qkv[:, 2 * heads * hd:], src[:, 2 * heads * hd:])
