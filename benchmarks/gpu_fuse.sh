@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One H200 call (expected ~3.5 min, every step under its own timeout): the Triton kernels of h3direct/dit/fused.py
+# One H200 call (expected ~3.5-4 min; steps capped at FUSE_BUDGET_S = 235 s in all, each under its own timeout):
+# the Triton kernels of h3direct/dit/fused.py
 # (RMSNorm + adaLN modulation, gated residual, in-place SwiGLU, q/k RMSNorm + rope) and the strided-v / freed-MLP-input memory changes.
 #   (i)   benchmarks/check_fused.py at the full shape (S 20,050, hidden 5376, ffn 14336, bf16): fused vs eager vs an
 #         fp64 reference, ms per call; SwiGLU bitwise; fc2 on the strided SwiGLU view (bitwise, no hidden copy);
@@ -16,19 +17,29 @@ set -u
 OUT="${OUT:-/tmp/h3_gpu}"; CARRY="${CARRY:-../.whl}"
 . benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen, fa3), PYTHONPATH
 R="$OUT/fuse"; mkdir -p "$R"
+# the whole script stays within FUSE_BUDGET_S (default 235 s from the start): each step's timeout is cut to what is
+# left, and a step with less than 15 s left is skipped (said so), never the whole script
+BUDGET="${FUSE_BUDGET_S:-235}"
+step() {  # step SECONDS CMD...: timeout min(SECONDS, time left) CMD, or skip
+  local want=$1 left; shift
+  left=$(( BUDGET - ($(date +%s) - T0) ))
+  [ "$left" -lt "$want" ] && want=$left
+  if [ "$want" -lt 15 ]; then el "skipped, time budget spent: ${*:1:6}"; return 125; fi
+  timeout "$want" "$@"
+}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee "$R/env.txt"
 
 # (i) kernels at the full shape
-timeout 90 python3 benchmarks/check_fused.py --device cuda --out "$R/check_fused.json" > "$R/check_fused.log" 2>&1
+step 60 python3 benchmarks/check_fused.py --device cuda --out "$R/check_fused.json" > "$R/check_fused.log" 2>&1
 el "check_fused exit $?"; cat "$R/check_fused.log"
 
 # (ii) the gate with the fused path (the default on CUDA)
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
+step 50 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
   --attention fa3 --budgets benchmarks/calibration_budgets.toml --parity-report "$R/cal_fa3_fused" \
   > "$R/cal_fa3_fused.log" 2>&1
 el "calibration fa3 fused: $(tail -1 "$R/cal_fa3_fused.log")"
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
+step 50 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
   --attention fa3 --parity-report "$R/gate_fa3_fused" > "$R/gate_fa3_fused.log" 2>&1
 el "gate fa3 fused (budgets.toml): $(tail -1 "$R/gate_fa3_fused.log")"
 grep -E "^FAILED|exceeds|> budget" "$R/gate_fa3_fused.log" | head -5
@@ -36,17 +47,17 @@ grep -E "^FAILED|exceeds|> budget" "$R/gate_fa3_fused.log" | head -5
 # (iii) speed and peak memory, fused vs eager (one process each: the env var is read per call, weights rebuilt)
 for mode in fused eager; do
   f=1; [ $mode = eager ] && f=0
-  H3_FUSED=$f timeout 110 python3 benchmarks/bench_dit.py --preset full --device cuda --weights nvfp4 --attention fa3 \
+  step 80 env H3_FUSED=$f python3 benchmarks/bench_dit.py --preset full --device cuda --weights nvfp4 --attention fa3 \
     --steps 5 --no-kernels --out "$R/bench_$mode.json" > "$R/bench_$mode.log" 2>&1
   el "bench fa3 $mode exit $?: $(grep -m1 'nvfp4/fa3:' "$R/bench_$mode.log")"
 done
 
 # (iv) one step profiled, fused
-timeout 100 python3 benchmarks/profile_dit.py --attention fa3 --weights nvfp4 --top 15 > "$R/profile_fused.log" 2>&1
+step 70 python3 benchmarks/profile_dit.py --attention fa3 --weights nvfp4 --top 15 > "$R/profile_fused.log" 2>&1
 el "profile fa3 fused exit $?"; tail -28 "$R/profile_fused.log"
 
 # (ii, continued) cudnn_sdpa's gate with the fused path, if time is left
-timeout 60 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
+step 45 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_dit_parity.py --device cuda \
   --attention cudnn_sdpa --parity-report "$R/gate_cudnn_fused" > "$R/gate_cudnn_fused.log" 2>&1
 el "gate cudnn_sdpa fused (budgets.toml): $(tail -1 "$R/gate_cudnn_fused.log")"
 
