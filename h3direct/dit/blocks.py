@@ -6,7 +6,9 @@ Each sublayer of a DiT block computes, for the rows of one modulation run with a
 
 with the modulation applied in place on the norm output and the gated residual accumulated into the stream
 in place. That order (multiply, then add, then addcmul into x) is also the oracle's, so bf16 results round
-the same way.
+the same way. On CUDA with Triton (`fused.py`, unless H3_FUSED=0) the norm + modulation and the gated residual
+are one pass each over all rows, fp32 inside and rounded once: closer to fp32 than that eager order, which the
+exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge.
 """
 
 from __future__ import annotations
