@@ -166,6 +166,25 @@ def _capability(like) -> tuple[int, int]:
 
 # ---- backends ------------------------------------------------------------------------------------
 
+def dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> the same values with dense [B, S, H, D] storage (free when it already is).
+
+    The DiT hands v over as a strided view into the qkv projection output (row stride 3·H·D); FA3 reads that
+    directly, the other backends get this copy (the layout the block used to make for every backend)."""
+    b, h, s, d = t.shape
+    if t.stride() == (s * h * d, d, h * d, 1) or t.is_contiguous():
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _dense_v(fn):
+    """A backend that wants v dense: the copy is made here, not by every caller."""
+    @functools.wraps(fn)
+    def wrapped(q, k, v):
+        return fn(q, k, dense_rows(v))
+    return wrapped
+
+
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
 
@@ -354,10 +373,12 @@ def _sol_available(like):
     return None
 
 
-register("sdpa", _sdpa, _always, exact=True)
-register("cudnn_sdpa", _cudnn, _cudnn_available, exact=True)
+# fa3 reads a v with unit last-dim stride as it comes (FA3 requires only stride(-1) == 1); every other backend gets
+# v dense (kj_head_sliced and sol_attn pass it to a registered backend, which densifies it itself)
+register("sdpa", _dense_v(_sdpa), _always, exact=True)
+register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)
-register("sage2", _sage2, _sage2_available, exact=False)
-register("ck_int8", _ck_int8, _ck_int8_available, exact=False)
+register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
+register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
-register("sol_attn", _sol, _sol_available, exact=False)
+register("sol_attn", _dense_v(_sol), _sol_available, exact=False)

@@ -6,7 +6,9 @@ Each sublayer of a DiT block computes, for the rows of one modulation run with a
 
 with the modulation applied in place on the norm output and the gated residual accumulated into the stream
 in place. That order (multiply, then add, then addcmul into x) is also the oracle's, so bf16 results round
-the same way.
+the same way. On CUDA with Triton (`fused.py`, unless H3_FUSED=0) the norm + modulation and the gated residual
+are one pass each over all rows, fp32 inside and rounded once: closer to fp32 than that eager order, which the
+exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Attention(nn.Module):
             if self.tracer is not None:
                 self.tracer.record_tensor(self, "rope_q", q)
                 self.tracer.record_tensor(self, "rope_k", k)
-        v = v.contiguous()  # a dense copy of the strided v slice for the attention kernels
+        # v stays a strided view of the projection output: backends that need it dense copy it (attention.py)
         q, k, v = (rearrange(t, "s h d -> 1 h s d") for t in (q, k, v))
         # sp: a `parallel.SequenceParallel` when x is this rank's slice of the sequence (all-to-all around attention)
         attend = attention if sp is None else sp.attention
@@ -75,11 +77,27 @@ class MLP(nn.Module):
         self.fc2 = Linear(ffn, hidden, bias=False)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if fused.enabled(h):
-            return self.fc2(fused.swiglu(h))
-        gate, up = h.chunk(2, dim=-1)
-        return self.fc2(F.silu(gate).mul_(up))
+        return self._swiglu_taking([x])
+
+    def _swiglu_taking(self, box: list) -> torch.Tensor:
+        # box: [x]; x is taken out of the list and released once fc1 has read it (when the caller keeps no other
+        # reference). SwiGLU is written over the gate half of fc1's output, which fc2 reads as a strided view
+        # (row stride 2F): no [S, F] buffer. Eager: silu_ then mul_ in place, the same two roundings as before.
+        x = box.pop()
+        a = self.fc1(x)
+        del x
+        if fused.enabled(a):
+            return self.fc2(fused.swiglu_(a))
+        gate, up = a.chunk(2, dim=-1)
+        return self.fc2(F.silu(gate, inplace=True).mul_(up))
+
+    def forward_taking(self, box: list, *, chunks: int = 1) -> torch.Tensor:
+        """`forward` on box's one tensor, taken out of the list so that it is freed as soon as fc1 has read it
+        (a module call keeps its arguments alive until it returns). With module hooks (the tracer) or chunks
+        it is an ordinary call."""
+        if chunks > 1 or self._forward_hooks or self._forward_pre_hooks or _global_hooks():
+            return self(box.pop(), chunks=chunks)
+        return self._swiglu_taking(box)
 
     def forward(self, x: torch.Tensor, *, chunks: int = 1) -> torch.Tensor:
         # x: [S, hidden] -> [S, hidden]. Chunk boundaries fall on multiples of CHUNK_ALIGN rows and the last
@@ -171,24 +189,32 @@ class DiTBlock(nn.Module):
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
         # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
-        compiled = fused.compile_enabled(x)  # opt-in: norm+modulation and the gated residual as compiled passes
-        h = _modulated(self.norm1, x, shift_a, scale_a, runs, compiled)
-        x = _add_gated(x, gate_a, self.attn(h, rope_table, backend=backend, sp=sp), runs, compiled)
-        h = _modulated(self.norm2, x, shift_m, scale_m, runs, compiled)
-        return _add_gated(x, gate_m, self.mlp(h, chunks=mlp_chunks), runs, compiled)
+        fuse = fused.enabled(x)  # Triton: norm+modulation and the gated residual as one pass each
+        h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse)
+        x = _add_gated(x, gate_a, self.attn(h, rope_table, backend=backend, sp=sp), runs, fuse)
+        del h
+        box = [_modulated(self.norm2, x, shift_m, scale_m, runs, fuse)]  # the MLP frees it after fc1 (peak memory)
+        return _add_gated(x, gate_m, self.mlp.forward_taking(box, chunks=mlp_chunks), runs, fuse)
 
 
-def _modulated(norm: RMSNorm, x, shift, scale, runs: list[ModRun], compiled: bool) -> torch.Tensor:
-    """norm(x)·(1 + scale[row]) + shift[row] (a fresh tensor; x is not changed)."""
-    if compiled:
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def _modulated(norm: RMSNorm, x, shift, scale, runs: list[ModRun], fuse: bool) -> torch.Tensor:
+    """norm(x)·(1 + scale[row]) + shift[row] (a fresh tensor; x is not changed). Fused: fp32 inside, one
+    rounding (eager: three); rows outside every run get the plain norm either way."""
+    if fuse:
         return fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs)
     return modulate_(norm(x), shift, scale, runs)
 
 
-def _add_gated(x, gate, update, runs: list[ModRun], compiled: bool) -> torch.Tensor:
-    """x + update·gate[row] (in place on the eager path)."""
-    if compiled:
-        return fused.gated_residual(x, gate, update, runs)
+def _add_gated(x, gate, update, runs: list[ModRun], fuse: bool) -> torch.Tensor:
+    """x + update·gate[row], in place on x. Fused: fp32 inside, one rounding (eager: two)."""
+    if fuse:
+        return fused.gated_residual_(x, gate, update, runs)
     return gated_residual_(x, gate, update, runs)
 
 

@@ -7,7 +7,8 @@ a head's rotated part is [x1 | x2] (halves of 3·L), rotated as (x1·cos − x2�
 The rotation table is [1, S, 1, 3L, 2, 2] in the compute dtype — what ComfyUI hands comfy-kitchen's fused
 `rms_rope_split_half_` kernel (and what the oracle traces store as `blocks.N.in.3`). The arithmetic here
 follows that kernel's eager form op for op (RMSNorm in the input dtype, rotation in the table's dtype) so
-CPU results are bit-identical. On CUDA, `rms_norm_rope_` runs comfy-kitchen's fused kernel in place when
+CPU results are bit-identical. On CUDA, `rms_norm_rope_` runs h3direct's Triton kernel in place (`fused.py`:
+fp32 inside, one rounding; judged by the exact budgets), or with H3_FUSED=0 comfy-kitchen's fused kernel when
 comfy-kitchen is installed — the very kernel ComfyUI runs on GPUs — and the eager form otherwise.
 """
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from h3direct.checkpoint.quant.kitchen import kitchen_op
+from h3direct.dit import fused
 
 
 def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -60,10 +62,16 @@ def rms_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tenso
 
 def rms_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                    table: torch.Tensor, eps: float) -> None:
-    """In place on q, k [1, S, H, D] (views into the qkv buffer): per-head RMSNorm + partial split-half rope."""
-    fused = kitchen_op("rms_rope_split_half_") if q.is_cuda else None
-    if fused is not None:
-        fused(q, k, table, q_weight, k_weight, epsilon=eps, rot_dim=table.shape[-3] * 2)
+    """In place on q, k [1, S, H, D] (views into the qkv buffer): per-head RMSNorm + partial split-half rope.
+
+    CUDA: h3direct's Triton kernel (`fused.qk_norm_rope_`: fp32 inside, one rounding) unless H3_FUSED=0, else
+    comfy-kitchen's kernel when installed; the eager form otherwise."""
+    if fused.enabled(q) and fused.qk_norm_rope_supported(q, table):
+        fused.qk_norm_rope_(q, k, q_weight, k_weight, table, eps)
+        return
+    kernel = kitchen_op("rms_rope_split_half_") if q.is_cuda else None
+    if kernel is not None:
+        kernel(q, k, table, q_weight, k_weight, epsilon=eps, rot_dim=table.shape[-3] * 2)
         return
     q.copy_(rms_norm_rope(q, q_weight, table, eps))
     k.copy_(rms_norm_rope(k, k_weight, table, eps))

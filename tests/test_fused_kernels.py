@@ -1,0 +1,272 @@
+"""The Triton kernels of `h3direct/dit/fused.py`, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1).
+
+Each is checked against an fp64 reference of the same math: the fused kernels round once, so they must be at
+least as close to it as ComfyUI's eager bf16 ops (three / two roundings) — and within one bf16 rounding of it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3direct.dit import blocks, fused
+from h3direct.dit.timesteps import ModRun
+
+pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs Triton (the `test` extra installs it on x86_64 "
+                                                              "Linux) to run the kernels in its CPU interpreter")
+
+RUNS = [ModRun(0, 10, 1), ModRun(10, 45, 0), ModRun(45, 60, 2)]  # rows 60.. are outside every run
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _rel(a, ref) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def _inputs(s, d, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(s, d, generator=g) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    # adaLN tensors as the block gets them: rows of a wider table (row stride 6·d), fp32 (curve adaLN) here
+    table = torch.randn(3, 6, d, generator=g)
+    shift, scale, gate = table[:, 0], 0.2 * table[:, 1], table[:, 2]
+    return x, w, shift, scale, gate
+
+
+def _ref_norm_modulate(x, w, eps, shift, scale, runs):
+    ref = F.rms_norm(x.double(), (x.shape[-1],), w.double(), eps)
+    for r in runs:
+        ref[r.start:r.stop] = ref[r.start:r.stop] * (1 + scale[r.row].double()) + shift[r.row].double()
+    return ref
+
+
+def test_row_index_marks_rows_outside_every_run():
+    idx = fused.row_index(RUNS, 70, "cpu")
+    assert idx.dtype == torch.int32
+    assert idx[0] == 1 and idx[9] == 1 and idx[10] == 0 and idx[59] == 2 and (idx[60:] == -1).all()
+    assert fused.row_index(RUNS, 70, "cpu") is idx  # cached
+
+
+@pytest.mark.parametrize("d", [64, 100, 5376])  # 100: a row shorter than its power-of-two block (masking)
+def test_norm_modulate_rounds_once(d):
+    x, w, shift, scale, _ = _inputs(70, d)
+    ours = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    eager = blocks.modulate_(F.rms_norm(x, (d,), w, 1e-6), shift, scale, RUNS)
+    ref = _ref_norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    assert ours.dtype == torch.bfloat16 and ours.shape == x.shape
+    one_rounding = _rel(ref.bfloat16(), ref)
+    assert _rel(ours, ref) <= 1.05 * one_rounding, (_rel(ours, ref), one_rounding)
+    assert _rel(ours, ref) < _rel(eager, ref)
+    # rows outside every run: the plain norm (one rounding of it)
+    assert _rel(ours[60:], ref[60:]) <= 1.05 * _rel(ref[60:].bfloat16(), ref[60:])
+
+
+def test_norm_modulate_catches_a_wrong_row():
+    """The check above can fail: the same kernel fed a wrong adaLN row for one run is far outside it."""
+    x, w, shift, scale, _ = _inputs(70, 64)
+    wrong = [ModRun(0, 10, 2), *RUNS[1:]]
+    ref = _ref_norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    assert _rel(fused.norm_modulate(x, w, 1e-6, shift, scale, wrong), ref) > 20 * _rel(ref.bfloat16(), ref)
+
+
+def test_norm_modulate_fp32():
+    x, w, shift, scale, _ = _inputs(70, 96, dtype=torch.float32)
+    ours = fused.norm_modulate(x, w, 1e-5, shift, scale, RUNS)
+    assert ours.dtype == torch.float32
+    assert _rel(ours, _ref_norm_modulate(x, w, 1e-5, shift, scale, RUNS)) < 1e-6
+
+
+@pytest.mark.parametrize("d", [64, 100])
+def test_gated_residual_in_place_rounds_once(d):
+    x, _, _, _, gate = _inputs(70, d, seed=1)
+    upd = torch.randn(70, d, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ref = x.double().clone()
+    for r in RUNS:
+        ref[r.start:r.stop] += upd[r.start:r.stop].double() * gate[r.row].double()
+    eager = blocks.gated_residual_(x.clone(), gate, upd, RUNS)
+    ours = x.clone()
+    out = fused.gated_residual_(ours, gate, upd, RUNS)
+    assert out.data_ptr() == ours.data_ptr()  # in place
+    assert _rel(ours, ref) <= 1.05 * _rel(ref.bfloat16(), ref)
+    assert _rel(ours, ref) <= _rel(eager, ref)
+    assert torch.equal(ours[60:], x[60:])  # rows outside every run are not touched
+
+
+def test_gated_residual_catches_a_wrong_row():
+    x, _, _, _, gate = _inputs(70, 64, seed=1)
+    upd = torch.randn(70, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    right = fused.gated_residual_(x.clone(), gate, upd, RUNS)
+    wrong = fused.gated_residual_(x.clone(), gate, upd, [ModRun(0, 10, 0), *RUNS[1:]])
+    assert _rel(wrong, right.double()) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_in_place_on_the_gate_half(dtype):
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(37, 2 * 1100, generator=g) * 4).to(dtype)  # F = 1100: a partial last block
+    gate, up = a.clone().chunk(2, dim=-1)
+    want = F.silu(gate).mul_(up)
+    buf = a.clone()
+    got = fused.swiglu_(buf)
+    assert got.shape == want.shape and got.stride() == (2 * 1100, 1) and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:, 1100:], a[:, 1100:])  # the up half is left as it was
+    # the interpreter's exp is numpy's, not CUDA's expf: equal up to one rounding of the last op
+    assert (got.float() - want.float()).abs().max() <= (want.float().abs() * 2 ** -7).max()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _block(hidden=64, heads=2, head_dim=32, ffn=96, t_dim=16, seed=0):
+    torch.manual_seed(seed)
+    blk = blocks.DiTBlock(hidden, heads, head_dim, ffn, t_dim, 1e-6, 1e-6, curve=True)
+    for p in blk.parameters():
+        p.data = torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.1) + (1.0 if p.ndim == 1 else 0.0)
+    return blk
+
+
+def test_dit_block_fused_path_matches_eager(monkeypatch):
+    """The whole block with the fused kernels (forced on for CPU tensors) vs its eager path and an fp64 run."""
+    from h3direct.dit.rope import rope_angles, rotation_table
+
+    blk = _block()
+    s = 70
+    x = torch.randn(s, 64, generator=torch.Generator().manual_seed(5))
+    t_emb = torch.randn(1, 16, generator=torch.Generator().manual_seed(6))
+    runs = [ModRun(0, 20, 1), ModRun(20, 50, 0), ModRun(50, 70, 2)]
+    pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
+    angles = rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5))
+    with torch.no_grad():
+        ref = blk.double()(x.double(), t_emb.double(), runs, rotation_table(angles, torch.float64))
+        blk = blk.bfloat16()
+        table = rotation_table(angles, torch.bfloat16)
+        eager = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
+        monkeypatch.setattr(fused, "enabled", lambda t: True)
+        ours = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
+    assert _rel(ours, ref) < 1.25 * _rel(eager, ref), (_rel(ours, ref), _rel(eager, ref))
+    assert _rel(ours, eager.double()) < 2e-2
+
+
+def test_mlp_frees_its_input_after_fc1_and_keeps_eager_numbers():
+    blk = _block()
+    h = torch.randn(70, 64).bfloat16()
+    blk = blk.bfloat16()
+    with torch.no_grad():
+        gate, up = blk.mlp.fc1(h).chunk(2, dim=-1)
+        old = blk.mlp.fc2(F.silu(gate) * up)  # the out-of-place SwiGLU of before
+        seen = []
+        alive = weakref.ref(h)
+        hook = blk.mlp.fc2.register_forward_pre_hook(lambda m, args: seen.append(gc.collect() >= 0 and alive()))
+        box = [h]
+        del h
+        new = blk.mlp.forward_taking(box)
+        hook.remove()
+    assert box == [] and seen == [None]  # the input was gone before fc2 ran
+    assert torch.equal(new, old)  # eager: the same two roundings, in place
+
+
+def test_dense_rows_copies_only_strided_v():
+    from h3direct.dit.attention import dense_rows
+
+    qkv = torch.randn(10, 3 * 4 * 8)
+    v = qkv[:, 64:].view(10, 4, 8).permute(1, 0, 2)[None]  # [1, H, S, D] view, row stride 3·H·D
+    d = dense_rows(v)
+    assert torch.equal(d, v) and d.stride() == (320, 8, 32, 1)
+    assert dense_rows(d) is d
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_kernels_compile_for_hopper(dtype, monkeypatch):
+    """Compiled mode (what the GPU runs), without a GPU: each kernel lowers to sm_90 code (catches Triton front-end
+    and type errors that the interpreter lets through)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tr = fused.triton
+    try:
+        tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {"a_ptr": "*bf16", "F": "i32", "stride_a": "i32",
+                                                            "BLOCK": "constexpr", "ROUND": "constexpr",
+                                                            "LIBDEVICE": "constexpr"},
+                             {"BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True}), target=GPUTarget("cuda", 90, 32))
+    except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
+        if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
+            pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
+        raise
+    ptr = "i32"
+    kernels = [
+        (fused._norm_modulate_kernel,
+         {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "shift_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i32",
+          "out_ptr": f"*{dtype}", "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_shift": ptr,
+          "stride_scale": ptr, "eps": "fp32", "BLOCK": "constexpr", "BF16": "constexpr", "INTERPRET": "constexpr"},
+         {"BLOCK": 8192, "BF16": dtype == "bf16", "INTERPRET": False}),
+        (fused._gated_residual_kernel,
+         {"x_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*bf16", "idx_ptr": "*i32", "D": ptr,
+          "stride_x": ptr, "stride_u": ptr, "stride_g": ptr, "BLOCK": "constexpr", "BF16": "constexpr"},
+         {"BLOCK": 4096, "BF16": dtype == "bf16"}),
+        (fused._swiglu_kernel,
+         {"a_ptr": f"*{dtype}", "F": ptr, "stride_a": ptr, "BLOCK": "constexpr", "ROUND": "constexpr",
+          "LIBDEVICE": "constexpr"},
+         {"BLOCK": 1024, "ROUND": fused._ROUND[getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                                 "fp32": "float32"}[dtype])], "LIBDEVICE": True}),
+        (fused._qk_norm_rope_kernel,
+         {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "t_ptr": f"*{dtype}", "H": ptr, "R": ptr, "stride_xs": ptr,
+          "stride_xh": ptr, "stride_ts": ptr, "stride_tj": ptr, "stride_ta": ptr, "stride_tb": ptr, "eps": "fp32",
+          "D": "constexpr", "HB": "constexpr", "BF16": "constexpr", "INTERPRET": "constexpr"},
+         {"D": 128, "HB": 8, "BF16": dtype == "bf16", "INTERPRET": False}),
+    ]
+    for fn, sig, const in kernels:
+        k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert ".target sm_90" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,head_dim,rot_pairs", [(3, 32, 12), (9, 128, 48), (2, 64, 32)])
+def test_qk_norm_rope_in_place(dtype, heads, head_dim, rot_pairs):
+    """q/k RMSNorm + partial split-half rope in one pass on views of a qkv buffer, vs an fp64 run of the eager form;
+    9 heads: a partial head block; 30 pairs of 64 dims: only 4 dims pass through."""
+    from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
+
+    g = torch.Generator().manual_seed(7)
+    s = 40
+    qkv = (torch.randn(s, 3 * heads * head_dim, generator=g) * 2).to(dtype)
+    wq, wk = ((1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2))
+    pos = torch.stack([torch.arange(s) // 20, torch.arange(s) // 5 % 4, torch.arange(s) % 5], -1).double()
+    inv = 1.0 / 1000 ** (torch.arange(rot_pairs // 3) / (rot_pairs // 3))
+    angles = rope_angles(pos, inv.float())
+    table = rotation_table(angles, dtype)
+    before = qkv.clone()
+    q, k, _ = (t.view(1, s, heads, head_dim) for t in qkv.chunk(3, dim=-1))
+    fused.qk_norm_rope_(q, k, wq, wk, table, 1e-6)
+    for part, w, i in ((q, wq, 0), (k, wk, 1)):
+        src = before.chunk(3, dim=-1)[i].reshape(1, s, heads, head_dim)
+        ref = rms_norm_rope(src.double(), w.double(), table.double(), 1e-6)  # the same table values, in fp64
+        eager = rms_norm_rope(src, w, table, 1e-6)
+        if dtype == torch.float32:
+            assert _rel(part, ref) < 1e-6
+        else:
+            assert _rel(part, ref) <= 1.05 * _rel(ref.bfloat16(), ref)
+            assert _rel(part, ref) < _rel(eager, ref)
+    assert torch.equal(qkv[:, 2 * heads * head_dim:], before[:, 2 * heads * head_dim:])  # v untouched
+
+
+def test_qk_norm_rope_catches_a_wrong_table_row():
+    from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
+
+    s, heads, head_dim = 16, 2, 32
+    qkv = torch.randn(s, 3 * heads * head_dim, generator=torch.Generator().manual_seed(8)).bfloat16()
+    w = torch.ones(head_dim).bfloat16()
+    pos = torch.stack([torch.zeros(s), torch.arange(s) / 2, torch.arange(s) % 3], -1).double()
+    table = rotation_table(rope_angles(pos, torch.tensor([1.0, 0.5, 0.25, 0.125])), torch.bfloat16)
+    ref = rms_norm_rope(qkv[:, :heads * head_dim].reshape(1, s, heads, head_dim).double(), w.double(),
+                        table.double(), 1e-6)
+    q, k, _ = (t.view(1, s, heads, head_dim) for t in qkv.chunk(3, dim=-1))
+    fused.qk_norm_rope_(q, k, w, w, table.roll(1, dims=1), 1e-6)  # each row rotated by its neighbour's angles
+    assert _rel(q, ref) > 20 * _rel(ref.bfloat16(), ref)
