@@ -18,6 +18,7 @@ class ReportCollector:
     def add_case(self, result) -> None:
         c = result.case
         weights = "vae" if hasattr(c, "config") and hasattr(c, "kind") else getattr(c, "weights", None)
+        weights = getattr(result, "weights", None) or weights  # e.g. fp8_w8a8: the key its budgets were taken under
         self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(result, "compute", None) or
                            getattr(c, "compute", None) or getattr(c, "dtype", None), "weights": weights,
                            "attention": result.attention, "layers": len(result.layers), "passed": result.passed,
