@@ -202,11 +202,10 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
     compute: run h3direct in this dtype instead of the trace's (a bf16/fp16-only backend against an fp32 trace):
     budgets are then looked up with compute "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own
     trace in that dtype (when recorded) against the fp32 trace."""
+    from h3direct.dit.linear import FP8_WEIGHTS_KEY
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
     from h3direct.traces.replay import available_sites
-
-    from h3direct.dit.linear import FP8_WEIGHTS_KEY
 
     budgets = budgets or load_budgets()
     fp8_linear = fp8_linear or "off"

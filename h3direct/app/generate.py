@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nvfp4-mode", choices=("auto", "w4a4", "w4a16"), default="auto",
                    help="NVFP4 layers: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, else w4a16)")
     g.add_argument("--fp8-linear", nargs="?", const="stream", default="off", choices=("off", "stream", "resident"),
-                   metavar="MODE", help="opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs (per-channel "
-                   "weight, per-token activation scales); bare flag = stream (NVFP4 weights stay packed, made fp8 "
-                   "per call), resident = fp8 weights held (more memory); off, stream or resident")
+                   metavar="MODE", help="opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs "
+                   "(per-channel weight, per-token activation scales); bare flag = stream (NVFP4 weights stay packed, "
+                   "made fp8 per call), resident = fp8 weights held (more memory); off, stream or resident")
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--attention", choices=ATTENTION, default="sdpa", help="attention backend")
     g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "
