@@ -217,9 +217,12 @@ def test_gate_refuses_non_fp8_entries(tmp_path):
     from h3direct.traces.budgets import load_budgets
     from parity_tests.gate import KeyedBudgets
 
-    key = dict(mode="teacher", kind="linear", compute="fp32", weights="bf16", attention="sdpa")
+    key = dict(mode="teacher", kind="linear", compute="fp32", weights="bf16", attention="fa3")
     with pytest.raises(H3Error, match="no calibrated budget"):
-        KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**key)  # the committed table: exact entries only
+        KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**key)  # the committed table: no fp8 entry for fa3 yet
+    got = KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**{**key, "attention": "sdpa"})
+    assert got.match["weights"] == "fp8_w8a8" and got.rel_l2 is not None  # the CPU-calibrated sdpa entry
+    key["attention"] = "sdpa"
     assert _table(tmp_path, "*").lookup(**key)  # a wildcard entry would match a plain lookup ...
     with pytest.raises(H3Error, match="no calibrated budget"):
         KeyedBudgets(_table(tmp_path, "*"), "fp8_w8a8").lookup(**key)  # ... but never an fp8 one
@@ -248,3 +251,30 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
         assert compiled.asm["cubin"]
+
+
+def _fx_case(name):
+    from h3direct.traces.discovery import find_dit_cases
+
+    cases, _ = find_dit_cases([FIX])
+    return next(c for c in cases if c.trace.name == name)
+
+
+def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch):
+    from parity_tests import gate
+
+    case = _fx_case("trace_fx_bf16_ref2va_bf16.safetensors")
+    ok = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
+    assert ok.passed, ok.report()
+    assert "fp8_w8a8" in ok.report() and ok.weights == "fp8_w8a8"
+    worst = max(r.rel_l2 for r in ok.layers)
+    assert 1e-2 < worst < 0.1  # the FP8 error is there (not silently exact), inside the budget
+    # a weight scale 30 % off: every block linear is off by 30 % -> the gate must fail at a block site
+    real = FP8Linear.fp8_weight
+    monkeypatch.setattr(FP8Linear, "fp8_weight", lambda self: (real(self)[0], real(self)[1] * 1.3))
+    gate._model.cache_clear()
+    try:
+        bad = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
+    finally:
+        gate._model.cache_clear()
+    assert not bad.passed and bad.first_failure.name.startswith("blocks.")
