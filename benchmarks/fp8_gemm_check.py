@@ -70,6 +70,8 @@ def check_shape(k: int, n: int, rows: int, iters: int, g, device: str = "cuda") 
     sb = sw[None, :].contiguous()
     r["scaled_mm_ms"] = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=sb,
                                                        out_dtype=torch.bfloat16), iters)
+    r["scaled_mm_fast_accum_ms"] = timed(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=sb,
+                                                                  out_dtype=torch.bfloat16, use_fast_accum=True), iters)
     r["bf16_tflops"] = tflop / r["bf16_ms"] * 1e3
     r["fp8_tflops"] = tflop / r["fp8_ms"] * 1e3
     r["scaled_mm_tflops"] = tflop / r["scaled_mm_ms"] * 1e3
