@@ -278,3 +278,21 @@ def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch
     finally:
         gate._model.cache_clear()
     assert not bad.passed and bad.first_failure.name.startswith("blocks.")
+
+
+def test_bench_dit_tiny_with_fp8_linear(tmp_path):
+    """bench_dit's --fp8-linear plumbing on the CPU (tiny preset): both weight formats run, calls are counted."""
+    out = tmp_path / "b.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dit.py"), "--preset", "tiny", "--device",
+                           "cpu", "--out", str(out), "--attention", "sdpa", "--steps", "1", "--no-kernels",
+                           "--fp8-linear"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    ok = [c for c in d["configs"] if c["status"] == "ok"]
+    assert {c["weights"] for c in ok} == {"nvfp4", "bf16"} and all(c["finite"] for c in ok)
+    for c in ok:  # warm-up + 1 timed step, 2 blocks x 4 linears per call: every GEMM emulated on the CPU
+        assert c["fp8_linear"] == "stream" and set(c["fp8_linear_calls"]) == {"emulated (cpu)"}
+        assert c["fp8_linear_calls"]["emulated (cpu)"] % 8 == 0
+    assert {b["fp8_linear"] for b in d["builds"]} == {"stream"}
