@@ -59,6 +59,7 @@ class CaseResult:
     compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
     attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
     weights: str | None = None  # budget weights key when it is not the case's own ("fp8_w8a8")
+    fp8_linear_calls: dict | None = None  # --fp8-linear: calls per GEMM path (scaled_mm / emulated (reason))
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -227,9 +228,11 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         result.weights = FP8_WEIGHTS_KEY
         result.title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, "
                         f"{case.weights} as {FP8_WEIGHTS_KEY} ({fp8_linear}), {attention}]")
+    from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats, reset_fp8_linear_stats
     from h3direct.dit.attention import attention_stats, reset_attention_stats
 
     reset_attention_stats()
+    reset_fp8_linear_stats()
     with torch.no_grad():
         if mode == "teacher":
             sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
@@ -243,6 +246,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
     result.attention_calls = attention_stats() or None
+    if fp8_linear != "off":
+        result.fp8_linear_calls = fp8_linear_stats()
     return result
 
 

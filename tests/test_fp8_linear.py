@@ -267,6 +267,7 @@ def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch
     ok = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
     assert ok.passed, ok.report()
     assert "fp8_w8a8" in ok.report() and ok.weights == "fp8_w8a8"
+    assert set(ok.fp8_linear_calls) == {"emulated (cpu)"} and ok.fp8_linear_calls["emulated (cpu)"] >= 8
     worst = max(r.rel_l2 for r in ok.layers)
     assert 1e-2 < worst < 0.1  # the FP8 error is there (not silently exact), inside the budget
     # a weight scale 30 % off: every block linear is off by 30 % -> the gate must fail at a block site

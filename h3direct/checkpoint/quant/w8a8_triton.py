@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _encode_e4m3(v):
     """fp32 in [-448, 448] -> int32 e4m3fn code (0..255), round to nearest even; |v| < 2^-10 -> ±0."""
