@@ -34,6 +34,8 @@ def parse_args(argv=None):
     ap.add_argument("--nvfp4-mode", choices=("w4a16", "w4a4"), default=None,
                     help="NVFP4 compute mode (default w4a16: what ComfyUI runs on Hopper)")
     ap.add_argument("--mlp-chunks", type=int, default=1)
+    ap.add_argument("--fp8-linear", nargs="?", const="stream", default="off", choices=("off", "stream", "resident"),
+                    help="FP8 W8A8 block linears (opt-in approximate path; bare flag = stream)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel ceilings")
     ap.add_argument("--kernel-iters", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true",
@@ -316,7 +318,7 @@ def main(argv=None) -> int:
             C.free_memory(dev)
             with run.phase(f"build {weights}"):
                 model, info = build_dit(config, weights, dev, compute_dtype=torch.bfloat16,
-                                        nvfp4_mode=args.nvfp4_mode, seed=args.seed)
+                                        nvfp4_mode=args.nvfp4_mode, seed=args.seed, fp8_linear=args.fp8_linear)
             info["resident_gib"] = C.allocated_gib(dev)
             run.data["builds"].append(info)
             C.log(f"built {weights} ({info['builder']}): {info['build_s']:.1f} s, weights "
@@ -326,7 +328,10 @@ def main(argv=None) -> int:
                 C.sync(dev)
             for backend in args.attention_list:
                 entry = {"weights": weights, "attention": backend, "resident_gib": info["resident_gib"],
-                         "build_s": info["build_s"]}
+                         "build_s": info["build_s"], "fp8_linear": args.fp8_linear}
+                from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats, reset_fp8_linear_stats
+
+                reset_fp8_linear_stats()
                 reason = attn_mod.unavailable_reason(backend, context)  # compute dtype, like q/k/v
                 if reason is not None:
                     entry.update(status="skipped", reason=reason)
@@ -342,6 +347,9 @@ def main(argv=None) -> int:
                     with run.phase(f"step {weights}/{backend}") as ph:
                         entry.update(run_config(run, model, context, cond, video, audio, backend, args, flops))
                     est_config = ph.seconds
+                    if args.fp8_linear != "off":  # how the FP8 GEMMs ran (scaled_mm vs emulated, with the reason)
+                        entry["fp8_linear_calls"] = fp8_linear_stats()
+                        C.log(f"fp8 linear ({args.fp8_linear}) calls: {entry['fp8_linear_calls']}")
                     C.log(f"{weights}/{backend}: {entry['step_s_median']:.3f} s/step "
                           f"(warm-up {entry['warmup_s']:.1f} s), {entry['tflops']:.0f} TFLOP/s, "
                           f"peak {C.fmt(entry['peak_gib'], '.2f')} GiB, finite={entry['finite']}")

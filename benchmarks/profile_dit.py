@@ -21,6 +21,7 @@ import _common as C  # noqa: E402
 CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "sm90_xmma_fprop", "sage", "int8_attn")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "ampere_", "cublas")),
+    ("fp8 quant", ("quant_rows", "nvfp4_e4m3")),  # FP8 W8A8: activation quantization, NVFP4 -> e4m3 (stream)
     ("dequant", ("dequant", "nvfp4")),
     ("norm/rope", ("rms", "norm", "rope")),
     ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
@@ -52,13 +53,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--mlp-chunks", type=int, default=1)
+    p.add_argument("--fp8-linear", nargs="?", const="stream", default="off", choices=("off", "stream", "resident"),
+                   help="FP8 W8A8 block linears (bare flag = stream)")
     p.add_argument("--width", type=int, default=960)
     p.add_argument("--height", type=int, default=544)
     p.add_argument("--frames", type=int, default=124)
     args = p.parse_args(argv)
     config = H3Config.from_name(args.preset)
     wl = C.workload(args.width, args.height, args.frames, 256)
-    model, info = build_dit(config, args.weights, args.device)
+    model, info = build_dit(config, args.weights, args.device, fp8_linear=args.fp8_linear)
     video, audio, text, cond = make_inputs(config, wl, args.device, 0)
     with torch.inference_mode():
         context = model.preprocess_text(text)

@@ -37,6 +37,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the contract's)")
     ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check)")
+    ap.add_argument("--fp8-linear", nargs="?", const="stream", default=None, choices=("off", "stream", "resident"),
+                    help="FP8 W8A8 block linears for every path (default: each path's \"fp8_linear\", else off)")
     return ap.parse_args(argv)
 
 
@@ -70,11 +72,26 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
     paths = {}
     names = args.paths.split(",") if args.paths else list(contract["paths"])
     for name in names:
-        spec = contract["paths"].get(name)
-        if spec is None:
+        if name not in contract["paths"]:
             raise SystemExit(f"run_contract: error: --paths: {name!r} is not a path of the contract")
+
+    def fp8_of(name):
+        return args.fp8_linear or contract["paths"][name].get("fp8_linear", "off")
+
+    modes = {fp8_of(n) for n in names} - {"off"}
+    if len(modes) > 1 or not modes <= {"stream", "resident"}:
+        raise SystemExit(f"run_contract: error: fp8_linear: one of stream, resident per run, got {sorted(modes)}")
+    # the exact paths first, then the model's block linears become FP8 once for the fp8 paths (in place)
+    names = [n for n in names if fp8_of(n) == "off"] + [n for n in names if fp8_of(n) != "off"]
+    for name in names:
+        spec = contract["paths"][name]
+        if fp8_of(name) != "off" and getattr(model, "fp8_linear", "off") == "off":
+            from h3direct.dit.linear import apply_fp8_linears
+
+            apply_fp8_linears(model, fp8_of(name))
+            C.free_memory(dev)
         attn = spec["attention"]
-        res = {"attention": attn, "options": spec.get("options", {})}
+        res = {"attention": attn, "options": spec.get("options", {}), "fp8_linear": fp8_of(name)}
         with C.env_options(spec.get("options", {})):
             reason = unavailable_reason(attn, like)
             if reason is not None:

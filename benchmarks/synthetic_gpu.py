@@ -37,22 +37,23 @@ def dit_formats(config, weights: str) -> dict[str, str]:
     return {f"blocks.{i}.{name}": "nvfp4" for i in range(config.num_layers) for name in NVFP4_LINEARS}
 
 
-def build_dit(config, weights: str, device, *, compute_dtype=None, nvfp4_mode: str = "w4a16", seed: int = 0):
+def build_dit(config, weights: str, device, *, compute_dtype=None, nvfp4_mode: str = "w4a16", seed: int = 0,
+              fp8_linear: str = "off"):
     """(H3DiT on `device` in eval mode, info dict). compute_dtype default bf16."""
     import torch
 
     compute_dtype = compute_dtype or torch.bfloat16
     C.sync(device)
     t0 = time.perf_counter()
-    model = _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mode, seed)
+    model = _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mode, seed, fp8_linear)
     C.sync(device)
     info = {"weights": weights, "builder": "make_checkpoint", "nvfp4_mode": nvfp4_mode if weights == "nvfp4" else None,
-            "compute_dtype": str(compute_dtype).removeprefix("torch."), "build_s": time.perf_counter() - t0,
+            "compute_dtype": str(compute_dtype).removeprefix("torch."), "fp8_linear": fp8_linear, "build_s": time.perf_counter() - t0,
             "model_gib": C.module_gib(model), "allocated_gib": C.allocated_gib(device)}
     return model, info
 
 
-def _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mode, seed):
+def _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mode, seed, fp8_linear="off"):
     from h3direct.checkpoint.synthetic import iter_dit_tensors
     from h3direct.dit.loader import load_state_dict
 
@@ -62,7 +63,7 @@ def _build_via_make_checkpoint(config, weights, device, compute_dtype, nvfp4_mod
         # the loader parses the JSON markers with numpy: keep those 19-byte tensors on the CPU
         sd[key] = t.cpu() if key.endswith(".comfy_quant") else t
     model = load_state_dict(sd, compute_dtype=compute_dtype, nvfp4_mode=nvfp4_mode, device=device,
-                            source="synthetic")
+                            source="synthetic", fp8_linear=fp8_linear)
     del sd
     return model
 

@@ -134,7 +134,8 @@ def gate_options(request):
     from h3direct.traces.budgets import load_budgets
 
     return {"attention": c.getoption("--attention"), "device": c.getoption("--device"),
-            "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root")}
+            "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
+            "fp8_linear": c.getoption("--fp8-linear")}
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,8 @@ class CaseResult:
     action: str = "replay"  # label of the command that re-runs it
     compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
     attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
+    weights: str | None = None  # budget weights key when it is not the case's own ("fp8_w8a8")
+    fp8_linear_calls: dict | None = None  # --fp8-linear: calls per GEMM path (scaled_mm / emulated (reason))
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -87,10 +89,31 @@ def replay_command(trace: Path, layer: str, comfy_root: str | None = None) -> st
 
 
 @lru_cache(maxsize=8)
-def _model(checkpoint: str, compute: str, nvfp4_mode: str, device: str):
+def _model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_linear: str = "off"):
     from h3direct.dit.loader import load_dit
 
-    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device)
+    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=fp8_linear)
+
+
+class KeyedBudgets:
+    """A budgets table whose lookups are made under one `weights` key (FP8 linears: "fp8_w8a8") and accept only
+    entries that name that key: a run with approximate weights never falls back to an entry calibrated on the
+    checkpoint's own weights (or on a `weights = "*"` entry); without one it fails as "no calibrated budget"."""
+
+    def __init__(self, table: BudgetTable, weights: str):
+        self.table, self.weights, self.path = table, weights, table.path
+
+    def lookup(self, **key: str):
+        from h3direct.errors import H3Error
+
+        key = {**key, "weights": self.weights}
+        b = self.table.lookup(**key)
+        if b.match.get("weights") != self.weights:
+            what = ", ".join(str(key.get(k, "*")) for k in ("mode", "compute", "weights", "attention"))
+            raise H3Error(f"no calibrated budget for ({what}) (kind {key.get('kind', '*')}): the best match is not "
+                          f"keyed weights = {self.weights!r} ({b.provenance[:60]}); add a calibrated entry",
+                          path=self.path)
+        return b
 
 
 @lru_cache(maxsize=32)
@@ -158,34 +181,41 @@ def run_dtype(attention: str, compute: str, device: str) -> tuple[str, str | Non
     return compute, reason
 
 
-def _setup(case: DitCase, device: str, compute: str | None = None):
+def _setup(case: DitCase, device: str, compute: str | None = None, fp8_linear: str = "off"):
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.inputs import load_inputs
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
     mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
-    model = _model(str(case.checkpoint), compute or case.compute, mode, device)
+    model = _model(str(case.checkpoint), compute or case.compute, mode, device, fp8_linear)
     return trace, inputs, model, conditioning_of(inputs)
 
 
 def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
-                 comfy_root: str | None = None, compute: str | None = None) -> CaseResult:
+                 comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off") -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
+
+    fp8_linear "stream"/"resident": h3direct's block linears run as FP8 W8A8 (`dit.linear.FP8Linear`); every
+    comparison is then keyed weights = "fp8_w8a8" and only entries naming that key apply (`KeyedBudgets`).
 
     compute: run h3direct in this dtype instead of the trace's (a bf16/fp16-only backend against an fp32 trace):
     budgets are then looked up with compute "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own
     trace in that dtype (when recorded) against the fp32 trace."""
+    from h3direct.dit.linear import FP8_WEIGHTS_KEY
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
     from h3direct.traces.replay import available_sites
 
     budgets = budgets or load_budgets()
+    fp8_linear = fp8_linear or "off"
+    if fp8_linear != "off":
+        budgets = KeyedBudgets(budgets, FP8_WEIGHTS_KEY)
     key = None
     if compute is not None and compute != case.compute:
         key = f"{compute}@{case.compute}"
-    base_trace, inputs, model, cond = _setup(case, device, compute)
+    base_trace, inputs, model, cond = _setup(case, device, compute, fp8_linear)
     trace = trace or base_trace
     if key is None:
         twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
@@ -194,9 +224,15 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         twin = _trace(str(low)) if low else None
     result = CaseResult(case, mode, attention, title=f"{case.id} [{mode}, h3direct {compute} vs ComfyUI "
                         f"{case.compute}, {case.weights}, {attention}]" if key else "", compute=key)
+    if fp8_linear != "off":
+        result.weights = FP8_WEIGHTS_KEY
+        result.title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, "
+                        f"{case.weights} as {FP8_WEIGHTS_KEY} ({fp8_linear}), {attention}]")
+    from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats, reset_fp8_linear_stats
     from h3direct.dit.attention import attention_stats, reset_attention_stats
 
     reset_attention_stats()
+    reset_fp8_linear_stats()
     with torch.no_grad():
         if mode == "teacher":
             sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
@@ -210,6 +246,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
     result.attention_calls = attention_stats() or None
+    if fp8_linear != "off":
+        result.fp8_linear_calls = fp8_linear_stats()
     return result
 
 

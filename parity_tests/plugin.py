@@ -15,6 +15,8 @@ Parity options (the merge gate, `pytest -m parity`):
   --vae-dtype D       VAE dtype(s) to gate: fp32, fp16 or all (default all)
   --device DEV        cpu (default) or cuda
   --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
+  --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident); comparisons
+                      are keyed weights = "fp8_w8a8" and need entries calibrated under that key
 
 Importing this module is cheap (no torch): pytest loads it in every run of the environment.
 """
@@ -45,6 +47,8 @@ def pytest_addoption(parser):
     g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
     g.addoption("--device", default="cpu", help="cpu or cuda")
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
+    g.addoption("--fp8-linear", nargs="?", const="stream", default="off", choices=["off", "stream", "resident"],
+                help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
     g.addoption("--parity-report", default=str(REPORT_DIR), help="where the parity report is written")
 
 

@@ -18,11 +18,13 @@ class ReportCollector:
     def add_case(self, result) -> None:
         c = result.case
         weights = "vae" if hasattr(c, "config") and hasattr(c, "kind") else getattr(c, "weights", None)
+        weights = getattr(result, "weights", None) or weights  # e.g. fp8_w8a8: the key its budgets were taken under
         self.cases.append({"case": c.id, "mode": result.mode, "compute": getattr(result, "compute", None) or
                            getattr(c, "compute", None) or getattr(c, "dtype", None), "weights": weights,
                            "attention": result.attention, "layers": len(result.layers), "passed": result.passed,
                            "first_failure": result.first_failure.name if result.first_failure else None,
-                           "attention_calls": getattr(result, "attention_calls", None)})
+                           "attention_calls": getattr(result, "attention_calls", None),
+                           "fp8_linear_calls": getattr(result, "fp8_linear_calls", None)})
         for r in result.layers:
             self.rows.append({"case": c.id, "mode": r.mode, "layer": r.name, "kind": r.kind,
                               "rel_l2": _num(r.rel_l2), "sqnr_db": _num(r.sqnr_db), "passed": r.passed,
@@ -48,6 +50,11 @@ class ReportCollector:
             lines += [f"- {c['case']} ({c['mode']}, {c['attention']}): "
                       + ", ".join(f"{b}: " + ", ".join(f"{k} {v}" for k, v in n.items())
                                   for b, n in c["attention_calls"].items()) for c in counted]
+        fp8 = [c for c in self.cases if c.get("fp8_linear_calls")]
+        if fp8:  # --fp8-linear: how the FP8 GEMMs ran (torch._scaled_mm, or emulated with the reason)
+            lines += ["", "## FP8 linear calls (scaled_mm vs emulated)", ""]
+            lines += [f"- {c['case']} ({c['mode']}): " + ", ".join(f"{k} {v}" for k, v in c["fp8_linear_calls"].items())
+                      for c in fp8]
         lines += ["", "## Worst layers (lowest SQNR per case and mode)", "",
                   "| case | mode | layer | rel_l2 | sqnr dB |", "|---|---|---|---|---|"]
         by = defaultdict(list)

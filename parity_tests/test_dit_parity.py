@@ -20,7 +20,8 @@ def test_dit_layers(dit_case, mode, gate_options, report):
     if reason is not None:
         pytest.skip(f"--attention {gate_options['attention']}: {reason}")
     result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
-                          budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"], compute=compute)
+                          budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"], compute=compute,
+                          fp8_linear=gate_options.get("fp8_linear", "off"))
     report.add_case(result)
     assert result.layers, f"{dit_case.id}: no comparable layer"
     assert result.passed, result.report()

@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="DiT compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--nvfp4-mode", choices=("auto", "w4a4", "w4a16"), default="auto",
                    help="NVFP4 layers: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, else w4a16)")
+    g.add_argument("--fp8-linear", nargs="?", const="stream", default="off", choices=("off", "stream", "resident"),
+                   metavar="MODE", help="opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs "
+                   "(per-channel weight, per-token activation scales); bare flag = stream (NVFP4 weights stay packed, "
+                   "made fp8 per call), resident = fp8 weights held (more memory); off, stream or resident")
     g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--attention", choices=ATTENTION, default="sdpa", help="attention backend")
     g.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's, or "
@@ -382,7 +386,8 @@ def load_pipeline(args: argparse.Namespace, *, text_encoder_always: bool = False
                                  te, tokenizer=tokenizer, video_vae_config=vae_cfg, audio_vae_config=avae_cfg,
                                  compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode, device=device,
                                  attention=args.attention, vae_dtype=args.vae_dtype,
-                                 vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources)
+                                 vae_tile_size=args.vae_tile_size, mlp_chunks=args.mlp_chunks, sources=sources,
+                                 fp8_linear=getattr(args, "fp8_linear", "off"))
     seconds["load"] = round(time.perf_counter() - t, 4)
     seconds.update({f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()})
     return pipe, sources, seconds, peak_memory(device)[0]
@@ -440,6 +445,7 @@ def provenance_of(args: argparse.Namespace, pipe) -> dict:
             "seed": args.seed, "width": args.width, "height": args.height, "frames": args.frames,
             "steps": args.steps, "sampler": args.sampler, "scheduler": args.scheduler, "cfg": args.cfg,
             "attention": args.attention, "cache_mode": args.cache_mode,
+            **({"fp8_linear": args.fp8_linear} if getattr(args, "fp8_linear", "off") != "off" else {}),
             "references": provenance.references(refs), "weights": provenance.weights(pipe.files)}
 
 
@@ -466,6 +472,11 @@ def summary_of(args: argparse.Namespace, res, out, pipe, sources: dict, timings:
 
     if attention_stats():  # backends that count their calls (sol_attn: kernel vs documented fallback)
         summary["attention_calls"] = attention_stats()
+    fp8 = getattr(args, "fp8_linear", "off")
+    if fp8 != "off":  # opt-in approximate path: its mode and how its GEMMs ran (scaled_mm vs emulated, with why)
+        from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats
+
+        summary["fp8_linear"] = {"mode": fp8, "calls": fp8_linear_stats()}
     if res.frame_count != args.frames:
         summary["frames_requested"] = args.frames
     if args.progress:

@@ -228,8 +228,9 @@ class H3Pipeline:
                    audio_vae_config=None, compute_dtype: str = "fp32", nvfp4_mode: str = "auto",
                    device: str | torch.device | None = None, attention: str = "sdpa",
                    vae_dtype: str | torch.dtype | None = None, vae_tile_size: int | None = None,
-                   mlp_chunks: int = 1, sources: dict | None = None) -> H3Pipeline:
+                   mlp_chunks: int = 1, sources: dict | None = None, fp8_linear: str | None = None) -> H3Pipeline:
         """Load ComfyUI-format files. `text_encoder` None: generate() then needs `text_embeds`.
+        `fp8_linear` "stream"/"resident": FP8 W8A8 DiT block linears (opt-in, approximate; `dit.linear.FP8Linear`).
         `vae_dtype` None: fp16 on CUDA, fp32 on the CPU (ComfyUI's choice)."""
         from h3direct.dit.loader import load_dit
         from h3direct.vae.loader import load_audio_vae, load_video_vae
@@ -250,7 +251,7 @@ class H3Pipeline:
             vae_dtype = VIDEO_DTYPES[vae_dtype]
         seconds = {}
         t = time.perf_counter()
-        model = load_dit(dit, compute_dtype=compute_dtype, nvfp4_mode=nvfp4_mode, device=dev)
+        model = load_dit(dit, compute_dtype=compute_dtype, nvfp4_mode=nvfp4_mode, device=dev, fp8_linear=fp8_linear)
         seconds["dit"] = time.perf_counter() - t
         t = time.perf_counter()
         vvae = load_video_vae(video_vae, vcfg, dtype=vae_dtype, device=dev)

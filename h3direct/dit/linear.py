@@ -90,3 +90,99 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, nvfp4 {self.mode}"
+
+
+# ---------------------------------------------------------------- FP8 W8A8 (opt-in approximate path)
+
+FP8_LINEAR_MODES = ("off", "stream", "resident")
+FP8_WEIGHTS_KEY = "fp8_w8a8"  # the budgets table's `weights` key of comparisons made with FP8 linears
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """The DiT block linears the FP8 path replaces: per block attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2
+    (refiner, adaLN, embedders and output heads are left alone)."""
+    return [f"blocks.{i}.{leaf}" for i in range(len(model.blocks))
+            for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+
+
+class FP8Linear(nn.Module):
+    """e4m3 W8A8 linear (`h3direct.checkpoint.quant.w8a8`): per-output-channel weight scales, per-token activation
+    scales, `torch._scaled_mm` on CUDA, an fp32 emulation elsewhere.
+
+    ``resident``: the e4m3 weight is made once and held (half the memory of bf16).
+    ``stream`` (NVFP4 sources only): the NVFP4 tensors stay resident and the e4m3 weight is made on every call (one
+    Triton pass on CUDA) under per-channel scales computed once from the fp32-decoded rows."""
+
+    def __init__(self, in_features: int, out_features: int, mode: str, source: str):
+        super().__init__()
+        self.in_features, self.out_features, self.island = in_features, out_features, False
+        self.mode, self.source = mode, source
+        self.bias = None
+
+    @classmethod
+    def from_module(cls, layer: nn.Module, mode: str) -> FP8Linear:
+        from h3direct.checkpoint.quant import w8a8
+
+        if mode not in ("stream", "resident"):
+            raise ValueError(f"unknown fp8 linear mode {mode!r}")
+        if isinstance(layer, NVFP4Linear):
+            new = cls(layer.in_features, layer.out_features, mode, "nvfp4")
+            scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2)
+            if mode == "stream":
+                new.register_buffer("packed", layer.weight)
+                new.register_buffer("block_scale", layer.weight_scale)
+                new.register_buffer("global_scale", layer.weight_scale_2)
+                new.register_buffer("w_scale", scales)
+            else:
+                q = w8a8.nvfp4_to_e4m3(layer.weight, layer.weight_scale, layer.weight_scale_2, scales)
+                new.register_buffer("weight8", q[: layer.out_features, : layer.in_features].contiguous())
+                new.register_buffer("w_scale", scales[: layer.out_features].contiguous())
+        elif isinstance(layer, Linear):
+            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""))
+            q, s = w8a8.quantize_rows(layer.weight.detach())
+            new.register_buffer("weight8", q)
+            new.register_buffer("w_scale", s)
+        else:
+            raise TypeError(f"cannot make an fp8 linear of {type(layer).__name__}")
+        if layer.bias is not None:
+            new.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
+        return new
+
+    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 weight [N, K], fp32 per-channel scales [N]) as the GEMM takes them."""
+        if self.mode == "resident":
+            return self.weight8, self.w_scale
+        from h3direct.checkpoint.quant import w8a8
+
+        q = w8a8.nvfp4_to_e4m3(self.packed, self.block_scale, self.global_scale, self.w_scale)
+        n, k = self.out_features, self.in_features
+        if q.shape != (n, k):
+            q = q[:n, :k].contiguous()
+        return q, self.w_scale[:n]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from h3direct.checkpoint.quant import w8a8
+
+        w8, s = self.fp8_weight()
+        return w8a8.linear_w8a8(x, w8, s, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, fp8 e4m3 w8a8 {self.mode} (from {self.source})"
+
+
+def apply_fp8_linears(model: nn.Module, mode: str) -> int:
+    """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
+    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
+    if mode not in FP8_LINEAR_MODES:
+        from h3direct.errors import ConfigError
+
+        raise ConfigError(f"unknown fp8 linear mode {mode!r}; choose one of {', '.join(FP8_LINEAR_MODES)}")
+    if mode == "off":
+        return 0
+    names = block_linear_names(model)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode))
+    model.fp8_linear = mode
+    return len(names)

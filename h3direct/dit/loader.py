@@ -26,7 +26,14 @@ from torch import nn
 from h3direct.config import H3Config
 from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
-from h3direct.dit.linear import NVFP4_MODES, Linear, NVFP4Linear, resolve_nvfp4_mode
+from h3direct.dit.linear import (
+    FP8_LINEAR_MODES,
+    NVFP4_MODES,
+    Linear,
+    NVFP4Linear,
+    apply_fp8_linears,
+    resolve_nvfp4_mode,
+)
 from h3direct.dit.model import H3DiT
 from h3direct.errors import CheckpointError, ConfigError
 
@@ -121,15 +128,28 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
     return compute
 
 
+def check_fp8_linear(mode: str | None) -> str:
+    """None/"off" -> "off"; a known mode passes; anything else is a one-line `ConfigError`."""
+    mode = mode or "off"
+    if mode not in FP8_LINEAR_MODES:
+        raise ConfigError(f"unknown fp8 linear mode {mode!r}; choose one of {', '.join(FP8_LINEAR_MODES)}")
+    return mode
+
+
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
-             device: str | torch.device = "cpu") -> H3DiT:
+             device: str | torch.device = "cpu", fp8_linear: str | None = None) -> H3DiT:
+    """`fp8_linear` "stream"/"resident": the 200 (full model) block linears become FP8 W8A8 layers after loading
+    (`linear.apply_fp8_linears`; opt-in, approximate); None/"off": as stored."""
     compute = parse_compute_dtype(compute_dtype)
+    check_fp8_linear(fp8_linear)
     sd, _meta = read_state_dict(path)
-    return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path)
+    return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path,
+                           fp8_linear=fp8_linear)
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
-                    nvfp4_mode: str = "auto", device="cpu", source=None) -> H3DiT:
+                    nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None) -> H3DiT:
+    fp8_linear = check_fp8_linear(fp8_linear)
     formats = quant_formats(sd)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
     try:
@@ -182,6 +202,9 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
             module.comfy_quant = torch.empty_like(state[f"{mod_name}.comfy_quant"], device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
+    model.fp8_linear = "off"
+    del state
+    apply_fp8_linears(model, fp8_linear)  # after the strict load: the checkpoint's names are checked as stored
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:

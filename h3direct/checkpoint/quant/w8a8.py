@@ -1,0 +1,200 @@
+"""FP8 e4m3 W8A8 linears (the opt-in approximate path): per-output-channel weight scales, per-token activation
+scales, `torch._scaled_mm` with rowwise scaling on Hopper-class GPUs, an fp32 emulation of the same math elsewhere.
+
+Quantization (both operands, same rule along the reduced dimension K):
+
+    s[r] = amax_k |t[r, k]| / 448          (fp32; a row of zeros gets s = 1, its codes are all 0)
+    q[r, k] = e4m3( clamp(t[r, k] / s[r], -448, 448) )      round to nearest, ties to even
+    y[m, n] ≈ s_x[m] · s_w[n] · Σ_k q_x[m, k] · q_w[n, k]   (+ bias)
+
+so every element keeps 3 mantissa bits (relative rounding error ≤ 2^-4) unless it falls into e4m3's subnormal range
+(|t| < 2^-6 · s, i.e. more than 2^15 below its row's largest element).
+
+Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; for NVFP4 the per-channel scale is
+taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
+(resident) or on every call by :func:`nvfp4_to_e4m3` (a Triton kernel on CUDA: one pass over the packed bytes).
+
+Where the GEMM runs (`linear_w8a8`), counted per call in :func:`fp8_linear_stats`:
+
+- ``scaled_mm``: CUDA, bf16 activations, compute capability >= 8.9, K and N multiples of 16, Triton importable:
+  Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
+  out_dtype=bf16)` (bias added after the GEMM);
+- ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
+  operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
+  path by design; on CUDA it is a fallback with its reason, and ``H3_FP8_STRICT=1`` turns it into an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import einops
+import torch
+
+from h3direct.checkpoint.quant.nvfp4 import BLOCK, e2m1_table, unswizzle_block_scales
+from h3direct.errors import ConfigError
+
+E4M3_MAX = 448.0
+ALIGN = 16  # _scaled_mm: K and N multiples of 16
+_ROW_CHUNK = 4096  # rows per step when quantizing a whole weight (bounds the fp32 temporaries)
+
+_STATS: Counter = Counter()
+
+
+def fp8_linear_stats() -> dict[str, int]:
+    """Calls per path since the last reset: {"scaled_mm": n, "emulated (cpu)": n, ...}."""
+    return dict(_STATS)
+
+
+def reset_fp8_linear_stats() -> None:
+    _STATS.clear()
+
+
+def strict() -> bool:
+    return os.environ.get("H3_FP8_STRICT", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------- torch quantization (the reference math)
+
+def row_scales(t: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> fp32 [R]: amax of each row / 448, 1 for an all-zero row."""
+    amax = t.abs().amax(dim=-1).to(torch.float32)
+    s = amax / E4M3_MAX
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def encode_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[R, K] and fp32 [R] scales -> float8_e4m3fn [R, K]: t / s in fp32, clamped to ±448, rounded to nearest even."""
+    q = t.to(torch.float32) / scales.to(torch.float32)[:, None]
+    return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] (any float dtype) -> (float8_e4m3fn [R, K], fp32 scales [R]); rows in chunks to bound memory."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize_rows takes a 2D tensor, got shape {list(t.shape)}")
+    q = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
+    s = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
+    for r in range(0, t.shape[0], _ROW_CHUNK):
+        part = t[r : r + _ROW_CHUNK]
+        s[r : r + _ROW_CHUNK] = row_scales(part)
+        q[r : r + _ROW_CHUNK] = encode_rows(part, s[r : r + _ROW_CHUNK])
+    return q, s
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn [R, K] and fp32 [R] -> fp32 [R, K] (exact: e4m3 values times the scale, one rounding)."""
+    return q.to(torch.float32) * scales.to(torch.float32)[:, None]
+
+
+# ---------------------------------------------------------------- NVFP4 -> e4m3 (torch reference)
+
+def _decode_rows(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [R, K/2] + row-major e4m3 block scales [R, K/16] -> fp32 [R, K]."""
+    total = global_scale.to(torch.float32) * scales.to(torch.float32)  # [R, K/16]
+    lut = e2m1_table(torch.float32, packed.device)
+    values = torch.stack([lut[(packed >> 4).long()], lut[(packed & 0x0F).long()]], dim=-1)  # [R, K/2, 2]
+    blocks = einops.rearrange(values, "n (b h) two -> n b (h two)", h=BLOCK // 2) * total[..., None]
+    return einops.rearrange(blocks, "n b k -> n (b k)")
+
+
+def decode_nvfp4_fp32(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 storage -> fp32 [N16, K16]: e2m1 value · (global · block scale), both products in fp32 (torch, any
+    device; the decode the per-channel scales and the conversion kernel are defined on)."""
+    rows, half = packed.shape
+    return _decode_rows(packed, unswizzle_block_scales(block_scale, rows, 2 * half // BLOCK), global_scale)
+
+
+def nvfp4_channel_scales(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per-row e4m3 scales of an NVFP4 weight ([N16] fp32), from its fp32 decode, rows in chunks."""
+    rows, half = packed.shape
+    scales = unswizzle_block_scales(block_scale, rows, 2 * half // BLOCK)
+    out = torch.empty(rows, dtype=torch.float32, device=packed.device)
+    for r in range(0, rows, _ROW_CHUNK):
+        sl = slice(r, r + _ROW_CHUNK)
+        out[sl] = row_scales(_decode_rows(packed[sl], scales[sl], global_scale))
+    return out
+
+
+def nvfp4_to_e4m3_reference(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                            scales: torch.Tensor) -> torch.Tensor:
+    """NVFP4 storage and per-row scales -> float8_e4m3fn [N16, K16] (torch; what the Triton kernel must equal)."""
+    return encode_rows(decode_nvfp4_fp32(packed, block_scale, global_scale), scales)
+
+
+def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                  scales: torch.Tensor) -> torch.Tensor:
+    """The e4m3 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
+    if _triton_ok(packed):
+        from h3direct.checkpoint.quant import w8a8_triton
+
+        return w8a8_triton.nvfp4_to_e4m3(packed, block_scale, global_scale, scales)
+    return nvfp4_to_e4m3_reference(packed, block_scale, global_scale, scales)
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (float8_e4m3fn [M, K], fp32 scales [M]): the Triton kernel on CUDA, else torch."""
+    if _triton_ok(x2d):
+        from h3direct.checkpoint.quant import w8a8_triton
+
+        return w8a8_triton.quantize_rows(x2d)
+    return quantize_rows(x2d)
+
+
+# ---------------------------------------------------------------- the linear
+
+def _gpu_reason(x: torch.Tensor, k: int, n: int) -> str | None:
+    """Why `torch._scaled_mm` cannot run this call (None: it can)."""
+    if not x.is_cuda:
+        return "cpu"
+    if x.dtype != torch.bfloat16:
+        return f"activation dtype {str(x.dtype).replace('torch.', '')} (rowwise _scaled_mm writes bf16)"
+    if k % ALIGN or n % ALIGN:
+        return f"K={k}, N={n} not multiples of {ALIGN}"
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "compute capability < 8.9 (no fp8 tensor cores)"
+    if not hasattr(torch, "_scaled_mm"):
+        return "torch has no _scaled_mm"
+    if not _triton_ok(x):
+        return "triton not importable"
+    return None
+
+
+def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row.
+    Output in x's dtype, x's leading dims kept."""
+    # x [..., K] -> [..., N]
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w8.shape[0]
+    if w8.shape[1] != k:
+        raise ValueError(f"input has {k} features, the fp8 weight holds {w8.shape[1]}")
+    x2 = x.reshape(-1, k)
+    reason = _gpu_reason(x2, k, n)
+    if reason is None:
+        _STATS["scaled_mm"] += 1
+        x8, sx = quantize_activation(x2 if x2.stride(-1) == 1 else x2.contiguous())
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :].contiguous(),
+                             out_dtype=torch.bfloat16)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*lead, n)
+    if x.is_cuda and strict():
+        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (H3_FP8_STRICT=1)")
+    _STATS[f"emulated ({reason})"] += 1
+    x8, sx = quantize_activation(x2)
+    y = dequantize_rows(x8, sx) @ dequantize_rows(w8, w_scale).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, n)

@@ -1,0 +1,299 @@
+"""FP8 e4m3 W8A8 block linears (`--fp8-linear`): quantizers against fp64 math, the Triton kernels against the torch
+reference (Triton's interpreter), the emulated linear's error, the loader switch, option errors, the gate's keying."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3direct.checkpoint.quant import w8a8
+from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+from h3direct.dit.linear import FP8Linear, Linear, NVFP4Linear
+from h3direct.dit.loader import load_dit
+from h3direct.errors import ConfigError, H3Error
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "fixtures"
+E4M3_MAX = 448.0
+
+
+def _rows(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 200, generator=g, dtype=torch.float64) * torch.logspace(-5, 4, 40, dtype=torch.float64)[:, None]
+    x[3] = 0.0  # a zero row
+    x[7] = 0.0
+    x[7, 11] = -448.0  # amax exactly 448 (scale 1), one element
+    x[8] = 448.0  # every element at amax
+    x[9, :] = x[9, :].clamp(-1, 1)
+    x[9, 0] = 448.0  # scale 1: the other elements keep e4m3's own grid
+    return x.to(torch.float32)
+
+
+# ---------------------------------------------------------------- quantizers vs fp64 math
+
+def test_per_row_quantization_error_bounds():
+    x = _rows()
+    q, s = w8a8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (40,)
+    x64 = x.to(torch.float64)
+    amax = x64.abs().amax(dim=1)
+    want_s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    assert torch.allclose(s.to(torch.float64), want_s, rtol=2 ** -23, atol=0)
+    back = q.to(torch.float64) * s.to(torch.float64)[:, None]
+    err = (back - x64).abs()
+    # normal range (|x| >= 2^-6 s): relative error <= 2^-4 (3 mantissa bits, round to nearest); below: half a quantum
+    normal = x64.abs() >= 2.0 ** -6 * s.to(torch.float64)[:, None]
+    assert bool((err[normal] <= 2.0 ** -4 * x64.abs()[normal] * (1 + 2 ** -20)).all())
+    assert bool((err[~normal] <= 2.0 ** -10 * s.to(torch.float64)[:, None].expand_as(x64)[~normal] * 1.0001).all())
+    assert float(err[normal].max() / x64.abs()[normal].max()) > 0  # it did round
+    # zero rows: scale 1, all codes zero; amax-448 rows: scale exactly 1, the max encodes to ±448 exactly
+    assert s[3].item() == 1.0 and not q[3].to(torch.float32).any()
+    assert s[7].item() == 1.0 and q[7, 11].to(torch.float32).item() == -448.0
+    assert s[8].item() == 1.0 and bool((q[8].to(torch.float32) == 448.0).all())
+    # the largest element of every nonzero row maps to ±448 (never past it: no NaN code)
+    nz = amax > 0
+    top = q.to(torch.float32).abs().amax(dim=1)
+    assert bool((top[nz] == 448.0).all())
+    assert not torch.isnan(q.to(torch.float32)).any()
+
+
+def test_round_to_nearest_even_on_e4m3_grid():
+    # scale 1 rows: the codes must be torch's own float8 cast of the (clamped) values
+    vals = torch.tensor([448.0, 0.0, 1.0625, 1.1875, 240.0, 248.0, 2 ** -9, 1.5 * 2 ** -9, 2 ** -10, -3 * 2 ** -10,
+                         447.0, 1e-30, -0.0])
+    q, s = w8a8.quantize_rows(vals[None])
+    assert s.item() == 1.0
+    want = torch.tensor([448.0, 0.0, 1.0, 1.25, 240.0, 256.0, 2 ** -9, 2 ** -8, 0.0, -2 ** -8, 448.0, 0.0, 0.0])
+    assert torch.equal(q.to(torch.float32)[0], want)
+
+
+# ---------------------------------------------------------------- the W8A8 product (CPU emulation)
+
+def test_emulated_linear_vs_fp64():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 50, 256, generator=g)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    b = torch.randn(96, generator=g)
+    w8a8.reset_fp8_linear_stats()
+    q, s = w8a8.quantize_rows(w)
+    y = w8a8.linear_w8a8(x, q, s, b)
+    assert y.shape == (3, 50, 96) and y.dtype == torch.float32
+    assert w8a8.fp8_linear_stats() == {"emulated (cpu)": 1}
+    ref = x.double() @ w.double().T + b.double()
+    rel = float((y.double() - ref).norm() / ref.norm())
+    assert 1e-3 < rel < 0.05, rel  # quantized (not exact) and well inside e4m3's error
+    # the emulation is the product of the dequantized operands (fp32 accumulation)
+    xq, xs = w8a8.quantize_rows(x.reshape(-1, 256))
+    exact = w8a8.dequantize_rows(xq, xs).double() @ w8a8.dequantize_rows(q, s).double().T + b.double()
+    assert float((y.reshape(-1, 96).double() - exact).abs().max()) < 1e-4
+    # bf16 activations: same math, output in bf16
+    yb = w8a8.linear_w8a8(x.bfloat16(), q, s, None)
+    assert yb.dtype == torch.bfloat16
+    assert float((yb.double() - (ref - b.double())).norm() / (ref - b.double()).norm()) < 0.05
+
+
+# ---------------------------------------------------------------- Triton kernels (interpreter) vs torch, bitwise
+
+_KERNEL_CHECK = textwrap.dedent("""
+    import json, torch
+    from h3direct.checkpoint.quant import w8a8, w8a8_triton
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 300, generator=g) * torch.logspace(-6, 3, 37)[:, None]
+    x[3] = 0
+    x[5, 7] = 448.0
+    x[6] = torch.tensor([1e-30, -0.0] * 150)
+    sweep = torch.cat([torch.tensor([448.0]), torch.linspace(-448, 448, 40001), torch.logspace(-12, 2.65, 20001),
+                       -torch.logspace(-12, 2.65, 2001), torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, 1.0625, 1.1875])])
+    for name, t in (("fp32", x), ("bf16", x.bfloat16()), ("sweep", sweep[None]), ("strided", x[:, ::1][:, :256])):
+        q1, s1 = w8a8_triton.quantize_rows(t)
+        q2, s2 = w8a8.quantize_rows(t)
+        out[name] = [int((q1.view(torch.uint8) != q2.view(torch.uint8)).sum()), bool(torch.equal(s1, s2))]
+    for n, k in ((200, 96), (130, 48), (256, 512)):
+        t = quantize_nvfp4(torch.randn(n, k, generator=g).bfloat16())
+        s = w8a8.nvfp4_channel_scales(*t)
+        a = w8a8_triton.nvfp4_to_e4m3(*t, s)
+        b = w8a8.nvfp4_to_e4m3_reference(*t, s)
+        out[f"nvfp4_{n}x{k}"] = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()), list(a.shape)]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_triton_kernels_bitwise_under_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    for name in ("fp32", "bf16", "sweep", "strided"):
+        assert res[name] == [0, True], (name, res[name])
+    assert res["nvfp4_200x96"] == [0, [208, 96]]
+    assert res["nvfp4_130x48"] == [0, [144, 48]]
+    assert res["nvfp4_256x512"] == [0, [256, 512]]
+
+
+def test_nvfp4_conversion_matches_decode():
+    # the torch reference conversion is e4m3(fp32 decode / per-row scale); scales come from the fp32 decode
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    t = quantize_nvfp4(w)
+    dense = w8a8.decode_nvfp4_fp32(*t)
+    s = w8a8.nvfp4_channel_scales(*t)
+    assert torch.equal(s, w8a8.row_scales(dense))
+    q = w8a8.nvfp4_to_e4m3_reference(*t, s)
+    assert torch.equal(q.view(torch.uint8), w8a8.encode_rows(dense, s).view(torch.uint8))
+    back = w8a8.dequantize_rows(q, s)
+    assert float((back - dense).abs().max()) <= float(2 ** -4 * dense.abs().max())
+
+
+# ---------------------------------------------------------------- the loader switch
+
+BLOCK_LEAVES = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+@pytest.mark.parametrize("ckpt,mode,source", [("h3_fx_bf16.safetensors", "stream", "float32"),
+                                               ("h3_fx_curve_nvfp4.safetensors", "stream", "nvfp4"),
+                                               ("h3_fx_curve_nvfp4.safetensors", "resident", "nvfp4")])
+def test_loader_replaces_exactly_the_block_linears(ckpt, mode, source):
+    plain = load_dit(FIX / ckpt)
+    model = load_dit(FIX / ckpt, fp8_linear=mode)
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    want = {f"blocks.{i}.{leaf}" for i in range(len(model.blocks)) for leaf in BLOCK_LEAVES}
+    assert len(model.blocks) == 2 and fp8 == want and len(fp8) == 8  # tiny preset: 4 per block
+    assert model.fp8_linear == mode and plain.fp8_linear == "off"
+    for name in fp8:
+        m = model.get_submodule(name)
+        assert m.source == source and m.mode == (mode if source == "nvfp4" else "resident")
+    # everything else is untouched: same module types at the same names
+    others = {n: type(m) for n, m in plain.named_modules() if n not in want}
+    assert others == {n: type(m) for n, m in model.named_modules() if n not in want}
+    assert any(t in (Linear, NVFP4Linear) for t in others.values())
+
+
+def test_stream_and_resident_give_the_same_product():
+    a = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="stream")
+    b = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="resident")
+    x = torch.randn(33, a.blocks[1].mlp.fc1.in_features, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.blocks[1].mlp.fc1(x), b.blocks[1].mlp.fc1(x))
+    plain = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors").blocks[1].mlp.fc1
+    ref = x.double() @ plain.dequantized_weight(torch.float64).T
+    rel = float((b.blocks[1].mlp.fc1(x).double() - ref).norm() / ref.norm())
+    assert rel < 0.05
+
+
+# ---------------------------------------------------------------- option errors
+
+def test_bad_option_values():
+    with pytest.raises(ConfigError, match="unknown fp8 linear mode"):
+        load_dit(FIX / "h3_fx_bf16.safetensors", fp8_linear="fast")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "h3direct", "generate", "--fp8-linear=fast", "-o", "/tmp/never.mp4"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--fp8-linear" in proc.stderr
+
+
+# ---------------------------------------------------------------- the gate's budget key
+
+def _table(tmp_path, weights):
+    p = tmp_path / "b.toml"
+    p.write_text(f'[[budget]]\nmode = "*"\nkind = "*"\ncompute = "fp32"\nweights = "{weights}"\nattention = "*"\n'
+                 f'rel_l2 = 1e-3\nprovenance = "test"\n')
+    from h3direct.traces.budgets import load_budgets
+
+    return load_budgets(p)
+
+
+def test_gate_refuses_non_fp8_entries(tmp_path):
+    from h3direct.traces.budgets import load_budgets
+    from parity_tests.gate import KeyedBudgets
+
+    key = dict(mode="teacher", kind="linear", compute="fp32", weights="bf16", attention="fa3")
+    with pytest.raises(H3Error, match="no calibrated budget"):
+        KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**key)  # the committed table: no fp8 entry for fa3 yet
+    got = KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**{**key, "attention": "sdpa"})
+    assert got.match["weights"] == "fp8_w8a8" and got.rel_l2 is not None  # the CPU-calibrated sdpa entry
+    key["attention"] = "sdpa"
+    assert _table(tmp_path, "*").lookup(**key)  # a wildcard entry would match a plain lookup ...
+    with pytest.raises(H3Error, match="no calibrated budget"):
+        KeyedBudgets(_table(tmp_path, "*"), "fp8_w8a8").lookup(**key)  # ... but never an fp8 one
+    b = KeyedBudgets(_table(tmp_path, "fp8_w8a8"), "fp8_w8a8").lookup(**key)
+    assert b.match["weights"] == "fp8_w8a8"
+
+
+def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """The kernels go through Triton's whole compiler to an sm_90 cubin (no GPU needed: Triton ships ptxas), so a
+    construct the interpreter accepts but the compiler refuses (e.g. a non-constexpr global) fails here, not on
+    the GPU."""
+    triton = pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from h3direct.checkpoint.quant import w8a8_triton as k
+
+    rows = {"q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "BLOCK": "constexpr"}
+    conv = {"p_ptr": "*u8", "bs_ptr": "*u8", "g_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*u8", "N": "i32",
+            "K": "i32", "SCALE_COLS": "i32", "BR": "constexpr", "BC": "constexpr"}
+    for fn, sig, consts in ((k._quant_rows_kernel, {"x_ptr": "*bf16", **rows}, {"BLOCK": 8192}),
+                            (k._quant_rows_kernel, {"x_ptr": "*fp32", **rows}, {"BLOCK": 16384}),
+                            (k._nvfp4_e4m3_kernel, conv, {"BR": 32, "BC": 128})):
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        ptx = compiled.asm["ptx"]
+        assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
+        assert compiled.asm["cubin"]
+
+
+def _fx_case(name):
+    from h3direct.traces.discovery import find_dit_cases
+
+    cases, _ = find_dit_cases([FIX])
+    return next(c for c in cases if c.trace.name == name)
+
+
+def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch):
+    from parity_tests import gate
+
+    case = _fx_case("trace_fx_bf16_ref2va_bf16.safetensors")
+    ok = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
+    assert ok.passed, ok.report()
+    assert "fp8_w8a8" in ok.report() and ok.weights == "fp8_w8a8"
+    assert set(ok.fp8_linear_calls) == {"emulated (cpu)"} and ok.fp8_linear_calls["emulated (cpu)"] >= 8
+    worst = max(r.rel_l2 for r in ok.layers)
+    assert 1e-2 < worst < 0.1  # the FP8 error is there (not silently exact), inside the budget
+    # a weight scale 30 % off: every block linear is off by 30 % -> the gate must fail at a block site
+    real = FP8Linear.fp8_weight
+    monkeypatch.setattr(FP8Linear, "fp8_weight", lambda self: (real(self)[0], real(self)[1] * 1.3))
+    gate._model.cache_clear()
+    try:
+        bad = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
+    finally:
+        gate._model.cache_clear()
+    assert not bad.passed and bad.first_failure.name.startswith("blocks.")
+
+
+def test_bench_dit_tiny_with_fp8_linear(tmp_path):
+    """bench_dit's --fp8-linear plumbing on the CPU (tiny preset): both weight formats run, calls are counted."""
+    out = tmp_path / "b.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dit.py"), "--preset", "tiny", "--device",
+                           "cpu", "--out", str(out), "--attention", "sdpa", "--steps", "1", "--no-kernels",
+                           "--fp8-linear"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    ok = [c for c in d["configs"] if c["status"] == "ok"]
+    assert {c["weights"] for c in ok} == {"nvfp4", "bf16"} and all(c["finite"] for c in ok)
+    for c in ok:  # warm-up + 1 timed step, 2 blocks x 4 linears per call: every GEMM emulated on the CPU
+        assert c["fp8_linear"] == "stream" and set(c["fp8_linear_calls"]) == {"emulated (cpu)"}
+        assert c["fp8_linear_calls"]["emulated (cpu)"] % 8 == 0
+    assert {b["fp8_linear"] for b in d["builds"]} == {"stream"}
