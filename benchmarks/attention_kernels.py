@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
 
 
 def parse_args(argv=None):
