@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     runs = [(b, {}) for b in args.backends.split(",") if b]
     if "sol_attn" in args.backends:
         runs += [("sol_attn", {"H3_SOL_TAU": t}) for t in args.sol_taus.split(",") if t and t != "1.3"]
+    if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing
+        runs.append(("fa3_fp8", {"H3_FP8_ATTN_SMOOTH_V": "0"}))
     rows = []
     like = torch.empty(0, device=device, dtype=torch.bfloat16)
     for backend, env in runs:

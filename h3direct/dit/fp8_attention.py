@@ -165,12 +165,21 @@ def quantize_qkv(q, k, v, smooth_k: bool = True, smooth_v: bool = True, per_head
             quantize(v, smooth_v, per_head, kernel))
 
 
-def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q, k, v [B, H, S, D] bf16 on an sm_90 GPU -> [B, H, S, D] bf16 (a view of FA3's [B, S, H, D] output)."""
+def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+                      smooth_v: bool | None = None, per_head: bool = True) -> torch.Tensor:
+    """q, k, v [B, H, S, D] bf16 on an sm_90 GPU -> [B, H, S, D] bf16 (a view of FA3's [B, S, H, D] output).
+    `smooth_v` None: H3_FP8_ATTN_SMOOTH_V (default on); `smooth_k=False` / `per_head=False`: the coarser variants,
+    for measurements."""
+    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k,
+                              smooth_v=smooth_v_enabled() if smooth_v is None else smooth_v, per_head=per_head)
+    return fa3_fp8_call(qq, kq, vq, q.shape[-1])
+
+
+def fa3_fp8_call(qq: Quantized, kq: Quantized, vq: Quantized, head_dim: int) -> torch.Tensor:
+    """FA3's FP8 forward on quantized q, k, v -> [B, H, S, D] bf16 (the v mean added back)."""
     from fa3_fwd_interface import flash_attn_func
 
-    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=True, smooth_v=smooth_v_enabled())
-    out = flash_attn_func(qq.data, kq.data, vq.data, softmax_scale=q.shape[-1] ** -0.5, causal=False,
+    out = flash_attn_func(qq.data, kq.data, vq.data, softmax_scale=head_dim ** -0.5, causal=False,
                           q_descale=qq.descale, k_descale=kq.descale, v_descale=vq.descale)
     if isinstance(out, tuple):
         out = out[0]
