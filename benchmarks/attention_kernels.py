@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
 
 
 def parse_args(argv=None):
@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     runs = [(b, {}) for b in args.backends.split(",") if b]
     if "sol_attn" in args.backends:
         runs += [("sol_attn", {"H3_SOL_TAU": t}) for t in args.sol_taus.split(",") if t and t != "1.3"]
+    if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing
+        runs.append(("fa3_fp8", {"H3_FP8_ATTN_SMOOTH_V": "0"}))
     rows = []
     like = torch.empty(0, device=device, dtype=torch.bfloat16)
     for backend, env in runs:

@@ -32,7 +32,8 @@ CACHE_DEFAULTS = {"threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, 
 SAMPLERS = ("euler", "heun", "dpmpp_2m")  # h3direct.sampling.sampler.SAMPLERS
 SCHEDULERS = ("simple", "normal", "sgm_uniform")  # h3direct.sampling.schedules.SCHEDULERS
 CACHE_MODES = ("off", "easycache", "h3_cache")  # h3direct.sampling.caches.CACHE_MODES
-ATTENTION = ("sdpa", "cudnn_sdpa", "fa3", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")  # dit.attention.backends()
+# dit.attention.backends()
+ATTENTION = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
 VAE_DTYPES = ("fp32", "fp16")
 REF_CAPS = {"image": 9, "video": 3, "audio": 3}  # h3direct.sampling.conditioning.MAX_REF_{IMAGES,VIDEOS,AUDIOS}
 

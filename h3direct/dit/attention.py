@@ -9,6 +9,9 @@ selected per call by name, no reload needed. q, k, v: [B, H, S, D]; returns [B, 
 |                 | on an H200 with bf16 PyTorch picks cuDNN or flash, on the CPU its math/flash CPU kernel)   |
 | cudnn_sdpa      | torch SDPA forced to cuDNN; an error if cuDNN cannot run it (never falls back)            |
 | fa3             | FlashAttention-3 forward (`fa3-fwd`, extra `fa3`): Hopper (sm_90) only, bf16; exact       |
+| fa3_fp8         | FA3's FP8 e4m3 forward, approximate: per-(batch, head) scales, K (and V) smoothing over    |
+|                 | tokens (fp8_attention.py); sm_90, bf16 inputs. head_dim not a multiple of 16 (or > 256)  |
+|                 | runs `H3_FP8_ATTN_FALLBACK` (fa3), counted; `H3_FP8_ATTN_STRICT=1` makes it an error.    |
 | sage2           | SageAttention 2 (`sageattention.sageattn`: INT8 QK, FP8 PV on sm_89/sm_90/sm_12x), built   |
 |                 | from source by `tools/build_sageattention.sh`; SageAttention 1 (PyPI 1.x) is refused      |
 | ck_int8         | comfy-kitchen `int8_attention` (INT8 Q/K/V, approximate)                                  |
@@ -57,7 +60,7 @@ _REGISTRY: dict[str, Backend] = {}
 # backends that treat them specially (sol_attn's sink blocks). None: unknown (e.g. a teacher-forced layer).
 _PREFIX_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3_attention_prefix_rows", default=None)
 
-# Per-backend call counts: {"sol_attn": Counter({"kernel": n, "fallback:<reason>": m})}.
+# Per-backend call counts: {"sol_attn": Counter({"kernel": n, "fallback to <backend>: <reason>": m})}, fa3_fp8 alike.
 _STATS: dict[str, Counter] = {}
 
 
@@ -88,7 +91,7 @@ def sequence_hints(prefix_rows: int | None):
 
 
 def attention_stats() -> dict[str, dict[str, int]]:
-    """Calls per backend that count them (sol_attn: kernel vs each documented fallback reason)."""
+    """Calls per backend that count them (sol_attn, fa3_fp8: kernel vs each documented fallback reason)."""
     return {name: dict(c) for name, c in _STATS.items() if c}
 
 
@@ -373,11 +376,56 @@ def _sol_available(like):
     return None
 
 
+def fp8_fallback_reason(q: torch.Tensor) -> str | None:
+    """Why FA3's FP8 kernel cannot take this call (None: it can)."""
+    from h3direct.dit.fp8_attention import FP8_HEAD_DIM_ALIGN, FP8_MAX_HEAD_DIM
+
+    d = q.shape[-1]
+    if d % FP8_HEAD_DIM_ALIGN or d > FP8_MAX_HEAD_DIM:
+        return f"head_dim {d} is not a multiple of {FP8_HEAD_DIM_ALIGN} up to {FP8_MAX_HEAD_DIM}"
+    return None
+
+
+def _fp8_settings() -> tuple[str, bool]:
+    return os.environ.get("H3_FP8_ATTN_FALLBACK", "fa3"), os.environ.get("H3_FP8_ATTN_STRICT", "0") == "1"
+
+
+def _fa3_fp8(q, k, v):
+    from h3direct.dit.fp8_attention import fa3_fp8_attention
+
+    fallback, strict = _fp8_settings()
+    why = fp8_fallback_reason(q)
+    if why is not None:
+        if strict:
+            raise BackendUnavailable(f"attention backend 'fa3_fp8' would fall back to {fallback!r} ({why}); "
+                                     f"H3_FP8_ATTN_STRICT=1 forbids it")
+        _count("fa3_fp8", f"fallback to {fallback}: head_dim")
+        return _REGISTRY[fallback].fn(q, k, v)
+    _count("fa3_fp8", "kernel")
+    return fa3_fp8_attention(q, k, v)
+
+
+def _fa3_fp8_available(like):
+    reason = _fa3_available(like)
+    if reason is not None:
+        return reason
+    fallback, strict = _fp8_settings()
+    if strict:
+        return None
+    if fallback not in _REGISTRY or fallback == "fa3_fp8":
+        return f"H3_FP8_ATTN_FALLBACK={fallback!r} is not another attention backend"
+    fb_reason = _REGISTRY[fallback].available(like)
+    if fb_reason is not None:
+        return f"its fallback H3_FP8_ATTN_FALLBACK={fallback!r} cannot run: {fb_reason}"
+    return None
+
+
 # fa3 reads a v with unit last-dim stride as it comes (FA3 requires only stride(-1) == 1); every other backend gets
 # v dense (kj_head_sliced and sol_attn pass it to a registered backend, which densifies it itself)
 register("sdpa", _dense_v(_sdpa), _always, exact=True)
 register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)
+register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False)  # its quantizer reads strided v
 register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)

@@ -1,0 +1,242 @@
+"""FP8 (e4m3) attention on FlashAttention-3's FP8 forward, with per-(batch, head) scales and smoothing.
+
+The `fa3_fp8` backend (h3direct/dit/attention.py) quantizes q, k, v to e4m3 and calls FA3's FP8 kernel, which takes
+one fp32 descale per (batch, kv head) for each of q, k, v (`q_descale` etc., shape [B, H_k]) and folds
+q_descale·k_descale into the softmax scale and v_descale into the output. Three things keep the error small:
+
+- per-(batch, head) scales: scale = amax / 448 of that head (448 = e4m3's largest finite value), so a head with
+  large values does not flatten the others (one scale per tensor: rel-L2 5.4e-2 at the benchmark shape);
+- K smoothing: k' = k − mean over tokens of k (per head and channel). For every query, q·k' = q·k − q·mean, a
+  constant along the softmax row, so the attention weights are unchanged while the common channel offset of the keys
+  (which would take e4m3's range) is removed before quantizing;
+- V smoothing: v' = v − mean over tokens of v; every softmax row sums to one, so attn(v') + mean = attn(v). The mean
+  is added back to FA3's bf16 output (H3_FP8_ATTN_SMOOTH_V=0 turns it off).
+
+Quantization of one tensor is two passes: per-channel sum, min and max over tokens (torch reductions, which read the
+strided q/k views of the qkv projection in place), then one Triton pass that subtracts the mean, scales, rounds to
+e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA the same math runs in torch
+(`quantize_torch`), which is also what `fp8_attention_reference` (the numerical emulation of the whole backend,
+fp32 attention with FA3's FP8 probability rounding) uses.
+
+The maximum of the smoothed tensor needs no second reduction: rounding is monotone, so
+max_t fl(x_t − m) = fl(max_t x_t − m) and the head's amax is max_c max(fl(max_c − m_c), fl(m_c − min_c)).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton is optional (CUDA wheels of torch ship it; the test extra installs it for TRITON_INTERPRET=1 tests)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - environments without Triton
+    triton = None
+
+E4M3_MAX = 448.0
+# FA3's FP8 forward evaluates the probabilities as exp2(score − row max + 8) before rounding them to e4m3 for the
+# PV product (they lie in [0, 256] instead of [0, 1], away from e4m3's subnormals); the emulation does the same
+P_OFFSET_LOG2 = 8.0
+# head dims FA3's FP8 kernels take: a multiple of 16 (16-byte rows of e4m3), at most 256
+FP8_HEAD_DIM_ALIGN = 16
+FP8_MAX_HEAD_DIM = 256
+
+
+def smooth_v_enabled() -> bool:
+    return os.environ.get("H3_FP8_ATTN_SMOOTH_V", "1") != "0"
+
+
+@dataclass
+class Quantized:
+    """One tensor in e4m3: `data` [B, S, H, D] (contiguous), `descale` [B, H] fp32, `mean` [B, H, D] fp32 or None
+    (the per-channel token mean subtracted before scaling)."""
+
+    data: torch.Tensor
+    descale: torch.Tensor
+    mean: torch.Tensor | None
+
+    def dequantize(self) -> torch.Tensor:
+        """[B, H, S, D] fp32: data · descale (+ mean)."""
+        x = self.data.transpose(1, 2).float() * self.descale[:, :, None, None]
+        return x if self.mean is None else x + self.mean[:, :, None, :]
+
+
+def channel_stats(x: torch.Tensor, center: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """x [B, H, S, D] -> (per-channel token mean [B, H, D] fp32 if `center`, else None; amax [B, H] fp32 of x − mean).
+
+    amax is the largest |x − mean| of the head, computed from per-channel max and min (see the module docstring)."""
+    lo, hi = torch.aminmax(x, dim=2)  # exact in x's dtype
+    hi, lo = hi.float(), lo.float()
+    if not center:
+        return None, torch.maximum(hi.abs(), lo.abs()).amax(dim=-1)
+    mean = x.sum(dim=2, dtype=torch.float32) / x.shape[2]
+    return mean, torch.maximum(hi - mean, mean - lo).amax(dim=-1)
+
+
+def scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """amax [B, H] -> (descale = amax / 448, inverse = 448 / amax); an all-zero head gets 1 and 1."""
+    nonzero = amax > 0
+    one = torch.ones_like(amax)
+    descale = torch.where(nonzero, amax / E4M3_MAX, one)
+    inverse = torch.where(nonzero, E4M3_MAX / torch.where(nonzero, amax, one), one)
+    return descale.contiguous(), inverse.contiguous()
+
+
+def quantize_torch(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
+    """The quantizer's math in torch: e4m3(clamp((x − mean) · inverse, ±448)) as [B, S, H, D] contiguous."""
+    y = x.float()
+    if mean is not None:
+        y = y - mean[:, :, None, :]
+    y = (y * inverse[:, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).transpose(1, 2).contiguous()
+
+
+if triton is not None:
+    @triton.jit
+    def _round_e4m3(y):
+        # round |y| <= 448 to the nearest e4m3 value (ties to even) in fp32 arithmetic, so that the final cast is
+        # exact whatever rounding the target's conversion uses (Triton's CPU interpreter truncates)
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # below 2^-6: multiples of 2^-9
+        r = tl.where(a >= 0.015625, normal, sub)
+        return tl.where(y < 0, -r, r)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, mean_ptr, inv_ptr, out_ptr, S, H, D, sxb, sxh, sxs, HAS_MEAN: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < S) & (cols[None, :] < D)
+        x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :], mask=mask, other=0.0)
+        y = x.to(tl.float32)
+        if HAS_MEAN:
+            m = tl.load(mean_ptr + bh * D + cols, mask=cols < D, other=0.0)
+            y = y - m[None, :]
+        y = y * tl.load(inv_ptr + bh)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        q = _round_e4m3(y).to(tl.float8e4nv)
+        tl.store(out_ptr + ((b * S + rows[:, None]) * H + h) * D + cols[None, :], q, mask=mask)
+
+
+def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
+    """`quantize_torch` in one Triton pass (bitwise equal): reads x [B, H, S, D] (any strides, unit channel stride)
+    and writes e4m3 [B, S, H, D] contiguous."""
+    if triton is None:
+        raise RuntimeError("Triton is not importable")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, h, s, d = x.shape
+    out = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
+    mean_arg = mean.contiguous() if mean is not None else inverse  # a dummy pointer when there is no mean
+    block_d = triton.next_power_of_2(d)
+    block_s = max(1, min(64, 8192 // block_d))
+    _quantize_kernel[(triton.cdiv(s, block_s), b * h)](
+        x, mean_arg, inverse.contiguous(), out, s, h, d, x.stride(0), x.stride(1), x.stride(2),
+        HAS_MEAN=mean is not None, BLOCK_S=block_s, BLOCK_D=block_d)
+    return out
+
+
+def quantize(x: torch.Tensor, center: bool, per_head: bool = True, kernel: bool | None = None) -> Quantized:
+    """x [B, H, S, D] -> `Quantized`. `center`: subtract the per-channel token mean first (smoothing). `per_head`:
+    one scale per (batch, head) (False: one for the whole tensor, the coarse variant, for comparison). `kernel`:
+    the Triton pass (default: when x is on CUDA and Triton is importable), else torch."""
+    mean, amax = channel_stats(x, center)
+    if not per_head:
+        amax = amax.amax().expand_as(amax)
+    descale, inverse = scales(amax)
+    if kernel is None:
+        kernel = x.is_cuda and triton is not None
+    data = (quantize_triton if kernel else quantize_torch)(x, mean, inverse)
+    return Quantized(data, descale, mean)
+
+
+def quantize_qkv(q, k, v, smooth_k: bool = True, smooth_v: bool = True, per_head: bool = True,
+                 kernel: bool | None = None) -> tuple[Quantized, Quantized, Quantized]:
+    """q is scaled only (a per-query offset would change the softmax); k and v optionally smoothed."""
+    return (quantize(q, False, per_head, kernel), quantize(k, smooth_k, per_head, kernel),
+            quantize(v, smooth_v, per_head, kernel))
+
+
+def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+                      smooth_v: bool | None = None, per_head: bool = True) -> torch.Tensor:
+    """q, k, v [B, H, S, D] bf16 on an sm_90 GPU -> [B, H, S, D] bf16 (a view of FA3's [B, S, H, D] output).
+    `smooth_v` None: H3_FP8_ATTN_SMOOTH_V (default on); `smooth_k=False` / `per_head=False`: the coarser variants,
+    for measurements."""
+    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k,
+                              smooth_v=smooth_v_enabled() if smooth_v is None else smooth_v, per_head=per_head)
+    return fa3_fp8_call(qq, kq, vq, q.shape[-1])
+
+
+def fa3_fp8_call(qq: Quantized, kq: Quantized, vq: Quantized, head_dim: int) -> torch.Tensor:
+    """FA3's FP8 forward on quantized q, k, v -> [B, H, S, D] bf16 (the v mean added back)."""
+    from fa3_fwd_interface import flash_attn_func
+
+    out = flash_attn_func(qq.data, kq.data, vq.data, softmax_scale=head_dim ** -0.5, causal=False,
+                          q_descale=qq.descale, k_descale=kq.descale, v_descale=vq.descale)
+    if isinstance(out, tuple):
+        out = out[0]
+    if vq.mean is not None:  # the rows of the softmax sum to one: attn(v − mean) + mean = attn(v)
+        out.add_(vq.mean[:, None].to(out.dtype))
+    return out.transpose(1, 2)
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
+                            smooth_v: bool = True, per_head: bool = True, fp8: bool = True, fp8_p: bool = True,
+                            dtype: torch.dtype = torch.float32, q_chunk: int = 4096,
+                            rows: slice | None = None) -> torch.Tensor:
+    """Numerical emulation of `fa3_fp8_attention` in torch: [B, H, S, D] -> [B, H, S, D] in `dtype`.
+
+    Same quantization (torch form of the quantizer, bitwise equal to the Triton pass); scores q8·k8 accumulated in
+    `dtype`, times q_descale·k_descale·D^-1/2; probabilities exp2 of (score − row max)·log2(e) + 8, rounded to e4m3
+    for the PV product (`fp8_p`), normalised by the sum of the unrounded ones; times v_descale; the v mean added back
+    in bf16. FA3 rescales block by block with a running max, so its probability roundings differ from these (which use
+    the final row max) in detail, not in size. `fp8=False`: the same smoothing without any quantization (exact
+    algebra, for the invariance checks); the result is then not rounded to bf16. `rows`: only these query rows
+    (the scales and means still come from every token)."""
+    if fp8:
+        qq, kq, vq = quantize_qkv(q, k, v, smooth_k, smooth_v, per_head, kernel=False)
+        qd = qq.data.transpose(1, 2).to(dtype)
+        kd = kq.data.transpose(1, 2).to(dtype)
+        vd = vq.data.transpose(1, 2).to(dtype)
+        q_desc, k_desc, v_desc = (t.descale.to(dtype)[:, :, None, None] for t in (qq, kq, vq))
+        v_mean = vq.mean
+    else:
+        qd, kd, vd = (x.to(dtype) for x in (q, k, v))
+        if smooth_k:
+            kd = kd - kd.mean(dim=2, keepdim=True)
+        v_mean = vd.mean(dim=2) if smooth_v else None
+        if v_mean is not None:
+            vd = vd - v_mean[:, :, None, :]
+        q_desc = k_desc = v_desc = torch.ones((), dtype=dtype, device=q.device)
+    if rows is not None:
+        qd = qd[:, :, rows]
+    scale_log2 = q.shape[-1] ** -0.5 * math.log2(math.e) * q_desc * k_desc  # [B, H, 1, 1]
+    out = torch.empty(qd.shape[:-1] + vd.shape[-1:], dtype=dtype, device=q.device)
+    for i in range(0, qd.shape[2], q_chunk):
+        s = qd[:, :, i:i + q_chunk] @ kd.transpose(-1, -2)
+        s = (s - s.amax(dim=-1, keepdim=True)) * scale_log2
+        if fp8:
+            s = s + P_OFFSET_LOG2
+        p = torch.exp2(s)
+        denom = p.sum(dim=-1, keepdim=True)
+        if fp8 and fp8_p:
+            p = p.float().to(torch.float8_e4m3fn).to(dtype)
+        out[:, :, i:i + q_chunk] = (p @ vd) / denom * v_desc
+    if not fp8:
+        return out if v_mean is None else out + v_mean[:, :, None, :].to(dtype)
+    out = _round_bf16(out)  # FA3 writes bf16
+    if v_mean is not None:
+        out = _round_bf16(out + _round_bf16(v_mean.to(dtype))[:, :, None, :])
+    return out

@@ -1,0 +1,159 @@
+"""The `fa3_fp8` attention backend on the CPU: its smoothing algebra, its per-head scales, the numerical emulation of
+the whole backend against fp64 attention, the Triton quantizer (TRITON_INTERPRET=1) against the torch math, and the
+backend's availability / fallback rules. The FA3 kernel itself runs only on an sm_90 GPU
+(benchmarks/gpu_fa3fp8.sh compares it with `fp8_attention_reference`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3direct.dit import attention as A
+from h3direct.dit import fp8_attention as F8
+from h3direct.errors import BackendUnavailable
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _structured(heads: int = 4, rows: slice = slice(6000, 6768)):
+    from benchmarks.attention_kernels import positions, structured_qkv
+
+    pos, _ = positions(None)
+    return structured_qkv(pos[rows], heads, 128, "cpu")
+
+
+def test_smoothing_leaves_attention_unchanged_in_fp64():
+    """k − mean(k) shifts every score row by a constant; attn(v − mean(v)) + mean(v) = attn(v): exact in fp64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 50, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    k = k + 5.0 * torch.randn(1, 3, 1, 16, generator=g, dtype=torch.float64)  # a large common key offset
+    v = v - 3.0
+    want = F.scaled_dot_product_attention(q, k, v)
+    for smooth_k, smooth_v in ((True, True), (True, False), (False, True)):
+        got = F8.fp8_attention_reference(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v, fp8=False,
+                                         dtype=torch.float64)
+        assert (got - want).abs().max() < 1e-12
+    # and the smoothing really changes the operands (the offset would have cost e4m3 range)
+    mean, amax = F8.channel_stats(k, center=True)
+    _, amax_raw = F8.channel_stats(k, center=False)
+    assert (amax < amax_raw).all() and torch.allclose(mean.double(), k.mean(dim=2), atol=1e-6)
+
+
+def test_per_head_scales_zero_head_and_outlier_channel():
+    x = torch.randn(1, 3, 40, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x[0, 0] = 0.0  # an all-zero head
+    x[0, 1, 7, 5] = 1000.0  # one huge value in one channel of head 1
+    x[0, 2] = x[0, 2] * 0.01  # a small head
+    for center in (False, True):
+        q = F8.quantize(x, center, kernel=False)
+        mean, amax = F8.channel_stats(x, center)
+        dev = x.float() - (mean[:, :, None, :] if center else 0.0)
+        assert torch.equal(amax, dev.abs().amax(dim=(2, 3)))  # the head's true max |x − mean|, per head
+        assert q.descale[0, 0] == 1.0 and (q.data[0, :, 0].float() == 0).all()  # zero head: no 0/0
+        assert q.descale[0, 1] == amax[0, 1] / 448  # set by the outlier alone ...
+        assert q.data[0, 7, 1, 5].float().abs() == 448  # ... which lands on e4m3's largest value
+        assert q.descale[0, 2] < q.descale[0, 1] / 1000  # the small head keeps its own scale
+        back = q.dequantize()
+        assert _rel(back[0, 2], x[0, 2].float()) < 0.04  # e4m3: 3 mantissa bits
+        assert torch.isfinite(back).all()
+    tensor_scale = F8.quantize(x, False, per_head=False, kernel=False)
+    assert (tensor_scale.descale == tensor_scale.descale[0, 0]).all()
+
+
+def test_emulated_error_with_per_head_scales_and_smoothing_beats_one_scale_per_tensor():
+    """Structured q/k/v (real positions, 3-axis rope) with what a trained DiT adds: per-head gains (a learned norm
+    weight), a common key offset in the channels rope leaves alone, and one head with nearly silent values. One e4m3 scale per
+    tensor sends that head into e4m3's subnormals and spends range on the key offset."""
+    q, k, v = _structured()
+    g = torch.Generator().manual_seed(3)
+    gain = torch.tensor([1.0, 0.5, 1.5, 2.0]).view(1, 4, 1, 1)
+    v_gain = torch.tensor([5e-5, 1.0, 1.0, 2.0]).view(1, 4, 1, 1)
+    offset = torch.zeros(1, 4, 1, 128)
+    offset[..., 96:] = torch.randn(1, 4, 1, 32, generator=g) * 4
+    q, k = (q.float() * gain).bfloat16(), (k.float() * gain + offset).bfloat16()
+    v = (v.float() * v_gain).bfloat16()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    coarse = F8.fp8_attention_reference(q, k, v, per_head=False, smooth_k=False, smooth_v=False)
+    ours = F8.fp8_attention_reference(q, k, v)
+    per_head_only = F8.fp8_attention_reference(q, k, v, smooth_k=False, smooth_v=False)
+    bf16 = F.scaled_dot_product_attention(q, k, v)
+    e_coarse, e_ours, e_head = _rel(coarse, ref), _rel(ours, ref), _rel(per_head_only, ref)
+    assert e_ours < 0.8 * e_coarse, (e_ours, e_coarse)  # 0.74 here
+    assert e_ours < e_head  # K smoothing helps on top of the per-head scales
+    assert _rel(ours[:, 0], ref[:, 0]) < 0.3 * _rel(coarse[:, 0], ref[:, 0])  # the quiet head
+    assert _rel(bf16, ref) < e_ours < 0.03  # an approximation, but a close one
+
+
+def test_emulation_without_probability_rounding_is_closer():
+    """The emulation models FA3's e4m3 rounding of the probabilities: turning it off must change the result."""
+    q, k, v = _structured(heads=2, rows=slice(0, 384))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    with_p = F8.fp8_attention_reference(q, k, v)
+    without_p = F8.fp8_attention_reference(q, k, v, fp8_p=False)
+    assert not torch.equal(with_p, without_p) and _rel(without_p, ref) < _rel(with_p, ref)
+    rows = F8.fp8_attention_reference(q, k, v, rows=slice(100, 200))
+    assert torch.equal(rows, with_p[:, :, 100:200])
+
+
+_TRITON_CHECK = textwrap.dedent("""
+    import torch
+    from h3direct.dit import fp8_attention as F8
+    g = torch.Generator().manual_seed(0)
+    s, h = 77, 3
+    for d in (32, 128, 48):
+        qkv = (torch.randn(s, 3 * h * d, generator=g) * 3).bfloat16()
+        q = qkv[:, :h * d].view(s, h, d).transpose(0, 1)[None]  # a strided view, as the DiT passes q and k
+        x = torch.cat([q, q * 40], 0)  # batch 2
+        x[0, 1, 5, 3] = 1e-6  # subnormal territory after scaling
+        x[1, 2, :, 7] += 9.0  # a channel offset
+        x[1, 0] = 0.0
+        for center in (False, True):
+            mean, amax = F8.channel_stats(x, center)
+            _, inv = F8.scales(amax)
+            a = F8.quantize_torch(x, mean, inv).view(torch.uint8)
+            b = F8.quantize_triton(x, mean, inv).view(torch.uint8)
+            assert a.shape == b.shape == (2, s, h, d), b.shape
+            assert torch.equal(a, b), (d, center, int((a != b).sum()))
+    print("OK")
+""")
+
+
+def test_triton_quantizer_is_bitwise_equal_to_the_torch_math():
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it on x86_64 Linux)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
+
+
+def test_backend_is_registered_approximate_and_unavailable_on_the_cpu():
+    assert "fa3_fp8" in A.backends() and not A.is_exact("fa3_fp8")
+    like = torch.empty(0, dtype=torch.bfloat16)
+    reason = A.unavailable_reason("fa3_fp8", like)
+    assert reason is not None and "\n" not in reason
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailable, match="attention backend 'fa3_fp8' cannot run"):
+        A.attention(q, q, q, "fa3_fp8")
+
+
+def test_head_dims_the_kernel_cannot_take_fall_back_counted_or_fail_strict(monkeypatch):
+    q32 = torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)
+    assert A.fp8_fallback_reason(q32) is None and A.fp8_fallback_reason(q32[..., :128]) is None
+    q40 = torch.randn(1, 2, 8, 40)
+    assert "head_dim 40" in A.fp8_fallback_reason(q40)
+    assert A.fp8_fallback_reason(torch.zeros(1, 1, 1, 512)) is not None
+    monkeypatch.setenv("H3_FP8_ATTN_FALLBACK", "sdpa")
+    A.reset_attention_stats()
+    assert torch.equal(A._fa3_fp8(q40, q40, q40), A._sdpa(q40, q40, q40))
+    assert A.attention_stats() == {"fa3_fp8": {"fallback to sdpa: head_dim": 1}}
+    monkeypatch.setenv("H3_FP8_ATTN_STRICT", "1")
+    with pytest.raises(BackendUnavailable, match="H3_FP8_ATTN_STRICT=1 forbids it"):
+        A._fa3_fp8(q40, q40, q40)
+    A.reset_attention_stats()
