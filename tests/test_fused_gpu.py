@@ -68,3 +68,18 @@ def test_fused_qk_norm_rope_rounds_once():
         assert _rel(part, ref) <= 1.05 * _rel(ref.bfloat16(), ref)
         assert _rel(part, ref) < _rel(rms_norm_rope(x, w, table, 1e-6), ref)
     assert torch.equal(qkv[:, 2 * heads * hd:], src[:, 2 * heads * hd:])
+
+
+def test_full_width_mlp_takes_the_fused_swiglu(monkeypatch):
+    """fc1's output at the full model's width (2 x 14,336 features, over MAX_HIDDEN) still goes through the fused
+    SwiGLU: its kernel tiles columns, so the one-row-per-program limit of the norm kernels does not apply."""
+    calls = []
+    real = fused.swiglu_
+    monkeypatch.setattr(fused, "swiglu_", lambda a: calls.append(a.shape) or real(a))
+    mlp = blocks.MLP(256, 14336).to("cuda", torch.bfloat16)
+    for lin in (mlp.fc1, mlp.fc2):
+        torch.nn.init.normal_(lin.weight, std=0.02)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert 2 * 14336 > fused.MAX_HIDDEN
+    mlp(x)
+    assert calls == [torch.Size([64, 2 * 14336])]

@@ -86,7 +86,7 @@ class MLP(nn.Module):
         x = box.pop()
         a = self.fc1(x)
         del x
-        if fused.enabled(a):
+        if fused.enabled(a, whole_rows=False):  # SwiGLU tiles its columns: any width
             return self.fc2(fused.swiglu_(a))
         gate, up = a.chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))

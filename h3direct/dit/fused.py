@@ -33,10 +33,12 @@ except Exception:  # pragma: no cover - environments without Triton
 MAX_HIDDEN = 16384  # one program holds a whole row of the norm (block = next power of two)
 
 
-def enabled(x: torch.Tensor) -> bool:
-    """The fused path runs for this activation: CUDA, Triton present, H3_FUSED not 0, a float compute dtype."""
+def enabled(x: torch.Tensor, *, whole_rows: bool = True) -> bool:
+    """The fused path runs for this activation: CUDA, Triton present, H3_FUSED not 0, a float compute dtype, and
+    (for the kernels that hold one whole row per program, `whole_rows`) rows of at most MAX_HIDDEN features."""
     return (triton is not None and x.is_cuda and os.environ.get("H3_FUSED", "1") != "0"
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[-1] <= MAX_HIDDEN)
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (not whole_rows or x.shape[-1] <= MAX_HIDDEN))
 
 
 def _interpreting() -> bool:
