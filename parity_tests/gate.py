@@ -188,7 +188,9 @@ def _setup(case: DitCase, device: str, compute: str | None = None, fp8_linear: s
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
     mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
-    model = _model(str(case.checkpoint), compute or case.compute, mode, device, fp8_linear)
+    key = (str(case.checkpoint), compute or case.compute, mode, device)
+    # without fp8 the cache key stays the 4-tuple others use (`_model(...)` elsewhere gets the same instance)
+    model = _model(*key) if fp8_linear == "off" else _model(*key, fp8_linear)
     return trace, inputs, model, conditioning_of(inputs)
 
 
