@@ -14,7 +14,7 @@ q_descale·k_descale into the softmax scale and v_descale into the output. Three
 
 Quantization of one tensor is two passes: per-channel sum, min and max over tokens (torch reductions, which read the
 strided q/k views of the qkv projection in place), then one Triton pass that subtracts the mean, scales, rounds to
-e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA the same math runs in torch
+e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA or Triton the same math runs in torch
 (`quantize_torch`), which is also what `fp8_attention_reference` (the numerical emulation of the whole backend,
 fp32 attention with FA3's FP8 probability rounding) uses.
 
