@@ -99,13 +99,16 @@ def part_heads(args, out):
             try:
                 ker = F8.fa3_fp8_attention(q, k, v, **kw)
                 emu = F8.fp8_attention_reference(q, k, v, **kw)
-                row.update(kernel_vs_emulation=rel(ker, emu), kernel_vs_fp32=rel(ker, ref),
+                emu0 = F8.fp8_attention_reference(q, k, v, p_offset_log2=0.0, **kw)  # probabilities in [0, 1]
+                row.update(kernel_vs_emulation=rel(ker, emu), kernel_vs_emulation_p_offset_0=rel(ker, emu0),
+                           kernel_vs_fp32=rel(ker, ref),
                            emulation_vs_fp32=rel(emu, ref), batch1_kernel_vs_fp32=rel(ker[1], ref[1]),
                            finite=bool(torch.isfinite(ker).all()))
             except Exception as exc:  # noqa: BLE001 - e.g. a head_dim the kernel refuses: a row
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             rows.append(row)
-            print("heads " + (f"D={d:3d} {name:13s} kernel vs emulation {row['kernel_vs_emulation']:.2e}  kernel vs "
+            print("heads " + (f"D={d:3d} {name:13s} kernel vs emulation {row['kernel_vs_emulation']:.2e} (P offset 0: "
+                              f"{row['kernel_vs_emulation_p_offset_0']:.2e})  kernel vs "
                               f"fp32 {row['kernel_vs_fp32']:.2e}  emulation vs fp32 {row['emulation_vs_fp32']:.2e}"
                               if "error" not in row else f"D={d} {name}: {row['error']}"), flush=True)
     out["heads"] = rows

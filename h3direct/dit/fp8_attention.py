@@ -14,7 +14,7 @@ q_descale·k_descale into the softmax scale and v_descale into the output. Three
 
 Quantization of one tensor is two passes: per-channel sum, min and max over tokens (torch reductions, which read the
 strided q/k views of the qkv projection in place), then one Triton pass that subtracts the mean, scales, rounds to
-e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA the same math runs in torch
+e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA or Triton the same math runs in torch
 (`quantize_torch`), which is also what `fp8_attention_reference` (the numerical emulation of the whole backend,
 fp32 attention with FA3's FP8 probability rounding) uses.
 
@@ -195,7 +195,7 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
 def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
                             smooth_v: bool = True, per_head: bool = True, fp8: bool = True, fp8_p: bool = True,
                             dtype: torch.dtype = torch.float32, q_chunk: int = 4096,
-                            rows: slice | None = None) -> torch.Tensor:
+                            rows: slice | None = None, p_offset_log2: float = P_OFFSET_LOG2) -> torch.Tensor:
     """Numerical emulation of `fa3_fp8_attention` in torch: [B, H, S, D] -> [B, H, S, D] in `dtype`.
 
     Same quantization (torch form of the quantizer, bitwise equal to the Triton pass); scores q8·k8 accumulated in
@@ -204,7 +204,8 @@ def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     in bf16. FA3 rescales block by block with a running max, so its probability roundings differ from these (which use
     the final row max) in detail, not in size. `fp8=False`: the same smoothing without any quantization (exact
     algebra, for the invariance checks); the result is then not rounded to bf16. `rows`: only these query rows
-    (the scales and means still come from every token)."""
+    (the scales and means still come from every token). `p_offset_log2`: the exponent offset of the probabilities
+    before their e4m3 rounding (FA3's 8; 0 models a kernel that rounds probabilities in [0, 1])."""
     if fp8:
         qq, kq, vq = quantize_qkv(q, k, v, smooth_k, smooth_v, per_head, kernel=False)
         qd = qq.data.transpose(1, 2).to(dtype)
@@ -228,7 +229,7 @@ def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         s = qd[:, :, i:i + q_chunk] @ kd.transpose(-1, -2)
         s = (s - s.amax(dim=-1, keepdim=True)) * scale_log2
         if fp8:
-            s = s + P_OFFSET_LOG2
+            s = s + p_offset_log2
         p = torch.exp2(s)
         denom = p.sum(dim=-1, keepdim=True)
         if fp8 and fp8_p:
