@@ -82,14 +82,15 @@ def sol_reference_error(q, k, v, prefix_rows: int, taus=(1.3,)) -> dict[float, f
     return out
 
 
-def video_grid(trace) -> tuple[int, int, int]:
-    """(T, H, W) token grid of the target video of a DiT trace (patch 1×2×2)."""
+def video_grid(trace, trace_path) -> tuple[int, int, int]:
+    """(T, H, W) token grid of the target video of a DiT trace (patch 1×2×2), from the inputs file its manifest
+    names (as given, or beside the trace: ComfyUI's manifests name it relative to the trace's folder)."""
     from h3direct.traces.inputs import load_inputs
 
-    m = trace.manifest
-    path = m.get("inputs")
-    if not path or not Path(path).is_file():
-        raise SystemExit(f"attention_structure: the trace's inputs file {path!r} is not here (its grid is needed)")
+    name = trace.manifest.get("inputs") or ""
+    path = next((p for p in (Path(name), Path(trace_path).parent / Path(name).name) if name and p.is_file()), None)
+    if path is None:
+        raise SystemExit(f"attention_structure: the trace's inputs file {name!r} is not here (its grid is needed)")
     lat = load_inputs(path)["video_latent"]
     return lat.shape[2], (lat.shape[3] + 1) // 2, (lat.shape[4] + 1) // 2
 
@@ -98,7 +99,7 @@ def trace_stats(path, window=(1, 3, 3), sol=False, taus=(1.3,)) -> list[dict]:
     from h3direct.traces.format import load_trace
 
     trace = load_trace(path)
-    grid = video_grid(trace)
+    grid = video_grid(trace, path)
     rows = []
     blk = 0
     while f"blocks.{blk}.attn.rope_q" in trace.tensors:
