@@ -72,7 +72,7 @@ def test_local_window_mass(stats):
 def test_sol_reference_error_drops(stats):
     rnd, loc = stats["random"], stats["local"]
     assert min(r["sol_rel_l2"][1.3] for r in rnd) > 0.1  # the case that failed on the H200
-    assert max(r["sol_rel_l2"][1.3] for r in loc) < 0.04  # a sparse method is meaningful here
+    assert max(r["sol_rel_l2"][1.3] for r in loc) < 0.05  # a sparse method is meaningful here (measured 0.031)
 
 
 def test_local_structure_tensors(traces):
