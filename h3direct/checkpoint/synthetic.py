@@ -21,6 +21,35 @@ The file is streamed: the safetensors header is written first (all shapes are kn
 each tensor is generated and written one at a time, so the full 50-layer model never needs more memory than
 its largest tensor (~1.1 GB fp32 master of a full-form `adaln_proj.linear.weight` plus its bf16 copy).
 
+`--attention-structure local` (DiT blocks only; the token refiner stays as above) reshapes three tensor families
+after their draws, drawing nothing from the main generator, so every other tensor keeps its value. Why: with
+independent random q/k projections a synthetic DiT attends almost uniformly (entropy ~0.95 of log S), where a
+sparse attention method cannot work, while real video DiTs attend locally in (t, h, w). Construction, per block
+b, hidden size d, head dim D, with a unit-rms direction u_b ~ N(0, 1)^d from a second generator (seed + 7919):
+
+1. a token-independent part of the attention input: the attention shift of every modality row gets + ρ·u_b in
+   `adaln_proj.linear.bias` (feature (g·6 + 0)·d + i), so h_i = n_i + ρ·u_b, where n_i (norm·(1 + scale) + the
+   time-dependent shift) has rms ~1: the common part carries ρ²/(1 + ρ²) of h's energy (0.9 at ρ = 3);
+2. q and k agree on it: with P = û ûᵀ, the k third of `attn.qkv_proj.weight` becomes W_q·P + W_k·(I − P).
+   Pre-rope, q_i = ρ·a + W_q·n_i and k_j = ρ·a + W_k'·n_j with the same a = W_q·u_b, and token parts that are
+   independent (the self-match i = j is not favoured beyond what the position gives);
+3. a rope-shaped temperature: `q_norm.weight` = `k_norm.weight` = drawn value × γ·ψ_c over the D channels. Rope
+   rotates channel pairs (c, c + 3L), c < 3L, pair c on axis a = c // L (t, h, w) at ω_j = inv_freq[j], j = c mod L.
+   With q ≈ k ≈ a after the norm, the common part's logit is
+       ℓ(i, j) ≈ γ²·√D·ρ²/(1 + ρ²) · Σ_c ψ_c²·|â_c|² cos(ω_j·(p_i − p_j)_a) / D,
+   a sum of cosines in the (t, h, w) distance: maximal at Δp = 0 and decaying with it. ψ_c² is the spectrum of a
+   Gaussian kernel of width σ_a sampled at rope's log-spaced frequencies (dω = ω·d log ω):
+       ψ² ∝ ψ₀² + 16·ω_j·exp(−(ω_j·σ_a)²/2) / Σ_j' ω_j'·exp(−(ω_j'·σ_a)²/2),  mean ψ² = 1 over the D channels,
+   with σ_t = 6 rope units (about one latent frame of four pixel frames, 5/3 · 4), σ_h = σ_w = 3 (two tokens of
+   the area-normalised grid at S ≈ 4.5 k) and ψ₀ = 0.25 on the unrotated channels and as a floor: γ sets the
+   logit range (γ²·√D·ρ²/(1 + ρ²) ≈ 23 nats at the defaults γ = 1.5, ρ = 3).
+
+Measured on the `small` preset (head_dim 128), curve adaLN, seed 0, Ref2VA at S = 4,496 (`build_inputs.py
+--gpu`), fp32, video queries (benchmarks/attention_structure.py): mass within ±1 latent frame, ±3 rows, ±3 columns
+(2.5 % of the keys) 0.46 / 0.53 (blocks 0 / 1; 0.024 / 0.020 for the random checkpoint), entropy 0.46 / 0.59 of
+log S (0.95), self-attention 0.06 / 0.05, prefix (text, reference, audio) 0.08 / 0.10; comfy-kitchen 0.2.40's eager
+Sol-Attn reference (tau 1.3, prefix sinks) misses exact attention by 1.1e-2 / 1.2e-2 (0.18 / 0.17 random).
+
 VAEs (`--component video_vae|audio_vae`) come from `h3direct.vae.synthetic.make_state_dict` and are written
 by the same writer.
 """
@@ -28,10 +57,12 @@ by the same writer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3direct.errors import ConfigError, H3Error
@@ -39,6 +70,11 @@ from h3direct.errors import ConfigError, H3Error
 CURVE_GRID = {"tiny": 33, "small": 33, "full": 1025}  # adaln_t_table rows of the curve form per preset
 CURVE_TIME_EMBED_DIM = 8
 COMPONENTS = ("dit", "video_vae", "audio_vae")
+STRUCTURES = ("random", "local")
+LOCAL_STRENGTH, LOCAL_SHIFT = 1.5, 3.0  # γ, ρ of --attention-structure local
+LOCAL_SIGMA = (6.0, 3.0, 3.0)  # kernel widths σ_t, σ_h, σ_w in rope position units
+LOCAL_FLOOR = 0.25  # ψ₀
+STRUCTURE_SEED_OFFSET = 7919  # the direction generator's seed is seed + this
 
 # safetensors dtype codes of the storage dtypes we write
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "uint8": "U8", "int8": "I8",
@@ -59,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaln", choices=("full", "curve"), default=None,
                         help="adaLN form: full (time embedder) or curve (adaln_t_table, the pruned layout)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-structure", choices=STRUCTURES, default="random",
+                        help="DiT attention: random (independent q/k, near-uniform attention) or local (q/k share a "
+                             "positional part: attention local in t, h, w; see the module docstring)")
+    parser.add_argument("--attention-strength", type=float, default=LOCAL_STRENGTH, metavar="GAMMA",
+                        help=f"local: rms of the q/k norm weights, the logit temperature (default {LOCAL_STRENGTH})")
+    parser.add_argument("--attention-shift", type=float, default=LOCAL_SHIFT, metavar="RHO",
+                        help=f"local: size of the shared positional part vs the token part (default {LOCAL_SHIFT})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where tensors are generated")
     parser.add_argument("--output", "-o", "--out", dest="out", required=True, metavar="PATH",
                         help="output .safetensors file (--out is an old spelling)")
@@ -152,6 +195,74 @@ def init_master(spec, config, g, device):
     raise AssertionError(f"no init rule for {spec.name} ({spec.kind})")
 
 
+@dataclass(frozen=True)
+class AttentionStructure:
+    """How the DiT blocks' attention tensors are shaped (module docstring): random = as drawn."""
+
+    kind: str = "random"
+    strength: float = LOCAL_STRENGTH  # γ
+    shift: float = LOCAL_SHIFT  # ρ
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURES:
+            raise ConfigError(f"--attention-structure {self.kind}: expected one of {', '.join(STRUCTURES)}")
+        for what, v in (("strength", self.strength), ("shift", self.shift)):
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"--attention-{what} {v}: expected a positive number")
+
+    def info(self) -> dict:
+        return {"kind": self.kind} if self.kind == "random" else dataclasses.asdict(self)
+
+
+def norm_profile(head_dim: int, inv_freq_len: int, sigma=LOCAL_SIGMA, floor: float = LOCAL_FLOOR):
+    """ψ [head_dim] (mean ψ² = 1): per channel, the square root of the Gaussian-kernel spectrum of its rope pair."""
+    import torch
+
+    lq = inv_freq_len
+    omega = 10000 ** (-torch.arange(lq, dtype=torch.float64) / lq)  # = init_master's rope.inv_freq
+    psi2 = torch.full((head_dim,), floor ** 2, dtype=torch.float64)
+    for axis, s in enumerate(sigma):
+        w = omega * torch.exp(-(omega * s) ** 2 / 2)
+        w = w / w.sum() * lq
+        for half in (0, 3 * lq):  # the pair's two channels (split-half rope)
+            psi2[half + axis * lq: half + (axis + 1) * lq] += w
+    return (psi2 / psi2.mean()).sqrt().float()
+
+
+def shift_directions(config, seed: int, device):
+    """u [num_layers, hidden] ~ N(0, 1): block b's shared attention-input direction (own generator)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed + STRUCTURE_SEED_OFFSET)
+    return torch.randn(config.num_layers, config.hidden_size, generator=g, device=device)
+
+
+def shape_attention(name: str, master, config, structure: AttentionStructure, directions):
+    """The `local` transform of one fp32 master tensor (returned as is when it is not one of the shaped ones)."""
+    import re
+
+    import torch
+
+    m = re.fullmatch(r"blocks\.(\d+)\.(adaln_proj\.linear\.bias|attn\.qkv_proj\.weight|attn\.[qk]_norm\.weight)", name)
+    if structure.kind == "random" or m is None:
+        return master
+    block, what = int(m.group(1)), m.group(2)
+    d = config.hidden_size
+    u = directions[block]
+    if what.startswith("adaln"):  # features (modality g, expand e, hidden i); the attention shift is e = 0
+        out = master.view(-1, 6, d).clone()
+        out[:, 0] += structure.shift * u
+        return out.reshape(master.shape)
+    if what.startswith("attn.qkv"):  # rows q | k | v; k ← W_q·P + W_k·(I − P), P = û ûᵀ (a rank-one update)
+        n = master.shape[0] // 3
+        uh = u / u.norm()
+        out = master.clone()
+        out[n:2 * n] += torch.outer(master[:n] @ uh - master[n:2 * n] @ uh, uh)
+        return out
+    psi = norm_profile(config.attention_head_dim, config.rope_inv_freq_len).to(master.device)
+    return master * (structure.strength * psi)
+
+
 def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
     """Stored specs in production order: dense keys sorted (the draw order); an NVFP4 layer's weight is
     followed by its block scale, global scale and `comfy_quant` marker."""
@@ -170,7 +281,8 @@ def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
 
 
 def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "cpu",
-                     nvfp4_refiner: bool = True) -> Iterator[tuple[str, object]]:
+                     nvfp4_refiner: bool = True,
+                     structure: AttentionStructure | None = None) -> Iterator[tuple[str, object]]:
     """(key, tensor) in `dit_plan` order, generated one master tensor at a time."""
     import torch
 
@@ -180,8 +292,10 @@ def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "
 
     stored = dit_tensor_layout(config, quant, nvfp4_refiner)
     g = torch.Generator(device=device).manual_seed(seed)
+    structure = structure or AttentionStructure()
+    directions = shift_directions(config, seed, device) if structure.kind != "random" else None
     for name, spec in dit_tensor_layout(config, "none").items():
-        master = init_master(spec, config, g, device)
+        master = shape_attention(name, init_master(spec, config, g, device), config, structure, directions)
         out = stored[name]
         if out.role != "nvfp4_weight":
             yield name, master.to(out.torch_dtype)
@@ -254,16 +368,17 @@ def write_state_dict(path: str | os.PathLike, sd: dict, metadata: dict[str, str]
 
 
 def write_dit_checkpoint(path: str | os.PathLike, config, quant: str = "none", seed: int = 0, device: str = "cpu",
-                         nvfp4_refiner: bool = True) -> int:
+                         nvfp4_refiner: bool = True, structure: AttentionStructure | None = None) -> int:
     """Generate and stream a synthetic DiT checkpoint to `path`; returns the file size in bytes."""
-    import dataclasses
-
+    structure = structure or AttentionStructure()
     plan = [(s.name, s.dtype, s.shape, s.nbytes) for s in dit_plan(config, quant, nvfp4_refiner)]
     info = {"generator": "h3direct make-checkpoint", "component": "dit", "seed": seed, "quant": quant,
             "nvfp4_refiner": nvfp4_refiner, "device": device,
             "h3_config": {k: v for k, v in dataclasses.asdict(config).items()}}
+    if structure.kind != "random":  # the random files keep their metadata byte for byte
+        info["attention_structure"] = structure.info()
     # ComfyUI's detection reads a "config" metadata key: never write one
-    return write_safetensors_stream(path, plan, iter_dit_tensors(config, quant, seed, device, nvfp4_refiner),
+    return write_safetensors_stream(path, plan, iter_dit_tensors(config, quant, seed, device, nvfp4_refiner, structure),
                                     {"h3direct": json.dumps(info, sort_keys=True)})
 
 
@@ -276,8 +391,8 @@ def _make_vae(args) -> int:
         if exc.name not in ("h3direct.vae", "h3direct.vae.synthetic"):
             raise
         raise H3Error(f"--component {args.component}: h3direct.vae.synthetic is not available in this build") from None
-    if args.quant != "none" or args.adaln is not None:
-        raise ConfigError(f"--component {args.component}: --quant/--adaln apply to the DiT only")
+    if args.quant != "none" or args.adaln is not None or args.attention_structure != "random":
+        raise ConfigError(f"--component {args.component}: --quant/--adaln/--attention-structure apply to the DiT only")
     config = _load_json_arg(args.config) if args.config else args.preset
     sd = synthetic.make_state_dict(args.component, config, seed=args.seed)
     if args.device == "cuda":
@@ -299,9 +414,11 @@ def run(args: argparse.Namespace) -> int:
         raise H3Error(f"--out {out}: directory {out.parent} does not exist")
     if args.component != "dit":
         return _make_vae(args)
+    structure = AttentionStructure(args.attention_structure, args.attention_strength, args.attention_shift)
     config = resolve_config(args.preset, args.config, args.adaln)
-    size = write_dit_checkpoint(out, config, args.quant, args.seed, args.device, args.nvfp4_layers == "all")
+    size = write_dit_checkpoint(out, config, args.quant, args.seed, args.device, args.nvfp4_layers == "all",
+                                structure)
     print(json.dumps({"out": str(out), "component": "dit", "quant": args.quant,
                       "adaln": "curve" if config.is_curve else "full", "seed": args.seed, "bytes": size,
-                      "config": config.comfy_dict()}))
+                      "attention_structure": structure.info(), "config": config.comfy_dict()}))
     return 0
