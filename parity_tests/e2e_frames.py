@@ -12,8 +12,9 @@ The exact reference of a device: fa3 (sm_90, fa3-fwd importable), else cudnn_sdp
 and geometry; only the path's flags differ. The video latent of each run is decoded by the pipeline's video VAE to
 float frames in [0, 1] (before the uint8 rounding of an mp4, which would hide errors under 1/255) and compared:
 PSNR per frame (peak 1) and SSIM per frame (scikit-image, data range 1), mean and min over frames, against the
-budgets entry of mode "e2e", kind "frames", attention = the path name (fields psnr_db, psnr_min_db, ssim_mean,
-ssim_min). No entry -> "no calibrated budget" (there is no catch-all).
+budgets entry of mode "e2e", kind "frames", attention = the path name (fp8_linear: weights "fp8_w8a8", attention =
+the reference), fields psnr_db, psnr_min_db, ssim_mean, ssim_min. No entry -> "no calibrated budget" (there is no
+catch-all).
 
 The model: a folder made by `python benchmarks/e2e_frames.py build` (`e2e.json` beside a DiT, the two VAEs and a
 text-embeds file; the GPU gate uses a head_dim-128 "small" DiT at S ~ 4.5 k tokens so that sol_attn runs its
@@ -41,6 +42,7 @@ from h3direct.traces.budgets import Budget, BudgetTable, frames_verdict, load_bu
 from parity_tests.gate import CaseResult, LayerResult
 
 FP8_LINEAR = "fp8_linear"
+FP8_WEIGHTS = "fp8_w8a8"  # the budgets weights key of FP8 W8A8 block linears (dit.linear.FP8_WEIGHTS_KEY)
 REFERENCES = ("fa3", "cudnn_sdpa", "sdpa")  # the exact reference of a device: the first one available
 SPEC = "e2e.json"
 BUNDLED_PROMPT = "a red ball rolls across a wooden table"
@@ -205,13 +207,66 @@ def _tokens(pipe, res) -> int:
 
 # ---- comparison and verdict -----------------------------------------------------------------------
 
-def frames_budget(budgets: BudgetTable, path: str, compute: str, weights: str) -> Budget:
-    """The e2e frames entry of `path`; an entry without any frames floor is no frames budget."""
-    b = budgets.lookup(mode="e2e", kind="frames", compute=compute, weights=weights, attention=path)
+_PAIR: tuple | None = None  # the clips of a parallel SSIM (read by forked workers, never copied)
+
+
+def _ssim_one(i: int) -> float:
+    from skimage.metrics import structural_similarity
+
+    a, b, win = _PAIR
+    return float(structural_similarity(a[i], b[i], channel_axis=-1, data_range=1.0, win_size=win))
+
+
+def frame_metrics(ours: torch.Tensor, ref: torch.Tensor, workers: int | None = None) -> dict[str, float]:
+    """parity_tests.vae_gate.frame_metrics (PSNR peak 1, scikit-image SSIM data range 1, mean and min over
+    frames) with the per-frame SSIM spread over `workers` forked processes (default: up to 16 for clips over
+    4 Mpx; the gate's clips are ~15 Mpx, ~0.1-0.25 s of SSIM per 512^2 frame)."""
+    import os
+
+    from parity_tests.vae_gate import frame_metrics as serial
+
+    a = ours.double().reshape(-1, *ours.shape[-3:]).numpy()
+    b = ref.double().reshape(-1, *ref.shape[-3:]).numpy()
+    if workers is None:
+        workers = min(16, os.cpu_count() or 1, len(a)) if a.size > 4e6 * 3 else 1
+    if workers <= 1:
+        return serial(ours, ref)
+    import multiprocessing
+
+    global _PAIR
+    mse = ((a - b) ** 2).reshape(len(a), -1).mean(1)
+    psnr = [math.inf if m == 0 else 10.0 * math.log10(1.0 / m) for m in mse.tolist()]
+    side = min(a.shape[1:3])
+    _PAIR = (a, b, 7 if side >= 7 else max(3, side - 1 + side % 2))
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            ssim = pool.map(_ssim_one, range(len(a)))
+    finally:
+        _PAIR = None
+    return {"psnr_mean": sum(psnr) / len(psnr), "psnr_min": min(psnr), "ssim_mean": sum(ssim) / len(ssim),
+            "ssim_min": min(ssim), "frames": len(psnr)}
+
+
+def budget_key(path: str, compute: str, weights: str, reference: str) -> dict:
+    """The budgets key of a path's e2e frames entry: attention = the path; for fp8_linear, as every FP8-linear
+    comparison of the gate is keyed, weights = "fp8_w8a8" and attention = the (exact) reference it runs with."""
+    if path == FP8_LINEAR:
+        return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": FP8_WEIGHTS, "attention": reference}
+    return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": weights, "attention": path}
+
+
+def frames_budget(budgets: BudgetTable, path: str, compute: str, weights: str, reference: str = "sdpa") -> Budget:
+    """The e2e frames entry of `path`; an entry without any frames floor is no frames budget, and an fp8_linear
+    run takes only an entry that names weights "fp8_w8a8" (never one of the checkpoint's own weights or "*")."""
+    key = budget_key(path, compute, weights, reference)
+    b = budgets.lookup(**key)
+    what = f"e2e frames, {compute}, {key['weights']}, {key['attention']}"
     if all(x is None for x in (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min)):
-        raise H3Error(f"no calibrated budget for (e2e frames, {compute}, {weights}, {path}): the matching entry "
-                      f"has no PSNR/SSIM floor; add a calibrated e2e frames entry to the budgets table",
-                      path=budgets.path)
+        raise H3Error(f"no calibrated budget for ({what}): the matching entry has no PSNR/SSIM floor; add a "
+                      f"calibrated e2e frames entry to the budgets table", path=budgets.path)
+    if path == FP8_LINEAR and b.match["weights"] != FP8_WEIGHTS:
+        raise H3Error(f"no calibrated budget for ({what}): the best match is not keyed weights = "
+                      f"{FP8_WEIGHTS!r}; add a calibrated e2e frames entry", path=budgets.path)
     return b
 
 
@@ -224,8 +279,6 @@ class E2ECase:
 
 def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, b: Budget, *, compute: str,
           reference: str) -> CaseResult:
-    from parity_tests.vae_gate import frame_metrics
-
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
     fm = frame_metrics(ours.frames, ref.frames)
@@ -248,8 +301,8 @@ def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", budgets: B
     compute). `exact_run`: a reference run to reuse."""
     budgets = budgets or load_budgets()
     compute = compute_of(device)
-    b = frames_budget(budgets, path, compute, model.weights)
     reference = reference or exact_reference(device)
+    b = frames_budget(budgets, path, compute, model.weights, reference)
     ref = exact_run or run_frames(model, ["--attention", reference], device=device)
     ours = run_frames(model, path_flags(path, reference), device=device, perturb=perturb)
     return judge(model, path, ours, ref, b, compute=compute, reference=reference)

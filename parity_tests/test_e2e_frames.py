@@ -198,3 +198,24 @@ def test_paths_and_references():
         assert "no --fp8-linear" in E.unavailable("fp8_linear", "cpu")
     with pytest.raises(H3Error, match="generate flags"):
         E.run_frames(E.E2EModel(), ["--attention", "no_such_backend"])
+
+
+def test_parallel_frame_metrics_equal_the_serial_ones():
+    from parity_tests.vae_gate import frame_metrics
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(4, 20, 24, 3, generator=g)
+    ours = (ref + 0.01 * torch.randn(ref.shape, generator=g)).clamp(0, 1)
+    assert E.frame_metrics(ours, ref, workers=2) == pytest.approx(frame_metrics(ours, ref), rel=1e-12)
+
+
+def test_fp8_linear_takes_only_an_entry_keyed_fp8_w8a8():
+    floors = {"psnr_db": 30.0, "provenance": "test"}
+    own = {"mode": "e2e", "kind": "frames", "compute": "bf16", "weights": "*", "attention": "fa3", **floors}
+    with E.budgets_with([own]) as t, pytest.raises(H3Error, match="not keyed weights = 'fp8_w8a8'"):
+        E.frames_budget(t, "fp8_linear", "bf16", "bf16", "fa3")
+    keyed = {**own, "weights": "fp8_w8a8"}
+    with E.budgets_with([own, keyed]) as t:
+        assert E.frames_budget(t, "fp8_linear", "bf16", "bf16", "fa3").match["weights"] == "fp8_w8a8"
+        with pytest.raises(H3Error, match=r"no calibrated budget for \(e2e, bf16, bf16, sage2\)"):
+            E.frames_budget(t, "sage2", "bf16", "bf16", "fa3")
