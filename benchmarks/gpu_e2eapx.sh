@@ -18,6 +18,7 @@ set -u
 OUT="${OUT:-/tmp/h3_gpu}"; CARRY="${CARRY:-../.whl}"
 . benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen 0.2.40, fa3-fwd), PYTHONPATH
 D="$OUT/e2eapx"; mkdir -p "$D"
+DEV="${E2E_DEVICE:-cuda}"; read -r -a GEOM <<< "${E2E_GEOM:-}"   # a CPU dry run: E2E_DEVICE=cpu E2E_GEOM="--width 96 --height 64 --frames 22"
 el "e2eapx: start"
 timeout 60 python3 -c "import torch, comfy_kitchen as ck; print('torch', torch.__version__, torch.cuda.get_device_name(), 'sol', ck.sol_attn_is_available())" 2>&1 | tee "$D/env.txt"
 
@@ -45,7 +46,7 @@ el "paths: $PATHS; DiT attention structure: $STRUCT"
 
 # ---- 1. model folders
 for w in bf16 nvfp4; do
-  timeout 90 python3 benchmarks/e2e_frames.py build --out "$D/m_$w" --weights "$w" "${DITARGS[@]}" \
+  timeout 90 python3 benchmarks/e2e_frames.py build --out "$D/m_$w" --weights "$w" "${DITARGS[@]}" "${GEOM[@]}" \
     > "$D/build_$w.log" 2>&1 || el "build $w FAILED: $(tail -2 "$D/build_$w.log")"
   el "$(tail -1 "$D/build_$w.log")"
 done
@@ -53,7 +54,7 @@ MODELS=(); for w in bf16 nvfp4; do [ -f "$D/m_$w/e2e.json" ] && MODELS+=(--model
 
 # ---- 2. the comparison, every approximate path vs fa3
 if [ ${#MODELS[@]} -gt 0 ]; then
-  timeout 170 python3 benchmarks/e2e_frames.py compare "${MODELS[@]}" --device cuda --paths "$PATHS" --repeats 2,1 \
+  timeout 170 python3 benchmarks/e2e_frames.py compare "${MODELS[@]}" --device "$DEV" --paths "$PATHS" --repeats 2,1 \
     --out "$D/e2e_frames.json" > "$D/compare.log" 2>&1
   el "compare exit $?"
 fi
@@ -62,7 +63,7 @@ fi
 gate() {  # gate NAME TABLE LABEL
   local extra=(); [ "$2" != "budgets.toml" ] && extra=(--budgets "$2")
   timeout 60 python3 -m pytest -q -p no:cacheprovider -m parity parity_tests/test_e2e_frames.py -k vs_exact \
-    --device cuda --attention "$1" --e2e-model "$D/m_bf16" --parity-report "$D/report_$3" "${extra[@]}" \
+    --device "$DEV" --attention "$1" --e2e-model "$D/m_bf16" --parity-report "$D/report_$3" "${extra[@]}" \
     > "$D/gate_$3.log" 2>&1
   el "pytest gate $1 ($2): $(tail -1 "$D/gate_$3.log") $(grep -m1 -o 'no calibrated budget[^;]*' "$D/gate_$3.log")"
 }

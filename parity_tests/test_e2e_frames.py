@@ -219,3 +219,19 @@ def test_fp8_linear_takes_only_an_entry_keyed_fp8_w8a8():
         assert E.frames_budget(t, "fp8_linear", "bf16", "bf16", "fa3").match["weights"] == "fp8_w8a8"
         with pytest.raises(H3Error, match=r"no calibrated budget for \(e2e, bf16, bf16, sage2\)"):
             E.frames_budget(t, "sage2", "bf16", "bf16", "fa3")
+
+
+def test_proposed_floors_keep_a_margin_of_at_most_2x():
+    """benchmarks/e2e_frames.py's proposal: each floor allows more error than measured, never more than 2x of it
+    (RMS pixel error for PSNR, 1 - SSIM for SSIM)."""
+    from benchmarks.e2e_frames import propose
+
+    for worst in ({"psnr_mean": 41.234, "psnr_min": 37.05, "ssim_mean": 0.99731, "ssim_min": 0.9812},
+                  {"psnr_mean": 77.62, "psnr_min": 76.21, "ssim_mean": 0.99999933, "ssim_min": 0.99999909}):
+        p = propose(worst)
+        for fld, metric in FIELDS.items():
+            if fld.startswith("psnr"):
+                ratio = 10.0 ** ((worst[metric] - p[fld]) / 20.0)  # allowed RMS error / measured
+            else:
+                ratio = (1.0 - p[fld]) / (1.0 - worst[metric])
+            assert 1.0 < ratio <= 2.0, (fld, worst[metric], p[fld], ratio)
