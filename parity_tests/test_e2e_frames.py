@@ -235,3 +235,18 @@ def test_proposed_floors_keep_a_margin_of_at_most_2x():
             else:
                 ratio = (1.0 - p[fld]) / (1.0 - worst[metric])
             assert 1.0 < ratio <= 2.0, (fld, worst[metric], p[fld], ratio)
+
+
+def test_the_gate_item_exists_only_for_an_approximate_path():
+    """`--attention sdpa` (exact): no e2e frames item (deselected); `--attention ck_int8`: one item, skipped on a
+    machine without CUDA with the reason."""
+    from parity_tests.test_gate_options import REPO, _pytest
+
+    base = ["-m", "parity", "-k", "vs_exact", "-rs", str(REPO / "parity_tests" / "test_e2e_frames.py")]
+    exact = _pytest([*base, "--collect-only", "--attention", "sdpa"], REPO)
+    assert exact.returncode == 5 and "test_e2e_frames_vs_exact" not in exact.stdout, exact.stdout[-2000:]
+    approx = _pytest([*base, "--attention", "ck_int8"], REPO)
+    if torch.cuda.is_available():
+        return
+    assert approx.returncode == 0 and "1 skipped" in approx.stdout, approx.stdout[-2000:]
+    assert "ck_int8 cannot run here: needs a CUDA device" in approx.stdout, approx.stdout[-2000:]
