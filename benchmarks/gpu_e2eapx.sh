@@ -7,8 +7,10 @@
 #     weights give near-uniform attention, where sparse attention is meaningless), tiny VAEs, seeded text states;
 #     512x512, 56 frames, 4 steps: S = 4,509 tokens per attention call (> H3_SOL_MIN_TOKENS, so sol_attn's kernel runs)
 #  2. benchmarks/e2e_frames.py compare: the exact reference (fa3) twice (determinism), then every approximate path
-#     available here (twice on the bf16 model, once on the NVFP4 one) (sage2 needs `import sageattention` to work; fa3_fp8 when registered; fp8_linear when
-#     `generate --help` knows --fp8-linear), same seed and inputs, decoded to float frames: PSNR / SSIM mean and min,
+#     available here, twice on the bf16 model and once on the NVFP4 one (sage2 needs `import sageattention` to
+#     work; fa3_fp8 when registered; fp8_linear when `generate --help` knows --fp8-linear; sol_attn's short calls
+#     run H3_SOL_FALLBACK: sage2, or fa3 without it), same seed and inputs, decoded to float frames: PSNR / SSIM
+#     mean and min,
 #     attention call counts (sol_attn kernel vs fallback), proposed budget entries (2x error margin)
 #  3. the pytest gate on the GPU: `pytest -m parity --device cuda --attention NAME --e2e-model DIR` with the
 #     calibration table (runs, never fails on numbers) and with budgets.toml (fails "no calibrated budget" until the
