@@ -17,6 +17,10 @@ Parity options (the merge gate, `pytest -m parity`):
   --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
   --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident); comparisons
                       are keyed weights = "fp8_w8a8" and need entries calibrated under that key
+  --e2e-path NAME     approximate path of the e2e frames gate (default: --attention): an attention backend or
+                      fp8_linear (parity_tests/e2e_frames.py); an exact one generates no e2e frames item
+  --e2e-model DIR     model folder of the e2e frames gate (benchmarks/e2e_frames.py build; default: the bundled
+                      tiny models)
 
 Importing this module is cheap (no torch): pytest loads it in every run of the environment.
 """
@@ -49,6 +53,8 @@ def pytest_addoption(parser):
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
     g.addoption("--fp8-linear", nargs="?", const="stream", default="off", choices=["off", "stream", "resident"],
                 help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
+    g.addoption("--e2e-path", default=None, help="approximate path of the e2e frames gate (default: --attention)")
+    g.addoption("--e2e-model", default=None, metavar="DIR", help="model folder of the e2e frames gate")
     g.addoption("--parity-report", default=str(REPORT_DIR), help="where the parity report is written")
 
 
@@ -105,6 +111,12 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=live)
             items[:] = [it for it in items if "comfy" not in it.keywords]
             config._h3_comfy_deselected = len(live)
+    # the e2e frames gate compares an approximate path with the exact one: for an exact path it has no item
+    exact = [it for it in items if getattr(it, "callspec", None) is not None
+             and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None]
+    if exact:
+        config.hook.pytest_deselected(items=exact)
+        items[:] = [it for it in items if it not in exact]
     if config.getoption("-m"):
         return
     skip_slow = pytest.mark.skip(reason="slow tier: run with -m slow")

@@ -3,7 +3,8 @@ added later are covered too), one layer of a committed fixture trace the entry g
 entry's limit (1.5x) and the gate fails naming that layer; below it (0.5x) the same comparison passes. Entries no
 fixture trace exercises (another backend, W4A4, a GPU calibration) are checked on a synthetic pair at the verdict
 level, the code the gate runs for every comparison. Rules shown: rel_l2, the ratio rule (k, floor) against the fp32
-twin, sqnr, bitwise, frame PSNR, waveform SNR and the pairing tolerance."""
+twin, sqnr, bitwise, frame PSNR, waveform SNR, the e2e frames floors (PSNR / SSIM mean and min) and the pairing
+tolerance."""
 
 from __future__ import annotations
 
@@ -228,6 +229,55 @@ def _e2e_entry(b: Budget) -> bool:
     return False
 
 
+FRAMES_FLOORS = {"psnr_db": "psnr_mean", "psnr_min_db": "psnr_min", "ssim_mean": "ssim_mean", "ssim_min": "ssim_min"}
+
+
+def _frames_at(b: Budget, factor: float, only: str | None = None) -> dict:
+    """Frame metrics whose error is `factor` x what each floor of `b` allows (only the floor `only`, when given;
+    the others comfortably inside). Error scale: RMS pixel error for PSNR (x factor = -20 log10(factor) dB),
+    1 - SSIM for SSIM."""
+    fm = {"psnr_mean": 200.0, "psnr_min": 200.0, "ssim_mean": 1.0, "ssim_min": 1.0, "frames": 8}
+    for fld, metric in FRAMES_FLOORS.items():
+        floor = getattr(b, fld)
+        if floor is None or (only is not None and fld != only):
+            continue
+        fm[metric] = (floor - 20.0 * math.log10(factor) if fld.startswith("psnr")
+                      else 1.0 - (1.0 - floor) * factor)
+    return fm
+
+
+def frames_entry_bites(b: Budget, above: float = ABOVE, below: float = BELOW) -> None:
+    """Each PSNR / SSIM floor of a frames entry fails an error `above` x its limit (alone) and the entry passes
+    `below` x every limit; then on real frames, a constant pixel offset at the PSNR floor -/+ 0.5 dB."""
+    from h3direct.traces.budgets import frames_verdict
+    from parity_tests.vae_gate import frame_metrics
+
+    floors = [f for f in FRAMES_FLOORS if getattr(b, f) is not None]
+    assert floors, f"frames entry {_id(b)} sets no PSNR/SSIM floor"
+    for fld in floors:
+        ok, rule = frames_verdict(b, _frames_at(b, above, only=fld))
+        assert not ok, f"{fld} at {above}x its limit passed: {rule}"
+    ok, rule = frames_verdict(b, _frames_at(b, below))
+    assert ok, f"every floor at {below}x its limit: {rule}"
+    psnr = [getattr(b, f) for f in ("psnr_db", "psnr_min_db") if getattr(b, f) is not None]
+    if psnr:
+        ref = torch.rand(8, 24, 32, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.8 + 0.1
+        for db, want in ((max(psnr) - 0.5, False), (max(psnr) + 0.5, True)):
+            fm = frame_metrics(ref + math.sqrt(10.0 ** (-db / 10.0)), ref)  # constant offset: every frame at db
+            ok, rule = frames_verdict(b, fm)
+            assert ok is want or (want and any(getattr(b, f) is not None for f in ("ssim_mean", "ssim_min"))), \
+                f"frames at {db:.2f} dB vs {_id(b)}: {rule}"
+            if want is False:
+                assert "PSNR" in rule
+
+
+def _e2e_frames_entry(b: Budget) -> bool:
+    """e2e frames entries (parity_tests/e2e_frames.py): the verdict the gate applies, on metric sets and on real
+    frames; the whole generation per entry is the GPU gate's (no CPU backend runs these paths)."""
+    frames_entry_bites(b)
+    return True
+
+
 def _pairing_entry(b: Budget, tmp_path) -> bool:
     import shutil
 
@@ -256,7 +306,9 @@ def _pairing_entry(b: Budget, tmp_path) -> bool:
 @pytest.mark.parametrize("entry", TABLE.entries, ids=[_id(e) for e in TABLE.entries])
 def test_every_budget_entry_can_fail(entry: Budget, tmp_path):
     mode = entry.match["mode"]
-    if entry.match["attention"] not in ("*", "sdpa"):
+    if mode == "e2e" and entry.match["kind"] == "frames":
+        shown = _e2e_frames_entry(entry)
+    elif entry.match["attention"] not in ("*", "sdpa"):
         shown = False  # another attention backend: no CPU fixture trace runs it; verdict level below
     elif mode == "pairing":
         shown = _pairing_entry(entry, tmp_path)
@@ -289,3 +341,16 @@ def test_a_catch_all_entry_is_refused(tmp_path):
                  'rel_l2 = 0.1\nprovenance = "x"\n')
     with pytest.raises(H3Error, match="catch-all"):
         load_budgets(p)
+
+
+@pytest.mark.parametrize("floors", [{"psnr_db": 38.0, "psnr_min_db": 35.0, "ssim_mean": 0.98, "ssim_min": 0.95},
+                                    {"psnr_db": 40.0}, {"ssim_min": 0.99}], ids=["all", "psnr", "ssim-min"])
+def test_e2e_frames_entries_are_covered_by_the_generic_check(floors):
+    """The check every e2e frames entry of budgets.toml gets (here and in test_gpu_budget_sensitivity) bites on an
+    entry of each shape, and refuses an entry with no floor at all."""
+    b = Budget(match={"mode": "e2e", "kind": "frames", "compute": "bf16", "weights": "*", "attention": "sage2"},
+               provenance="test", **floors)
+    frames_entry_bites(b)
+    frames_entry_bites(b, above=1.05, below=0.95)
+    with pytest.raises(AssertionError, match="sets no PSNR/SSIM floor"):
+        frames_entry_bites(Budget(match=b.match, provenance="test"))

@@ -1,6 +1,7 @@
 """Every GPU-calibrated budget entry (the H200 block at the end of budgets.toml) is reachable under its own key and
 bites: an error 5 % above the entry's limit fails, 5 % below passes — for the rel-L2 rule and for the ratio rule
-against an fp32 twin. Runs on the CPU (the rule, not the kernels)."""
+against an fp32 twin, and for the e2e frames entries each PSNR / SSIM floor (error in RMS pixels for PSNR, in
+1 - SSIM for SSIM). Runs on the CPU (the rule, not the kernels)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _ids():
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=_ids())
 def test_entry_is_reachable_and_bites(entry):
-    key = {k: ("bf16" if k == "weights" else v) for k, v in entry.match.items()}
+    key = {k: ("bf16" if k == "weights" and v == "*" else v) for k, v in entry.match.items()}
     assert TABLE.lookup(**key) is entry, "shadowed by another entry"
     assert entry.provenance.startswith("measured on the H200")
     ref = torch.randn(4096, generator=torch.Generator().manual_seed(1))
@@ -58,6 +59,10 @@ def test_entry_is_reachable_and_bites(entry):
     if entry.sqnr_db is not None:
         ok, _ = verdict(entry, rel=0.0, sqnr=entry.sqnr_db - 0.5, identical=False)
         assert not ok
+    if entry.match["kind"] == "frames":  # e2e frames (PSNR / SSIM floors): 5 % more error than a floor allows fails
+        from parity_tests.test_budget_sensitivity import frames_entry_bites
+
+        frames_entry_bites(entry, above=1.05, below=0.95)
 
 
 def test_exact_backends_use_the_ratio_rule_with_k_at_most_1_5():

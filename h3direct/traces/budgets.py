@@ -45,8 +45,12 @@ class Budget:
             parts.append(f"sqnr ≥ {self.sqnr_db:g} dB")
         if self.psnr_db is not None:
             parts.append(f"psnr ≥ {self.psnr_db:g} dB")
+        if self.psnr_min_db is not None:
+            parts.append(f"psnr min ≥ {self.psnr_min_db:g} dB")
         if self.ssim_mean is not None:
             parts.append(f"ssim ≥ {self.ssim_mean:g}")
+        if self.ssim_min is not None:
+            parts.append(f"ssim min ≥ {self.ssim_min:g}")
         return ", ".join(parts) or "no rule"
 
 
@@ -110,3 +114,20 @@ def verdict(b: Budget, *, rel: float, sqnr: float, identical: bool, ours_vs_fp32
     if b.sqnr_db is not None and not sqnr >= b.sqnr_db:
         return False, f"sqnr {sqnr:.1f} dB < {b.sqnr_db:g} dB"
     return True, b.describe()
+
+
+def frames_verdict(b: Budget, fm: dict) -> tuple[bool, str]:
+    """(passed, what was checked) for decoded frames: `fm` has psnr_mean, psnr_min (dB, peak 1), ssim_mean, ssim_min
+    and frames; every floor the entry sets must hold (psnr_db on the mean, psnr_min_db on the worst frame, likewise
+    ssim_mean / ssim_min). NaN fails."""
+    fails = []
+    for value, floor, what, fmt in ((fm["psnr_mean"], b.psnr_db, "PSNR mean", ".2f"),
+                                    (fm["psnr_min"], b.psnr_min_db, "PSNR min", ".2f"),
+                                    (fm["ssim_mean"], b.ssim_mean, "SSIM mean", ".6f"),
+                                    (fm["ssim_min"], b.ssim_min, "SSIM min", ".6f")):
+        if floor is not None and not value >= floor:  # NaN compares false: fails
+            unit = " dB" if what.startswith("PSNR") else ""
+            fails.append(f"{what} {value:{fmt}}{unit} < {floor:g}{unit}")
+    summary = (f"{fm.get('frames', '?')} frames: PSNR mean {fm['psnr_mean']:.2f} / min {fm['psnr_min']:.2f} dB, "
+               f"SSIM mean {fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}")
+    return (not fails), ("; ".join(fails) + f" ({summary})" if fails else f"{summary} [{b.describe()}]")
