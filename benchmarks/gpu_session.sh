@@ -4,8 +4,8 @@
 #
 #   OUT=... CARRY=.whl bash benchmarks/gpu_session.sh [--limit SECONDS] TOPIC[:SECONDS] ...
 #
-# Each topic writes under $OUT/TOPIC/; after it ends that folder is packed into $OUT/TOPIC.tgz (what comes back from
-# the machine: at most 8 files of 16 MiB), its summary is kept in $OUT/summary.txt. A topic that fails or runs out of
+# Each topic writes under $OUT/TOPIC/; after it ends that folder is packed into $OUT/TOPIC.tgz, its files over 8 MB
+# moved beside it as $OUT/TOPIC-NAME (what comes back from the machine: at most 8 files of 16 MiB), its summary is kept in $OUT/summary.txt. A topic that fails or runs out of
 # time does not stop the next one.
 set -u
 OUT="${OUT:-/tmp/h3_session}"; mkdir -p "$OUT"; CARRY="${CARRY:-.whl}"
@@ -45,6 +45,8 @@ for spec in "$@"; do
   el "== $topic exit $rc"
   { echo "== $topic exit $rc"; tail -40 "$OUT/$topic/driver.log"; } >> "$OUT/summary.txt"
   tail -40 "$OUT/$topic/driver.log"
+  # files over 8 MB travel beside the topic's archive (each file back is at most 16 MiB), not inside it
+  find "$OUT/$topic" -type f -size +8M -exec sh -c 'mv "$1" "$2/$3-$(basename "$1")"' _ {} "$OUT" "$topic" \;
   (cd "$OUT" && tar czf "$topic.tgz" "$topic" && rm -rf "$topic")
 done
 sage_install; [ -f /tmp/sage_build.log ] && tail -3 /tmp/sage_build.log >> "$OUT/summary.txt"
