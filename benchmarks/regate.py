@@ -25,6 +25,10 @@ from h3direct.traces.budgets import load_budgets, verdict  # noqa: E402
 
 def regate(folder: Path, attention: str, weights: str = "bf16", table=None) -> tuple[list, dict]:
     table = table or load_budgets()
+    if weights == "fp8_w8a8":  # as the gate keys --fp8-linear: only entries naming that weights key apply
+        from parity_tests.gate import KeyedBudgets
+
+        table = KeyedBudgets(table, weights)
     computes = case_computes(folder / "report.md")
     fails, used = [], {}
     for line in (folder / "results.jsonl").read_text().splitlines():
