@@ -5,7 +5,9 @@ An *approximate path* is named like an attention backend: every registered backe
 ck_int8, sol_attn, kj_head_sliced over an approximate inner backend, and any later one such as fa3_fp8 -- found by
 `h3direct.dit.attention.is_exact`, so a new backend plugs in by registering), plus `fp8_linear`, the opt-in FP8
 block linears (`generate --fp8-linear`). A path is a set of `generate` flags: `--attention NAME`, or
-`--attention <exact reference> --fp8-linear`; the runs are built from the same argument parser and `load_pipeline`
+`--attention <exact reference> --fp8-linear`, or a combination `NAME+fp8_linear` (`--attention NAME --fp8-linear`: the
+contract's approximate path is `sol_attn+fp8_linear`, keyed weights "fp8_w8a8", attention NAME); the runs are built
+from the same argument parser and `load_pipeline`
 as `python -m h3direct generate`, so whatever a flag does there it does here.
 
 The exact reference of a device: fa3 (sm_90, fa3-fwd importable), else cudnn_sdpa, else sdpa. Same seed, same inputs
@@ -127,12 +129,24 @@ def exact_reference(device: str) -> str:
     return next(n for n in REFERENCES if unavailable_reason(n, probe) is None)  # sdpa runs everywhere
 
 
+def split_path(path: str) -> tuple[str | None, bool]:
+    """(attention backend or None = the exact reference, FP8 linears?) of a path: "fp8_linear" -> (None, True),
+    "NAME+fp8_linear" -> (NAME, True), "NAME" -> (NAME, False)."""
+    if path == FP8_LINEAR:
+        return None, True
+    name, plus, rest = path.partition("+")
+    if plus and rest == FP8_LINEAR and name:
+        return name, True
+    return path, False
+
+
 def kind_of(path: str) -> str:
     """'approximate', 'exact' or 'unknown' (an unknown name is gated, and fails naming itself)."""
     from h3direct.dit.attention import backends, is_exact
 
-    if path == FP8_LINEAR:
-        return "approximate"
+    attention, fp8 = split_path(path)
+    if fp8:
+        return "approximate" if attention is None or attention in backends() else "unknown"
     if path not in backends():
         return "unknown"
     return "exact" if is_exact(path) else "approximate"
@@ -142,19 +156,17 @@ def unavailable(path: str, device: str) -> str | None:
     """Why `path` cannot run on `device` (None: it can)."""
     from h3direct.dit.attention import unavailable_reason
 
-    if path == FP8_LINEAR:
-        if not knows_flag("--fp8-linear"):
-            return "this h3direct's generate has no --fp8-linear"
-        return None
-    if kind_of(path) == "unknown":
-        return None  # not a skip: the run fails with the parser's one line
-    return unavailable_reason(path, _probe(device))
+    attention, fp8 = split_path(path)
+    if fp8 and not knows_flag("--fp8-linear"):
+        return "this h3direct's generate has no --fp8-linear"
+    if attention is None or kind_of(path) == "unknown":
+        return None  # fp8_linear over the reference; an unknown name is not a skip: the run fails with one line
+    return unavailable_reason(attention, _probe(device))
 
 
 def path_flags(path: str, reference: str) -> list[str]:
-    if path == FP8_LINEAR:
-        return ["--attention", reference, "--fp8-linear"]
-    return ["--attention", path]
+    attention, fp8 = split_path(path)
+    return ["--attention", attention or reference] + (["--fp8-linear"] if fp8 else [])
 
 
 # ---- one run --------------------------------------------------------------------------------------
@@ -250,8 +262,10 @@ def frame_metrics(ours: torch.Tensor, ref: torch.Tensor, workers: int | None = N
 def budget_key(path: str, compute: str, weights: str, reference: str) -> dict:
     """The budgets key of a path's e2e frames entry: attention = the path; for fp8_linear, as every FP8-linear
     comparison of the gate is keyed, weights = "fp8_w8a8" and attention = the (exact) reference it runs with."""
-    if path == FP8_LINEAR:
-        return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": FP8_WEIGHTS, "attention": reference}
+    attention, fp8 = split_path(path)
+    if fp8:
+        return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": FP8_WEIGHTS,
+                "attention": attention or reference}
     return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": weights, "attention": path}
 
 
@@ -264,7 +278,7 @@ def frames_budget(budgets: BudgetTable, path: str, compute: str, weights: str, r
     if all(x is None for x in (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min)):
         raise H3Error(f"no calibrated budget for ({what}): the matching entry has no PSNR/SSIM floor; add a "
                       f"calibrated e2e frames entry to the budgets table", path=budgets.path)
-    if path == FP8_LINEAR and b.match["weights"] != FP8_WEIGHTS:
+    if split_path(path)[1] and b.match["weights"] != FP8_WEIGHTS:
         raise H3Error(f"no calibrated budget for ({what}): the best match is not keyed weights = "
                       f"{FP8_WEIGHTS!r}; add a calibrated e2e frames entry", path=budgets.path)
     return b

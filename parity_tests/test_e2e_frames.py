@@ -250,3 +250,24 @@ def test_the_gate_item_exists_only_for_an_approximate_path():
         return
     assert approx.returncode == 0 and "1 skipped" in approx.stdout, approx.stdout[-2000:]
     assert "ck_int8 cannot run here: needs a CUDA device" in approx.stdout, approx.stdout[-2000:]
+
+
+def test_a_combined_path_runs_both_and_takes_only_its_own_fp8_entry():
+    """`sol_attn+fp8_linear` (the contract's approximate path): --attention sol_attn --fp8-linear, judged by an entry
+    keyed weights fp8_w8a8, attention sol_attn -- neither sol_attn's own entry nor fp8_linear-over-fa3's."""
+    assert E.split_path("sol_attn+fp8_linear") == ("sol_attn", True)
+    assert E.split_path("fp8_linear") == (None, True) and E.split_path("sol_attn") == ("sol_attn", False)
+    assert E.path_flags("sol_attn+fp8_linear", "fa3") == ["--attention", "sol_attn", "--fp8-linear"]
+    assert E.kind_of("sol_attn+fp8_linear") == "approximate" and E.kind_of("nope+fp8_linear") == "unknown"
+    if E.knows_flag("--fp8-linear"):  # the attention half decides availability
+        assert E.unavailable("sol_attn+fp8_linear", "cpu") == E.unavailable("sol_attn", "cpu")
+    assert E.budget_key("sol_attn+fp8_linear", "bf16", "bf16", "fa3")["attention"] == "sol_attn"
+    floors = {"psnr_db": 30.0, "provenance": "test"}
+    sol = {"mode": "e2e", "kind": "frames", "compute": "bf16", "weights": "*", "attention": "sol_attn", **floors}
+    fp8_fa3 = {**sol, "weights": "fp8_w8a8", "attention": "fa3"}
+    with E.budgets_with([sol, fp8_fa3]) as t, pytest.raises(H3Error, match="not keyed weights = 'fp8_w8a8'"):
+        E.frames_budget(t, "sol_attn+fp8_linear", "bf16", "bf16", "fa3")
+    both = {**sol, "weights": "fp8_w8a8"}
+    with E.budgets_with([sol, fp8_fa3, both]) as t:
+        b = E.frames_budget(t, "sol_attn+fp8_linear", "bf16", "bf16", "fa3")
+        assert (b.match["weights"], b.match["attention"]) == ("fp8_w8a8", "sol_attn")

@@ -34,7 +34,8 @@ def _with_error(base: torch.Tensor, rel: float, seed: int) -> torch.Tensor:
 
 
 def _ids():
-    return [f"{b.match['mode']}-{b.match['kind']}-{b.match['compute']}-{b.match['attention']}" for b in ENTRIES]
+    return [f"{b.match['mode']}-{b.match['kind']}-{b.match['compute']}-{b.match['attention']}"
+            + ("" if b.match["weights"] == "*" else f"-{b.match['weights']}") for b in ENTRIES]
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=_ids())
@@ -69,5 +70,8 @@ def test_exact_backends_use_the_ratio_rule_with_k_at_most_1_5():
     from h3direct.dit.attention import is_exact
 
     for b in ENTRIES:
-        if b.match["mode"] == "free" and is_exact(b.match["attention"]) and b.match["attention"] != "sdpa":
+        # FP8 W8A8 linears (weights "fp8_w8a8") make the path approximate even with exact attention: measured limits
+        approximate_weights = b.match["weights"] == "fp8_w8a8"
+        if (b.match["mode"] == "free" and is_exact(b.match["attention"]) and b.match["attention"] != "sdpa"
+                and not approximate_weights):
             assert b.k is not None and b.k <= 1.5, b.match
