@@ -173,7 +173,7 @@ def test_model_forward_through_the_prefetcher_is_bitwise(monkeypatch, chunks, fp
         assert torch.equal(a, b)
 
 
-def test_prefetcher_for_is_off_by_env_and_without_per_call_weights(monkeypatch):
+def test_prefetcher_for_is_opt_in_and_off_without_per_call_weights(monkeypatch):
     bf16 = load_dit(FIX / "h3_fx_curve_bf16.safetensors")
     assert L.prefetch_layers(bf16) == []
     assert L.prefetch_layers(load_dit(NVFP4_FIX, nvfp4_mode="w4a4")) == []
@@ -181,6 +181,9 @@ def test_prefetcher_for_is_off_by_env_and_without_per_call_weights(monkeypatch):
     if torch.cuda.is_available():
         model = load_dit(NVFP4_FIX, nvfp4_mode="w4a16", device="cuda")
         like = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+        monkeypatch.delenv(L.PREFETCH_ENV, raising=False)
+        assert L.prefetcher_for(model, like) is None  # opt-in: it did not win on the H200
+        monkeypatch.setenv(L.PREFETCH_ENV, "1")
         assert L.prefetcher_for(model, like) is not None
         monkeypatch.setenv(L.PREFETCH_ENV, "0")
         assert L.prefetcher_for(model, like) is None

@@ -18,7 +18,8 @@ JSON marker) and run in one of two modes (see `h3direct.checkpoint.quant.nvfp4`)
 
 `WeightPrefetcher` makes the per-call weight product (W4A16: the dense dequantized weight; FP8 ``stream``: the
 e4m3 weight) of the next block linear on a side CUDA stream while the current one's GEMM runs; same kernels,
-same bits, off with ``H3_PREFETCH_DEQUANT=0``.
+same bits. Opt-in (``H3_PREFETCH_DEQUANT=1``): on the H200 it did not win (full preset, fa3: 2.107 s/step with it,
+2.092 without; peak +0.27 GiB), the GEMMs it overlaps lose what the dequantization saves.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def apply_fp8_linears(model: nn.Module, mode: str) -> int:
 
 # ---------------------------------------------------------------- weight prefetch (side stream)
 
-PREFETCH_ENV = "H3_PREFETCH_DEQUANT"  # "0": every block linear makes its weight itself, on the compute stream
+PREFETCH_ENV = "H3_PREFETCH_DEQUANT"  # "1": prefetch on the side stream; otherwise each block linear makes its own
 _PREFETCH_STATS: Counter = Counter()
 
 
@@ -347,9 +348,9 @@ def prefetch_layers(model: nn.Module) -> list[nn.Module]:
 
 def prefetcher_for(model: nn.Module, like: torch.Tensor) -> WeightPrefetcher | None:
     """The model's prefetcher for activations like `like`, or None: only on CUDA, for a 16-bit compute dtype,
-    when the model has block linears that make their weight per call, and `H3_PREFETCH_DEQUANT` is not 0. Built
+    when the model has block linears that make their weight per call, and `H3_PREFETCH_DEQUANT=1` (opt-in). Built
     once and kept on the model (`model.weight_prefetcher`); rebuilt when the layers, dtype or device change."""
-    if os.environ.get(PREFETCH_ENV, "1") == "0" or not like.is_cuda or like.dtype not in (torch.bfloat16,
+    if os.environ.get(PREFETCH_ENV, "0") != "1" or not like.is_cuda or like.dtype not in (torch.bfloat16,
                                                                                          torch.float16):
         return None
     layers = prefetch_layers(model)

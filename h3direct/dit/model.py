@@ -175,7 +175,7 @@ class H3DiT(nn.Module):
         rope_table = rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)),
                                     self.compute_dtype)
         runs, sp = plan.runs, self.parallel
-        pf = prefetcher_for(self, h)  # None on the CPU, with H3_PREFETCH_DEQUANT=0, or no per-call weights
+        pf = prefetcher_for(self, h)  # None on the CPU, without H3_PREFETCH_DEQUANT=1, or no per-call weights
         with sequence_hints(layout.segment("video").start), (pf.running() if pf is not None else nullcontext()):
             if sp is None:
                 for block in self.blocks:
