@@ -4,7 +4,7 @@
 # (or, with --fp8-linear stream, NVFP4 -> e4m3) runs on a side stream while the current GEMM runs.
 #   (i)   pytest tests/test_prefetch.py on CUDA: a small model's forward with vs without prefetch, bitwise
 #         (W4A16 and FP8 stream, mlp_chunks 1 and 2), and every weight made ahead (prefetch_stats)
-#   (ii)  bench_dit.py full preset, nvfp4 W4A16, fa3, 5 steps: prefetch on (default) vs H3_PREFETCH_DEQUANT=0:
+#   (ii)  bench_dit.py full preset, nvfp4 W4A16, fa3, 5 steps: prefetch on (H3_PREFETCH_DEQUANT=1) vs off (0):
 #         s/step, peak GiB, and the sha256 of the last step's output bits (must be equal: bitwise at full size)
 #   (iii) profile_dit.py one step, prefetch on, top 12. How the overlap shows: the dequant kernel still appears
 #         (~48 ms, 200 calls) but the step wall time of (ii) drops by about that much (off - on ~ dequant ms)
