@@ -104,7 +104,11 @@ if [ -f "$E2E/m_bf16/e2e.json" ]; then
 else el "e2e: no model folder (see e2e_build_*.log)"; fi
 GATE_TIMEOUT=90 wave fx; wait
 
-# ---- d. SageAttention2, if the background build installed it by now
+# ---- d. SageAttention2, if the background build (benchmarks/gpu_session.sh: wheel in /tmp/sagewhl) is done by now
+while [ -e /tmp/sage.building ] && [ "$(left)" -gt 130 ]; do sleep 5; done
+if ls /tmp/sagewhl/sageattention-*.whl > /dev/null 2>&1 && ! python3 -c "import sageattention" > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target "$SITE" /tmp/sagewhl/sageattention-*.whl && el "sage2 installed"
+fi
 if ! timeout 30 python3 -c "import sageattention" > /dev/null 2>&1; then
   el "sage2: SKIPPED, 'import sageattention' fails here (the background build is not in \$SITE yet)"
 elif [ "$(left)" -lt 100 ] || [ "$NTR" -lt 2 ]; then
