@@ -65,6 +65,11 @@ def test_final_summary_rows(tmp_path, capsys):
     assert final_summary.main([f"x={rep},{log},fa3_fp8", f"y={tmp_path / 'none'},{log},fa3"]) == 0
     out = capsys.readouterr().out
     assert "3 passed, 1 skipped" in out and "real PASS" in out and "2.00e-02" in out and "(no parity report)" in out
+    assert "vs fp32 –  x– ComfyUI" in out and "0.00e+00" not in out  # no fp32 twin recorded: a dash, not a zero
+    free = dict(_row("dit_inner.out.video", "model", 0.03, mode="free"), vs_fp32=[0.03, 0.02])
+    rep2 = _report(tmp_path / "r2", [free])
+    assert final_summary.main([f"z={rep2},{log},fa3"]) == 0
+    assert "vs fp32 3.00e-02  x1.50 ComfyUI" in capsys.readouterr().out
     assert final_summary.main(["no-equals-sign"]) == 2
 
 
