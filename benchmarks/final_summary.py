@@ -38,10 +38,16 @@ def row(label: str, spec: str) -> str:
         return head + "  (no parity report)"
     fails, _ = regate(folder, attention, weights)
     per = summarise(folder)
-    get = lambda k: max((a.get(k, 0.0) for a in per.values()), default=0.0)  # noqa: E731
     real = "PASS" if not fails else f"FAIL {len(fails)}"
-    return (head + f"  real {real:9s} teacher {get('teacher worst'):.2e}  free-out {get('free output'):.2e}  "
-            f"vs fp32 {get('output err vs fp32'):.2e}  x{get('output ratio'):.2f} ComfyUI bf16")
+    return (head + f"  real {real:9s} teacher {_worst(per, 'teacher worst')}  free-out {_worst(per, 'free output')}  "
+            f"vs fp32 {_worst(per, 'output err vs fp32')}  x{_worst(per, 'output ratio', '.2f')} ComfyUI bf16")
+
+
+def _worst(per: dict, key: str, fmt: str = ".2e") -> str:
+    """The worst value of one summary number over the run's compute keys, or "–" where no key recorded it (a run
+    without ComfyUI's fp32 twin has no vs-fp32 error or ratio; 0 would read as a perfect match)."""
+    vals = [a[key] for a in per.values() if key in a]
+    return format(max(vals), fmt) if vals else "–"
 
 
 def main(argv=None) -> int:

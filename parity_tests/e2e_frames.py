@@ -38,13 +38,13 @@ from pathlib import Path
 
 import torch
 
+from h3direct.dit.linear import FP8_WEIGHTS_KEY as FP8_WEIGHTS
 from h3direct.errors import H3Error
 from h3direct.traces import metrics
 from h3direct.traces.budgets import Budget, BudgetTable, frames_verdict, load_budgets
-from parity_tests.gate import CaseResult, LayerResult
+from parity_tests.gate import CaseResult, KeyedBudgets, LayerResult
 
 FP8_LINEAR = "fp8_linear"
-FP8_WEIGHTS = "fp8_w8a8"  # the budgets weights key of FP8 W8A8 block linears (dit.linear.FP8_WEIGHTS_KEY)
 REFERENCES = ("fa3", "cudnn_sdpa", "sdpa")  # the exact reference of a device: the first one available
 SPEC = "e2e.json"
 BUNDLED_PROMPT = "a red ball rolls across a wooden table"
@@ -273,14 +273,11 @@ def frames_budget(budgets: BudgetTable, path: str, compute: str, weights: str, r
     """The e2e frames entry of `path`; an entry without any frames floor is no frames budget, and an fp8_linear
     run takes only an entry that names weights "fp8_w8a8" (never one of the checkpoint's own weights or "*")."""
     key = budget_key(path, compute, weights, reference)
-    b = budgets.lookup(**key)
-    what = f"e2e frames, {compute}, {key['weights']}, {key['attention']}"
+    b = (KeyedBudgets(budgets, FP8_WEIGHTS) if split_path(path)[1] else budgets).lookup(**key)
     if all(x is None for x in (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min)):
+        what = f"e2e frames, {compute}, {key['weights']}, {key['attention']}"
         raise H3Error(f"no calibrated budget for ({what}): the matching entry has no PSNR/SSIM floor; add a "
                       f"calibrated e2e frames entry to the budgets table", path=budgets.path)
-    if split_path(path)[1] and b.match["weights"] != FP8_WEIGHTS:
-        raise H3Error(f"no calibrated budget for ({what}): the best match is not keyed weights = "
-                      f"{FP8_WEIGHTS!r}; add a calibrated e2e frames entry", path=budgets.path)
     return b
 
 

@@ -53,7 +53,8 @@ def test_a_teacher_model_site_is_judged_as_a_free_output(tmp_path):
 def test_fp8_linear_runs_need_entries_keyed_fp8_w8a8(tmp_path):
     rep = _report(tmp_path, [_row("blocks.0.mlp.fc1.out", "linear", 0.01)])
     assert regate.regate(rep, "fa3", "fp8_w8a8")[0] == []
-    fails = regate.regate(rep, "ck_int8", "fp8_w8a8")[0]  # no ck_int8 + fp8_w8a8 entry
+    assert regate.regate(rep, "sol_attn", "fp8_w8a8")[0] == []  # calibrated on the H200 (gpu_final.sh)
+    fails = regate.regate(rep, "sage2", "fp8_w8a8")[0]  # no sage2 + fp8_w8a8 entry
     assert len(fails) == 1 and "no calibrated budget" in fails[0][3]
 
 
@@ -64,6 +65,11 @@ def test_final_summary_rows(tmp_path, capsys):
     assert final_summary.main([f"x={rep},{log},fa3_fp8", f"y={tmp_path / 'none'},{log},fa3"]) == 0
     out = capsys.readouterr().out
     assert "3 passed, 1 skipped" in out and "real PASS" in out and "2.00e-02" in out and "(no parity report)" in out
+    assert "vs fp32 –  x– ComfyUI" in out and "0.00e+00" not in out  # no fp32 twin recorded: a dash, not a zero
+    free = dict(_row("dit_inner.out.video", "model", 0.03, mode="free"), vs_fp32=[0.03, 0.02])
+    rep2 = _report(tmp_path / "r2", [free])
+    assert final_summary.main([f"z={rep2},{log},fa3"]) == 0
+    assert "vs fp32 3.00e-02  x1.50 ComfyUI" in capsys.readouterr().out
     assert final_summary.main(["no-equals-sign"]) == 2
 
 
