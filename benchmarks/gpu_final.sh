@@ -9,12 +9,12 @@
 #      cuda`, bf16 + fp32 twin: 4 processes at once); meanwhile the e2e model folders (benchmarks/e2e_frames.py build);
 #   b. (~60 s + ~30 s) `pytest -m parity --device cuda --attention NAME` with budgets.toml for NAME in sdpa cudnn_sdpa
 #      fa3 fa3_fp8 ck_int8 kj_head_sliced (over cudnn_sdpa) sol_attn (short calls: cudnn_sdpa), and `--fp8-linear`
-#      with fa3; `--fp8-linear` with sol_attn has no entries yet: it runs with benchmarks/calibration_budgets.toml
+#      with fa3; `--fp8-linear` with sol_attn (its entries were calibrated from this script's 2026-12-01 run) runs with benchmarks/calibration_budgets.toml
 #      (records every metric) and benchmarks/regate.py says what the real table would answer. First on the S = 4,496
 #      traces (9 processes side by side), then on fixtures/ (head_dim 32; 9 processes, with the e2e compare);
 #   c. (~90 s, beside the fixture gates) benchmarks/e2e_frames.py compare --paths sol_attn+fp8_linear (the contract's
 #      approximate path: --attention sol_attn --fp8-linear) vs fa3, small local-structure DiT bf16 (2x) and NVFP4 (1x),
-#      512x512x56, 4 steps, decoded frames: PSNR / SSIM and the proposed e2e entry (none in budgets.toml yet);
+#      512x512x56, 4 steps, decoded frames: PSNR / SSIM and the proposed e2e entry (in budgets.toml since that run);
 #   d. (~80 s, only if `import sageattention` works by then and >= 100 s are left) sage2 and kj_head_sliced over
 #      sage2 on the S = 4,496 traces: calibration pass + real gate, then their e2e frames compare;
 #   e. the table: per run pytest verdict, the real table on every comparison, teacher worst, free output rel-L2 vs
@@ -134,7 +134,7 @@ fi
 # ---- e. summary
 echo; echo "===== final: the real gate per backend (H200; s4k = ComfyUI GPU traces S = 4,496 structured, fx = fixtures/) ====="
 timeout 60 python3 benchmarks/final_summary.py "${G_RUNS[@]}" 2>&1 | tee "$O/final_table.txt"
-echo; echo "== sol_attn + --fp8-linear (no budgets.toml entries yet): calibration numbers for them"
+echo; echo "== sol_attn + --fp8-linear : calibration numbers (regate.py: the real table)"
 for w in s4k fx; do
   [ -f "$O/${w}_sol_fp8lin_cal/results.jsonl" ] && timeout 30 python3 benchmarks/calibration_summary.py "$O/${w}_sol_fp8lin_cal" 2>&1 | sed "s/^/$w /"
 done | tee "$O/sol_fp8lin_calibration.txt"
