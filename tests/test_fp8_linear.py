@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from h3direct.checkpoint.quant import w8a8
-from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from h3direct.dit.linear import FP8Linear, Linear, NVFP4Linear
 from h3direct.dit.loader import load_dit
 from h3direct.errors import ConfigError, H3Error
@@ -147,6 +147,8 @@ def test_nvfp4_conversion_matches_decode():
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     t = quantize_nvfp4(w)
     dense = w8a8.decode_nvfp4_fp32(*t)
+    # the fp32 decode is the project's own NVFP4 dequantization (ComfyUI-bitwise, tested there) in fp32
+    assert torch.equal(dense, dequantize_nvfp4(*t, torch.float32))
     s = w8a8.nvfp4_channel_scales(*t)
     assert torch.equal(s, w8a8.row_scales(dense))
     q = w8a8.nvfp4_to_e4m3_reference(*t, s)
