@@ -422,7 +422,7 @@ def _fa3_fp8_available(like):
 
 
 # fa3 reads a v with unit last-dim stride as it comes (FA3 requires only stride(-1) == 1); every other backend gets
-# v dense (kj_head_sliced and sol_attn pass it to a registered backend, which densifies it itself)
+# v dense (kj_head_sliced hands its head slices to its inner registered backend, which densifies them itself)
 register("sdpa", _dense_v(_sdpa), _always, exact=True)
 register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)
