@@ -112,6 +112,28 @@ def test_sol_documented_fallback_is_counted_and_strict_refuses(monkeypatch):
     A.reset_attention_stats()
 
 
+@pytest.mark.parametrize("name, env, gate", [("sol_attn", "H3_SOL", "sol_kernel_reason"),
+                                             ("fa3_fp8", "H3_FP8_ATTN", "_fa3_available")])
+def test_fallback_backend_is_part_of_availability(monkeypatch, name, env, gate):
+    """With its kernel runnable (gate patched open on the CPU), a backend with a documented fallback is available
+    only when that fallback is another registered backend that can run here too; strict mode needs no fallback."""
+    monkeypatch.setattr(A, gate, lambda like: None)
+    like = torch.empty(0, dtype=torch.bfloat16)
+    monkeypatch.setenv(f"{env}_FALLBACK", "sdpa")
+    assert A.unavailable_reason(name, like) is None
+    monkeypatch.setenv(f"{env}_FALLBACK", "no_such_backend")
+    reason = A.unavailable_reason(name, like)
+    assert f"{env}_FALLBACK='no_such_backend'" in reason and "\n" not in reason
+    monkeypatch.setenv(f"{env}_FALLBACK", "fa3")  # registered, but not on the CPU
+    reason = A.unavailable_reason(name, like)
+    assert reason.startswith(f"its fallback {env}_FALLBACK='fa3' cannot run: ") and "\n" not in reason
+    if name == "fa3_fp8":  # itself: refused, not a recursion (sol_attn's option parser refuses it earlier)
+        monkeypatch.setenv(f"{env}_FALLBACK", name)
+        assert f"{env}_FALLBACK='fa3_fp8'" in A.unavailable_reason(name, like)
+    monkeypatch.setenv(f"{env}_STRICT", "1")
+    assert A.unavailable_reason(name, like) is None
+
+
 @pytest.mark.parametrize("name", ["fa3", "sage2", "cudnn_sdpa", "ck_int8"])
 def test_gpu_backends_say_why_on_cpu(name):
     reason = A.unavailable_reason(name, torch.empty(0, dtype=torch.bfloat16))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,6 +179,17 @@ def test_prefetcher_for_is_opt_in_and_off_without_per_call_weights(monkeypatch):
     assert L.prefetch_layers(bf16) == []
     assert L.prefetch_layers(load_dit(NVFP4_FIX, nvfp4_mode="w4a4")) == []
     assert len(L.prefetch_layers(load_dit(NVFP4_FIX, nvfp4_mode="w4a16", fp8_linear="resident"))) == 0
+    # off by default, decided before anything else (no CUDA needed): an activation that claims to be on CUDA gets
+    # no prefetcher, nothing is attached to the layers, and their forwards take the plain path
+    model = load_dit(NVFP4_FIX, nvfp4_mode="w4a16")
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    for value in (None, "0", "true"):
+        if value is None:
+            monkeypatch.delenv(L.PREFETCH_ENV, raising=False)
+        else:
+            monkeypatch.setenv(L.PREFETCH_ENV, value)
+        assert L.prefetcher_for(model, cuda_like) is None
+    assert model.weight_prefetcher is None and all(m._prefetch is None for m in L.prefetch_layers(model))
     if torch.cuda.is_available():
         model = load_dit(NVFP4_FIX, nvfp4_mode="w4a16", device="cuda")
         like = torch.zeros(1, dtype=torch.bfloat16, device="cuda")

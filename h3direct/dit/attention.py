@@ -350,11 +350,8 @@ def sol_call(q, k, v, kernel):
     opts = sol_options()
     why = sol_fallback_reason(q, opts.min_tokens)
     if why is not None:
-        if opts.strict:
-            raise BackendUnavailable(f"attention backend 'sol_attn' would fall back to {opts.fallback!r} ({why}); "
-                                     f"H3_SOL_STRICT=1 forbids it")
-        _count("sol_attn", f"fallback to {opts.fallback}: " + ("head_dim" if why.startswith("head") else "short"))
-        return _REGISTRY[opts.fallback].fn(q, k, v)
+        return _run_fallback("sol_attn", "H3_SOL_STRICT", opts.fallback, opts.strict, why,
+                             "head_dim" if why.startswith("head") else "short", q, k, v)
     _count("sol_attn", "kernel")
     # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
     out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **opts.kernel_kwargs(_PREFIX_ROWS.get()))
@@ -368,12 +365,25 @@ def _sol_available(like):
         return reason
     if opts.strict:
         return None  # calls that cannot run the kernel raise, one by one
-    if opts.fallback not in _REGISTRY:
-        return f"H3_SOL_FALLBACK={opts.fallback!r} is not an attention backend"
-    fb_reason = _REGISTRY[opts.fallback].available(like)
-    if fb_reason is not None:
-        return f"its fallback H3_SOL_FALLBACK={opts.fallback!r} cannot run: {fb_reason}"
-    return None
+    return _fallback_unavailable("sol_attn", "H3_SOL_FALLBACK", opts.fallback, like)
+
+
+def _run_fallback(name: str, strict_env: str, fallback: str, strict: bool, why: str, tag: str, q, k, v):
+    """A call backend `name`'s kernel cannot take (`why`): runs its documented `fallback` backend, counted as
+    "fallback to <fallback>: <tag>"; in strict mode a one-line error instead."""
+    if strict:
+        raise BackendUnavailable(f"attention backend {name!r} would fall back to {fallback!r} ({why}); "
+                                 f"{strict_env}=1 forbids it")
+    _count(name, f"fallback to {fallback}: {tag}")
+    return _REGISTRY[fallback].fn(q, k, v)
+
+
+def _fallback_unavailable(name: str, env: str, fallback: str, like) -> str | None:
+    """Why backend `name`'s documented fallback (set by `env`) cannot take its calls here (None: it can)."""
+    if fallback not in _REGISTRY or fallback == name:
+        return f"{env}={fallback!r} is not another attention backend"
+    reason = _REGISTRY[fallback].available(like)
+    return None if reason is None else f"its fallback {env}={fallback!r} cannot run: {reason}"
 
 
 def fp8_fallback_reason(q: torch.Tensor) -> str | None:
@@ -396,11 +406,7 @@ def _fa3_fp8(q, k, v):
     fallback, strict = _fp8_settings()
     why = fp8_fallback_reason(q)
     if why is not None:
-        if strict:
-            raise BackendUnavailable(f"attention backend 'fa3_fp8' would fall back to {fallback!r} ({why}); "
-                                     f"H3_FP8_ATTN_STRICT=1 forbids it")
-        _count("fa3_fp8", f"fallback to {fallback}: head_dim")
-        return _REGISTRY[fallback].fn(q, k, v)
+        return _run_fallback("fa3_fp8", "H3_FP8_ATTN_STRICT", fallback, strict, why, "head_dim", q, k, v)
     _count("fa3_fp8", "kernel")
     return fa3_fp8_attention(q, k, v)
 
@@ -412,16 +418,11 @@ def _fa3_fp8_available(like):
     fallback, strict = _fp8_settings()
     if strict:
         return None
-    if fallback not in _REGISTRY or fallback == "fa3_fp8":
-        return f"H3_FP8_ATTN_FALLBACK={fallback!r} is not another attention backend"
-    fb_reason = _REGISTRY[fallback].available(like)
-    if fb_reason is not None:
-        return f"its fallback H3_FP8_ATTN_FALLBACK={fallback!r} cannot run: {fb_reason}"
-    return None
+    return _fallback_unavailable("fa3_fp8", "H3_FP8_ATTN_FALLBACK", fallback, like)
 
 
 # fa3 reads a v with unit last-dim stride as it comes (FA3 requires only stride(-1) == 1); every other backend gets
-# v dense (kj_head_sliced and sol_attn pass it to a registered backend, which densifies it itself)
+# v dense (kj_head_sliced hands its head slices to its inner registered backend, which densifies them itself)
 register("sdpa", _dense_v(_sdpa), _always, exact=True)
 register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)

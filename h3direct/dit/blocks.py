@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from h3direct.dit import fused
 from h3direct.dit.attention import DEFAULT_BACKEND, attention
@@ -198,8 +199,6 @@ class DiTBlock(nn.Module):
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 

@@ -200,14 +200,20 @@ class FP8Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, fp8 e4m3 w8a8 {self.mode} (from {self.source})"
 
 
-def apply_fp8_linears(model: nn.Module, mode: str) -> int:
-    """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
-    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
+def check_fp8_linear(mode: str | None) -> str:
+    """None/"off" -> "off"; a known mode passes; anything else is a one-line `ConfigError`."""
+    mode = mode or "off"
     if mode not in FP8_LINEAR_MODES:
         from h3direct.errors import ConfigError
 
         raise ConfigError(f"unknown fp8 linear mode {mode!r}; choose one of {', '.join(FP8_LINEAR_MODES)}")
-    if mode == "off":
+    return mode
+
+
+def apply_fp8_linears(model: nn.Module, mode: str) -> int:
+    """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
+    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
+    if check_fp8_linear(mode) == "off":
         return 0
     names = block_linear_names(model)
     for name in names:

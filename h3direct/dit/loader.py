@@ -27,11 +27,11 @@ from h3direct.config import H3Config
 from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
 from h3direct.dit.linear import (
-    FP8_LINEAR_MODES,
     NVFP4_MODES,
     Linear,
     NVFP4Linear,
     apply_fp8_linears,
+    check_fp8_linear,
     resolve_nvfp4_mode,
 )
 from h3direct.dit.model import H3DiT
@@ -126,14 +126,6 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
     if isinstance(module, Linear) and module.island and not mixed:
         return torch.float32
     return compute
-
-
-def check_fp8_linear(mode: str | None) -> str:
-    """None/"off" -> "off"; a known mode passes; anything else is a one-line `ConfigError`."""
-    mode = mode or "off"
-    if mode not in FP8_LINEAR_MODES:
-        raise ConfigError(f"unknown fp8 linear mode {mode!r}; choose one of {', '.join(FP8_LINEAR_MODES)}")
-    return mode
 
 
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
