@@ -18,13 +18,6 @@ OUT="${OUT:-/tmp/h3_gpu}"; CARRY="${CARRY:-../.whl}"
 . benchmarks/_gpu_env.sh   # el, $SITE (comfy-kitchen, fa3), PYTHONPATH
 R="$OUT/deq"; mkdir -p "$R"
 BUDGET="${DEQ_BUDGET_S:-175}"
-step() {  # step SECONDS CMD...: timeout min(SECONDS, time left) CMD, or skip
-  local want=$1 left; shift
-  left=$(( BUDGET - ($(date +%s) - T0) ))
-  [ "$left" -lt "$want" ] && want=$left
-  if [ "$want" -lt 15 ]; then el "skipped, time budget spent: ${*:1:6}"; return 125; fi
-  timeout "$want" "$@"
-}
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$R/env.txt"
 
 # (i) bitwise, small model

@@ -20,13 +20,6 @@ R="$OUT/fuse"; mkdir -p "$R"
 # the whole script stays within FUSE_BUDGET_S (default 235 s from the start): each step's timeout is cut to what is
 # left, and a step with less than 15 s left is skipped (said so), never the whole script
 BUDGET="${FUSE_BUDGET_S:-235}"
-step() {  # step SECONDS CMD...: timeout min(SECONDS, time left) CMD, or skip
-  local want=$1 left; shift
-  left=$(( BUDGET - ($(date +%s) - T0) ))
-  [ "$left" -lt "$want" ] && want=$left
-  if [ "$want" -lt 15 ]; then el "skipped, time budget spent: ${*:1:6}"; return 125; fi
-  timeout "$want" "$@"
-}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee "$R/env.txt"
 
