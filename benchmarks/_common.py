@@ -174,6 +174,76 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
             "wall_s": t2 - t1}
 
 
+# ---------------------------------------------------------------- clocks and power while a measurement runs
+
+POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons: "SW power cap" (the board holds its power limit)
+_SMI_FIELDS = "clocks.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def summarize_gpu_samples(lines: list[str]) -> dict | None:
+    """nvidia-smi CSV lines (`_SMI_FIELDS`, no header, no units) -> medians of the samples taken under load (power
+    above a third of the limit), the share of those samples that held the power cap, and the maximum clock seen.
+    None when no sample was under load."""
+    rows = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5:
+            continue
+        try:
+            clock, power, limit, temp = (float(v) for v in parts[:4])
+            reasons = int(parts[4], 16)
+        except ValueError:
+            continue
+        rows.append((clock, power, limit, temp, reasons))
+    loaded = [r for r in rows if r[1] > r[2] / 3]
+    if not loaded:
+        return None
+    return {"sm_clock_mhz_median": statistics.median(r[0] for r in loaded),
+            "sm_clock_mhz_max": max(r[0] for r in loaded),
+            "power_w_median": statistics.median(r[1] for r in loaded),
+            "power_limit_w": loaded[-1][2],
+            "temperature_c_median": statistics.median(r[3] for r in loaded),
+            "power_capped_share": sum(1 for r in loaded if r[4] & POWER_CAP_BIT) / len(loaded),
+            "samples": len(loaded)}
+
+
+class GpuSampler:
+    """`with GpuSampler(device) as s: ...` samples SM clock, power and throttle reasons every `period_ms` through
+    nvidia-smi; afterwards `s.summary` is `summarize_gpu_samples` of them (None on the CPU or without nvidia-smi).
+    A step that holds the power cap runs at a lower clock than the same kernels measured alone."""
+
+    def __init__(self, device, period_ms: int = 100):
+        self.device, self.period_ms, self.summary, self._proc = device, period_ms, None, None
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+
+        if is_cuda(self.device) and shutil.which("nvidia-smi"):
+            index = str(getattr(_torch_device(self.device), "index", None) or 0)
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", index, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits",
+                 "-lms", str(self.period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                out, _ = self._proc.communicate(timeout=5)
+            except Exception:  # noqa: BLE001 - a sampler must never fail the measurement
+                self._proc.kill()
+                out = ""
+            self.summary = summarize_gpu_samples(out.splitlines())
+        return False
+
+
+def _torch_device(device):
+    import torch
+
+    return torch.device(device)
+
+
 @contextmanager
 def env_options(options: dict):
     """Set these environment variables (values as strings) for the block, then restore what was there before."""

@@ -72,6 +72,14 @@ def compare(contract: dict, result: dict) -> list[dict]:
     return rows
 
 
+def gpu_conditions(result: dict) -> list[tuple[str, dict]]:
+    """(path or "comfyui", clocks/power summary) for every timed run the result sampled (run_contract's
+    `gpu_clock_power`): a step held at the board's power cap runs below the clock its kernels reach alone."""
+    found = [(name, p.get("gpu_clock_power")) for name, p in (result.get("paths") or {}).items()]
+    found.append(("comfyui", (result.get("comfyui") or {}).get("gpu_clock_power")))
+    return [(n, g) for n, g in found if isinstance(g, dict) and "sm_clock_mhz_median" in g]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n")[0])
     ap.add_argument("--contract", required=True)
@@ -96,6 +104,10 @@ def main(argv=None) -> int:
         status = "pass" if r["passed"] else "MISS"
         extra = f"  ({r['note']})" if r["note"] else ""
         print(f"{status:4s} {r['path']:12s} {r['metric']:14s} {v:>8s} {r['op']} {r['limit']:g}{extra}")
+    for name, gp in gpu_conditions(result):
+        print(f"info {name:12s} SM clock median {gp['sm_clock_mhz_median']:.0f} MHz (max seen "
+              f"{gp['sm_clock_mhz_max']:.0f}), power median {gp['power_w_median']:.0f} of {gp['power_limit_w']:.0f} W, "
+              f"at the power cap in {100 * gp['power_capped_share']:.0f} % of samples")
     missed = sum(not r["passed"] for r in rows)
     print(f"{len(rows) - missed} of {len(rows)} targets met" + (f", {missed} missed" if missed else ""))
     return 1 if missed else 0

@@ -107,10 +107,11 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
                 res["text_refine_s"] = time.perf_counter() - t
                 den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=attn)
                 C.reset_peak(dev)
-                r = C.time_calls(lambda den=den: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
+                with C.GpuSampler(dev) as gpu:
+                    r = C.time_calls(lambda den=den: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
             res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
                        denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
-                       attention_calls=attention_stats() or None)
+                       attention_calls=attention_stats() or None, gpu_clock_power=gpu.summary)
         paths[name] = res
         C.log(f"{name} ({attn}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
     info = {"build": build, "seq_len": wl["seq_len"]}
@@ -193,12 +194,13 @@ def run_comfyui(root: str, contract: dict, args, wl: dict, preset, dev) -> dict:
     sigmas = torch.linspace(0.9, 0.1, n + 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
+    with torch.no_grad(), C.GpuSampler(dev) as gpu:
         guider.sample(noise, latent, env.samplers.KSAMPLER(steps), sigmas, disable_pbar=True, seed=0)
     per = times[warmup:]
     res = {"s_per_step": statistics.median(per), "step_s": per, "warmup_s": times[:warmup], "load_s": load_s,
            "attention": env.attention_function(), "comfyui_commit": env.commit,
-           "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None}
+           "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None,
+           "gpu_clock_power": gpu.summary}
     del guider, patcher
     C.free_memory(dev)
     return res

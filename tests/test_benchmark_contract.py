@@ -92,3 +92,37 @@ def test_runner_smoke_writes_a_result_compare_reads(tmp_path):
     assert r["comfyui"] is None and "no same-run ComfyUI" in r["comfyui_note"]
     q = _compare(contract, out)
     assert q.returncode == 1 and "no same-run ComfyUI" in q.stdout
+
+
+def test_gpu_samples_summary_counts_only_loaded_samples_and_the_power_cap_bit():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _common as C
+
+    lines = [  # clocks.sm, power.draw, power.limit, temperature, throttle reasons (as nvidia-smi prints them)
+        "345, 75.10, 700.00, 38, 0x0000000000000001",  # idle: not a loaded sample
+        "1980, 450.00, 700.00, 50, 0x0000000000000000",
+        "1530, 690.00, 700.00, 66, 0x0000000000000004",
+        "1500, 688.00, 700.00, 66, 0x0000000000000005",
+        "garbage line",
+        "[N/A], [N/A], 700.00, 66, 0x0",
+    ]
+    s = C.summarize_gpu_samples(lines)
+    assert s["samples"] == 3
+    assert s["sm_clock_mhz_median"] == 1530 and s["sm_clock_mhz_max"] == 1980
+    assert s["power_w_median"] == 688 and s["power_limit_w"] == 700
+    assert s["power_capped_share"] == pytest.approx(2 / 3)
+    assert C.summarize_gpu_samples(lines[:1]) is None  # nothing under load
+    with C.GpuSampler("cpu") as g:  # no sampling off the GPU
+        pass
+    assert g.summary is None
+
+
+def test_compare_reports_clock_and_power_of_each_run(tmp_path):
+    gp = {"sm_clock_mhz_median": 1530.0, "sm_clock_mhz_max": 1980.0, "power_w_median": 688.0,
+          "power_limit_w": 700.0, "temperature_c_median": 66.0, "power_capped_share": 0.9, "samples": 40}
+    ok = {"status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 13.9, "gpu_clock_power": gp}
+    p = _compare(CONTRACT, _result(tmp_path, exact=ok, approximate={**ok, "gpu_clock_power": None}))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "info exact        SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the power " \
+           "cap in 90 % of samples" in p.stdout
+    assert "info approximate" not in p.stdout
