@@ -7,7 +7,7 @@ Per path of the contract (exact, approximate: an attention backend plus H3_* opt
 Denoiser calls after the warm-up), the sum of the timed steps, text refine, VAE decode (fp16 video + fp32 audio),
 end to end, peak GPU memory. Weights: the contract's synthetic full-size checkpoint built on the GPU.
 With --comfy-root, ComfyUI (its own loader, CFGGuider at cfg 1, its default attention) steps the same weights and
-workload in the same process after h3direct, so `x_comfyui` is a same-run ratio; without it the result says
+workload in the same process, once before and once after h3direct, so `x_comfyui` is a same-run ratio; without it the result says
 "no same-run ComfyUI". --smoke: tiny sizes (CPU check of the plumbing; not a measurement).
 """
 
@@ -64,6 +64,7 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
 
     w = contract["weights"]
     config = H3Config.from_name(preset.dit_config)
+    resident_before = C.allocated_gib(dev) or 0.0  # not ours (e.g. what ComfyUI's round left): kept out of our peak
     model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
     video, audio, text, cond = make_inputs(config, wl, dev, w.get("seed", 0))
     sigma = torch.tensor([0.8], dtype=torch.float32, device=dev)
@@ -110,11 +111,11 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
                 with C.GpuSampler(dev) as gpu:
                     r = C.time_calls(lambda den=den: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
             res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
-                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
+                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=_minus(C.peak_gib(dev), resident_before),
                        attention_calls=attention_stats() or None, gpu_clock_power=gpu.summary)
         paths[name] = res
         C.log(f"{name} ({attn}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
-    info = {"build": build, "seq_len": wl["seq_len"]}
+    info = {"build": build, "seq_len": wl["seq_len"], "resident_before_gib": resident_before}
     del model
     C.free_memory(dev)
     if not args.no_vae:
@@ -144,18 +145,54 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
     return paths, info
 
 
+def _minus(a: float | None, b: float) -> float | None:
+    return None if a is None else a - b
+
+
 def run_comfyui(root: str, contract: dict, args, wl: dict, preset, dev) -> dict:
-    """ComfyUI's own loader and sampler on the same synthetic weights and workload: s/step of its model calls."""
+    """One round of ComfyUI's own loader and sampler on the same synthetic weights and workload: s/step of its
+    model calls. Its model is unloaded afterwards and torch's process-wide switches are put back."""
+    from oracle.comfy_env import open_comfy
+
+    cuda = C.is_cuda(dev)
+    switches = _torch_switches()
+    env = open_comfy(root, device="cuda" if cuda else "cpu", compute_dtype="bf16" if cuda else "fp32")
+    try:
+        return _comfy_round(env, contract, args, wl, preset, dev)
+    finally:
+        mm = env.model_management
+        for name in ("unload_all_models", "soft_empty_cache"):
+            if hasattr(mm, name):
+                getattr(mm, name)()
+        C.free_memory(dev)
+        _torch_switches(switches)  # h3direct's steps run with torch's defaults, not the oracle's deterministic mode
+
+
+def _torch_switches(saved: dict | None = None) -> dict:
+    """Read (or, given `saved`, restore) the process-wide torch switches that opening ComfyUI changes."""
+    import torch
+
+    now = {"deterministic": (torch.are_deterministic_algorithms_enabled(),
+                             torch.is_deterministic_algorithms_warn_only_enabled()),
+           "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+           "matmul_tf32": torch.backends.cuda.matmul.allow_tf32}
+    if saved is not None:
+        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
+        torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
+        torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
+        torch.backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+    return now
+
+
+def _comfy_round(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     import torch
     from bench_dit import make_inputs
 
     from h3direct.checkpoint.synthetic import iter_dit_tensors
     from h3direct.config import H3Config
-    from oracle.comfy_env import open_comfy
 
     w = contract["weights"]
     cuda = C.is_cuda(dev)
-    env = open_comfy(root, device="cuda" if cuda else "cpu", compute_dtype="bf16" if cuda else "fp32")
     config = H3Config.from_name(preset.dit_config)
     quant = "nvfp4" if w["dit"] == "nvfp4" else "none"
     sd = {k: (t.cpu() if k.endswith(".comfy_quant") else t)
@@ -202,8 +239,17 @@ def run_comfyui(root: str, contract: dict, args, wl: dict, preset, dev) -> dict:
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None,
            "gpu_clock_power": gpu.summary}
     del guider, patcher
-    C.free_memory(dev)
     return res
+
+
+def merge_comfy_rounds(rounds: list[dict]) -> dict:
+    """ComfyUI timed before and after h3direct (so neither side gets the cooler GPU): s/step is the median of every
+    timed step of every round; the rounds are kept as measured."""
+    steps = [t for r in rounds for t in r["step_s"]]
+    peaks = [r["peak_gpu_gib"] for r in rounds if r.get("peak_gpu_gib") is not None]
+    return {**rounds[0], "s_per_step": statistics.median(steps), "step_s": steps,
+            "warmup_s": [t for r in rounds for t in r["warmup_s"]], "peak_gpu_gib": max(peaks) if peaks else None,
+            "rounds": rounds}
 
 
 def main(argv=None) -> int:
@@ -226,13 +272,27 @@ def main(argv=None) -> int:
     result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
               "env": C.env_info(dev), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "workload": wl}
-    result["paths"], result["h3direct"] = run_h3direct(contract, args, wl, preset, dev)
-    if args.comfy_root:
+    if C.is_cuda(dev):  # cuBLAS's handle (and its workspace) made with torch's defaults, before ComfyUI's settings
+        torch.ones(8, 8, device=dev) @ torch.ones(8, 8, device=dev)
+    rounds, failed = [], None
+
+    def comfy_round():
+        nonlocal failed
+        if not args.comfy_root or failed:
+            return
         try:
-            result["comfyui"] = run_comfyui(args.comfy_root, contract, args, wl, preset, dev)
+            rounds.append(run_comfyui(args.comfy_root, contract, args, wl, preset, dev))
+            C.log(f"ComfyUI round {len(rounds)}: {rounds[-1]['s_per_step']:.3f} s/step")
         except Exception as exc:  # noqa: BLE001 - reported in the result; compare then misses the ratios
-            result["comfyui"] = None
-            result["comfyui_note"] = f"same-run ComfyUI failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            failed = f"same-run ComfyUI failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+    comfy_round()
+    result["paths"], result["h3direct"] = run_h3direct(contract, args, wl, preset, dev)
+    comfy_round()
+    if args.comfy_root:
+        result["comfyui"] = merge_comfy_rounds(rounds) if rounds and not failed else None
+        if failed:
+            result["comfyui_note"] = failed
     else:
         result["comfyui"] = None
         result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui)"

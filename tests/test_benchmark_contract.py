@@ -126,3 +126,26 @@ def test_compare_reports_clock_and_power_of_each_run(tmp_path):
     assert "info exact        SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the power " \
            "cap in 90 % of samples" in p.stdout
     assert "info approximate" not in p.stdout
+
+
+@pytest.mark.comfy
+def test_comfy_round_unloads_and_gives_torch_its_switches_back(comfy_root):
+    # ComfyUI runs before and after h3direct in one process: opening it turns on deterministic algorithms (and on a
+    # GPU other switches); h3direct's steps between the rounds must not run under them.
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _common as C
+    import run_contract as R
+
+    contract = json.loads(CONTRACT.read_text())
+    preset = C.PRESETS["tiny"]
+    wl = C.workload(preset.width, preset.height, preset.frames, preset.text_len)
+    before = torch.are_deterministic_algorithms_enabled()
+    r = R.run_comfyui(comfy_root, contract, argparse.Namespace(steps=1), wl, preset, "cpu")
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert len(r["step_s"]) == 1 and r["s_per_step"] > 0
+    merged = R.merge_comfy_rounds([r, {**r, "step_s": [9.0], "warmup_s": [9.0]}])
+    assert merged["s_per_step"] == pytest.approx((r["step_s"][0] + 9.0) / 2) and len(merged["rounds"]) == 2
