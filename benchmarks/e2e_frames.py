@@ -200,7 +200,7 @@ def compare(args) -> int:
         key = E.budget_key(path, compute, "*", reference)
         out["proposed"][path] = {
             **key, **floors,
-            "provenance": (f"measured on {where}, {time.strftime('%Y-%m-%d')}, benchmarks/gpu_e2eapx.sh "
+            "provenance": (f"measured on {where}, {time.strftime('%Y-%m-%d')}, {args.script} "
                            f"(benchmarks/e2e_frames.py compare): {path} vs {reference}, same seed and inputs, "
                            f"{'/'.join(map(str, args.repeats))}x each, h3direct's pipeline ({about}), video latent decoded to float frames; "
                            f"worst measured PSNR mean {w['psnr_mean']:.2f} / min {w['psnr_min']:.2f} dB, "
@@ -242,6 +242,8 @@ def main(argv=None) -> int:
                    "(the last one for the rest)")
     c.add_argument("--budgets", default=None)
     c.add_argument("--out", default=None)
+    c.add_argument("--script", default="benchmarks/gpu_e2eapx.sh",
+                   help="the GPU script that ran this comparison, named in the proposed entries' provenance")
     args = p.parse_args(argv)
     if args.cmd == "compare":
         bad = [m for m in args.model if m != "bundled" and not (Path(m) / "e2e.json").is_file()]

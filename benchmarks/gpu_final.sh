@@ -98,7 +98,7 @@ SOLFB=(); python3 -c "import sageattention" > /dev/null 2>&1 || SOLFB=(H3_SOL_FA
 if [ -f "$E2E/m_bf16/e2e.json" ]; then
   MODELS=(--model "$E2E/m_bf16"); [ -f "$E2E/m_nvfp4/e2e.json" ] && MODELS+=(--model "$E2E/m_nvfp4")
   ( env "${SOLFB[@]}" OMP_NUM_THREADS=4 timeout "$(( $(left) - 90 > 150 ? 150 : ($(left) - 90 > 60 ? $(left) - 90 : 60) ))" python3 \
-      benchmarks/e2e_frames.py compare "${MODELS[@]}" --device cuda --paths sol_attn+fp8_linear --repeats 2,1 \
+      benchmarks/e2e_frames.py compare "${MODELS[@]}" --script benchmarks/gpu_final.sh --device cuda --paths sol_attn+fp8_linear --repeats 2,1 \
       --out "$O/e2e_contract.json" > "$O/e2e_contract.log" 2>&1
     el "e2e compare sol_attn+fp8_linear: exit $?" ) &
 else el "e2e: no model folder (see e2e_build_*.log)"; fi
@@ -121,7 +121,7 @@ else
   G_RUNS+=("s4k-sage2=$O/s4k_sage2,$O/s4k_sage2.log,sage2" "s4k-kj(sage2)=$O/s4k_kj_sage2,$O/s4k_kj_sage2.log,kj_head_sliced")
   if [ -f "$E2E/m_bf16/e2e.json" ]; then
     ( OMP_NUM_THREADS=4 timeout "$(( $(left) - 25 > 30 ? $(left) - 25 : 30 ))" python3 benchmarks/e2e_frames.py compare \
-        --model "$E2E/m_bf16" --device cuda --paths sage2,kj_head_sliced --repeats 2 --out "$O/e2e_sage2.json" \
+        --model "$E2E/m_bf16" --script benchmarks/gpu_final.sh --device cuda --paths sage2,kj_head_sliced --repeats 2 --out "$O/e2e_sage2.json" \
         > "$O/e2e_sage2.log" 2>&1
       el "e2e compare sage2,kj_head_sliced: exit $?" ) &
   fi
