@@ -618,3 +618,27 @@ def test_command_second_signal_exits_at_once(cache_env, tmp_path, monkeypatch):
         if proc.poll() is None:
             proc.kill()
             proc.wait(TIMEOUT)
+
+
+def test_fp8_linear_is_a_server_flag_reported_by_ready(cache_env, roots, capsys):
+    # the FP8 block linears are chosen when the weights load, so they are a server flag (a request field would
+    # be a reload): the same flag, choices and bare form as `h3direct generate`, and /ready says which mode runs
+    parse = cli.build_parser("serve").parse_args
+    base = ["serve", "--port", "0", "--output-root", str(roots["out"]), "--quiet"]
+    assert parse(base + ["--fp8-linear"]).fp8_linear == "stream"
+    assert parse(base).fp8_linear == "off"
+    with pytest.raises(SystemExit) as e:
+        parse(base + ["--fp8-linear", "bogus"])
+    assert e.value.code == 2 and "--fp8-linear" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    svc = Service(parse(base + ["--fp8-linear", "resident"]))
+    try:
+        svc.check_flags()
+        svc.load()
+        dit = svc.ready()["components"]["dit"]
+        assert dit["fp8_linear"]["mode"] == "resident"
+        assert svc.pipe.dit.blocks[0].mlp.fc1.__class__.__name__ == "FP8Linear"
+    finally:
+        svc.stop()
+        svc.close()
+        torch.set_num_threads(threads)

@@ -68,7 +68,7 @@ POLL_S = 0.02  # how often a waiting /generate looks at its job and its client
 # server flags taken over from `h3direct generate` (same names, types, choices and defaults)
 MODEL_FLAGS = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer",
                "compute_dtype", "nvfp4_mode", "device", "attention", "threads", "mlp_chunks", "vae_dtype",
-               "vae_tile_size", "ffmpeg_loglevel")
+               "vae_tile_size", "ffmpeg_loglevel", "fp8_linear")
 # request field -> `h3direct generate` destination (file fields: lists of names under --input-root)
 FIELD_DEST = {"ref_images": "ref_image", "ref_videos": "ref_video", "ref_audios": "ref_audio"}
 FILE_FIELDS = ("ref_images", "ref_videos", "ref_audios", "first_frame", "last_frame", "text_embeds")
@@ -111,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models and runtime (as `h3direct generate`; each omitted model: bundled tiny)")
     for a in _generate_parser()._actions:
         if a.dest in MODEL_FLAGS:
+            extra = {"nargs": a.nargs, "const": a.const} if a.nargs == "?" else {}  # e.g. a bare --fp8-linear
             g.add_argument(*a.option_strings, dest=a.dest, default=a.default, type=a.type, choices=a.choices,
-                           metavar=a.metavar, help=a.help)
+                           metavar=a.metavar, help=a.help, **extra)
 
 
 # ---- the request model ---------------------------------------------------------------------------
@@ -286,6 +287,11 @@ class Service:
         components = {k: {"source": self.sources.get(k), **self.weights.get(k, {}), **_describe(m)}
                       for k, m in comps.items() if m is not None}
         components["dit"]["compute_dtype"] = str(pipe.dit.compute_dtype).removeprefix("torch.")
+        fp8 = getattr(pipe.dit, "fp8_linear", "off")
+        if fp8 != "off":  # opt-in approximate block linears, chosen when the weights loaded (a server flag)
+            from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats
+
+            components["dit"]["fp8_linear"] = {"mode": fp8, "calls": fp8_linear_stats()}
         running = self.queue.running
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
                 "memory": memory,
