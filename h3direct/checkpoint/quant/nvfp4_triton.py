@@ -149,6 +149,8 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, glo
         raise CheckpointError(f"block-scale tensor has {block_scale.numel()} elements of {block_scale.dtype}, "
                               f"expected {rp}x{cp} bytes (tiled layout of {rows}x{nb} scales)")
     dev = packed.device
+    if block_scale.device != dev:
+        raise ValueError(f"NVFP4 block scales are on {block_scale.device}, the packed weight on {dev}")
     scales = block_scale.reshape(-1).view(torch.uint8)
     scales = scales if scales.is_contiguous() else scales.contiguous()
     packed = packed.contiguous()
