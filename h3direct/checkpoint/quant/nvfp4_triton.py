@@ -64,9 +64,10 @@ if triton is not None:
 
         # block scale of (row r, column b) in cuBLAS' 128x4 tiles: tile (r // 128, b // 4), then inside the tile
         # [32 rows r % 32][4 row groups (r // 32) % 4][4 columns b % 4], 512 bytes a tile
-        r = i // NB
-        b = i - r * NB
-        off = ((r // 128) * TILES_PER_ROW + b // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + b % 4
+        iu = i.to(tl.uint32)  # unsigned: divisions and remainders without sign fix-ups
+        r = iu // NB.to(tl.uint32)
+        b = iu - r * NB.to(tl.uint32)
+        off = ((r // 128) * TILES_PER_ROW.to(tl.uint32) + b // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + b % 4
         if EVEN:
             sc = tl.load(scale_ptr + off).to(tl.int32)
         else:
