@@ -126,7 +126,7 @@ def _kernel():
     key = _interpreting()
     k = _BUILT.get(key)
     if k is None:
-        k = _BUILT[key] = triton.jit(_dequant_kernel, do_not_specialize=["TILES_PER_ROW"])
+        k = _BUILT[key] = triton.jit(_dequant_kernel, do_not_specialize=["NB", "TILES_PER_ROW"])
     return k
 
 
