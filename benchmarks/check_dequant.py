@@ -156,7 +156,10 @@ def main(argv=None) -> int:
           f"{default[0]}x{default[1]}")
     if "kitchen" in total:
         print(f"  speed-up of the best Triton config over comfy-kitchen: {total['kitchen'] / tri[best]:.2f}x")
-    verdict = f"{len(res['mismatches'])} MISMATCHES" if res["mismatches"] else "all equal"
+    n_ck = sum("comfy-kitchen" in m for m in res["mismatches"])
+    n_tri = len(res["mismatches"]) - n_ck
+    verdict = "all equal" if not res["mismatches"] else (f"{n_tri} Triton MISMATCHES, {n_ck} comfy-kitchen vs torch "
+                                                         "path MISMATCHES (listed above)")
     print(f"  bitwise (triton == torch path == comfy-kitchen, bf16/fp16/fp32, quantized + random storage): {verdict}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
