@@ -44,7 +44,8 @@ fi
 
 # ---- summary
 echo; echo "== summary (deq2)"
-sed -n '/^== NVFP4/,$p' "$R/check_dequant.log" 2>/dev/null || echo "  (no check_dequant table)"
+if grep -q "^== NVFP4" "$R/check_dequant.log" 2>/dev/null; then sed -n '/^== NVFP4/,$p' "$R/check_dequant.log"
+else echo "  (no check_dequant table: see $R/check_dequant.log)"; fi
 grep -E "MISMATCH|Error|Traceback" "$R/check_dequant.log" | head -8
 echo "  pytest (compiled kernel vs CPU torch path): $(tail -1 "$R/pytest.log" 2>/dev/null)"
 [ -f "$R/bench_triton.log" ] && echo "  DiT step with Triton dequantization: $(grep -m1 'nvfp4/fa3: .*s/step' "$R/bench_triton.log")"
