@@ -10,7 +10,8 @@ Storage (ComfyUI mixed-precision layer, `comfy_quant` = ``{"format": "nvfp4"}``)
 N16/K16 are N/K rounded up to 16 (ComfyUI pads odd shapes with zeros before quantizing).
 Decoded value = e2m1(code) * (global * block_scale), where the scale product and the multiplication are
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
-`QuantizedTensor.dequantize`): the results here are bitwise equal to it for fp32, bf16 and fp16.
+`QuantizedTensor.dequantize`): the results here are bitwise equal to it for fp32, bf16 and fp16. On CUDA the
+decode runs in our Triton kernel (`nvfp4_triton`, same bits) unless ``H3_NVFP4_DEQUANT`` says otherwise.
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
 `comfy.model_management.supports_nvfp4_compute`):
@@ -34,6 +35,7 @@ Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_p
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import einops
@@ -172,12 +174,42 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- decode
 
+DEQUANT_BACKENDS = ("triton", "kitchen", "torch")
+
+
+def dequant_backend(device: torch.device | str) -> str:
+    """The implementation `dequantize_nvfp4` runs for tensors on `device`. The CPU always takes the torch path
+    (what the shared CPU traces were recorded with). On CUDA, ``H3_NVFP4_DEQUANT`` = triton | kitchen | torch
+    picks one; unset, it is our Triton kernel (`nvfp4_triton`, the fastest) when Triton is importable, else
+    comfy-kitchen's CUDA kernel when it loads, else the torch path. All three give the same bits."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    want = os.environ.get("H3_NVFP4_DEQUANT", "")
+    if want and want not in DEQUANT_BACKENDS:
+        raise ValueError(f"H3_NVFP4_DEQUANT={want!r}: expected one of {', '.join(DEQUANT_BACKENDS)} (or unset)")
+    if want in ("", "triton"):
+        from h3direct.checkpoint.quant import nvfp4_triton
+
+        if nvfp4_triton.triton is not None:
+            return "triton"
+        if want:
+            raise RuntimeError("H3_NVFP4_DEQUANT=triton: Triton is not importable here")
+    if want in ("", "kitchen"):
+        if kitchen_op("dequantize_nvfp4") is not None:
+            return "kitchen"
+        if want:
+            raise RuntimeError("H3_NVFP4_DEQUANT=kitchen: comfy-kitchen is not installed or does not load here")
+    return "torch"
+
+
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                     out_dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int] | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int] | None = None,
+                     backend: str | None = None) -> torch.Tensor:
     """NVFP4 weight -> dense [N, K] in `out_dtype`, bitwise equal to comfy-kitchen's `dequantize_nvfp4`.
 
     `shape` is the logical (unpadded) [N, K]; without it the padded [N16, K16] is returned, as comfy-kitchen
     does. The scale product global*block and the value*scale product are both rounded to `out_dtype`.
+    `backend` (one of DEQUANT_BACKENDS) overrides :func:`dequant_backend`'s choice.
     """
     # [N16, K16/2] uint8 -> [N16, K16] out_dtype
     rows, half = packed.shape
@@ -185,9 +217,19 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
     if cols % BLOCK:
         raise CheckpointError(f"NVFP4 packed weight [{rows}, {half}] holds {cols} columns, not a multiple of 16")
     nblocks = cols // BLOCK
-    if packed.is_cuda and kitchen_op("dequantize_nvfp4") is not None:
+    backend = backend or dequant_backend(packed.device)
+    if backend == "triton":  # our one-pass kernel, bandwidth-bound
+        from h3direct.checkpoint.quant.nvfp4_triton import dequantize_nvfp4_triton
+
+        out = dequantize_nvfp4_triton(packed, block_scale, global_scale, out_dtype)
+    elif backend == "kitchen":
         # comfy-kitchen's CUDA kernel (the one ComfyUI calls on GPUs): same arithmetic, one pass
-        out = kitchen_op("dequantize_nvfp4")(packed, global_scale, block_scale, out_dtype)
+        op = kitchen_op("dequantize_nvfp4")
+        if op is None:
+            raise RuntimeError("NVFP4 dequantization backend 'kitchen': comfy-kitchen is not installed or won't load")
+        out = op(packed, global_scale, block_scale, out_dtype)
+    elif backend != "torch":
+        raise ValueError(f"unknown NVFP4 dequantization backend {backend!r}: expected one of {DEQUANT_BACKENDS}")
     else:
         scales = unswizzle_block_scales(block_scale, rows, nblocks)  # [N16, K16/16] e4m3
         total = global_scale.to(out_dtype) * scales.to(out_dtype)

@@ -1,0 +1,215 @@
+"""The Triton NVFP4 dequantization kernel (`nvfp4_triton`) under Triton's CPU interpreter (TRITON_INTERPRET=1),
+bitwise against the torch path of `nvfp4.dequantize_nvfp4` (itself bitwise comfy-kitchen's kernel and the shared
+ComfyUI traces, `tests/test_quant_nvfp4.py`), on raw random storage: every byte of codes, every non-NaN E4M3 scale
+(subnormals, ±0, ±448), padded shapes and partial programs. The compiled (GPU) kernel is checked the same way by
+`benchmarks/check_dequant.py`; here it is only compiled for sm_90."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from h3direct.checkpoint.quant import nvfp4, nvfp4_triton
+
+pytestmark = pytest.mark.skipif(nvfp4_triton.triton is None, reason="needs Triton (the `test` extra installs it on "
+                                                                    "x86_64 Linux) to run the kernel in its interpreter")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPE_IDS = ["bf16", "fp16", "fp32"]
+# every E4M3 byte but the two NaNs (0x7F, 0xFF): zero, -0, subnormals 0x01..0x07, the max 448 (0x7E), negatives
+SCALE_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+GLOBALS = [1.0, 3.0517578125e-05, 1.2345678e-3, 7.77e-7]  # 7.77e-7 is an fp16 subnormal, 1.2345678e-3 rounds in bf16
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (what, ours.shape, ref.shape, ours.dtype, ref.dtype)
+    diff = (_bits(ours) != _bits(ref)).nonzero()
+    if len(diff):
+        i = tuple(diff[0].tolist())
+        raise AssertionError(f"{what}: {len(diff)} of {ours.numel()} values differ, first at {i}: "
+                             f"kernel {ours[i].item()!r} torch {ref[i].item()!r}")
+
+
+def random_storage(rows: int, cols: int, g: torch.Generator, global_scale: float) -> nvfp4.NVFP4Tensor:
+    """Raw NVFP4 storage of a padded [rows, cols] weight: uniform random bytes of codes, block scales drawn from
+    every non-NaN E4M3 byte (swizzled, zero in the tile padding), a given global scale."""
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    first = packed.view(-1)[:256]  # every byte value once where there is room (all 16 codes in both nibbles)
+    first.copy_(torch.arange(len(first), dtype=torch.uint8))
+    idx = torch.randint(0, len(SCALE_BYTES), (rows, cols // 16), generator=g)
+    scales = SCALE_BYTES[idx].view(torch.float8_e4m3fn)
+    return nvfp4.NVFP4Tensor(packed, nvfp4.swizzle_block_scales(scales), torch.tensor(global_scale))
+
+
+# (logical N, K): padded to 16 in storage; 130/200/300 rows cross the 128-row scale tiles, 17 and 23 blocks a row
+# leave padded scale columns; 256 blocks per program -> the last program is partial except for 256 x 256
+SHAPES = [(1, 16), (130, 48), (37, 160), (200, 96), (300, 270), (256, 256), (129, 368)]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bitwise_torch_path_random_storage(shape, out_dtype):
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    rows, cols = nvfp4.padded_shape(shape)
+    for gs in GLOBALS:
+        q = random_storage(rows, cols, g, gs)
+        ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
+        got = nvfp4_triton.dequantize_nvfp4_triton(*q, out_dtype, config=(256, 4))
+        assert_same_bits(got, ref, f"{shape} global {gs}")
+
+
+@pytest.mark.parametrize("config", [(64, 1), (128, 4), (1024, 8)])
+def test_bitwise_quantized_weight_and_configs(config):
+    """A weight as the checkpoint holds it (quantize_nvfp4 of a bf16 tensor) through the other program sizes."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(150, 200, generator=g) * torch.logspace(-3, 1, 200)).bfloat16()
+    q = nvfp4.quantize_nvfp4(w)
+    for out_dtype in DTYPES:
+        assert_same_bits(nvfp4_triton.dequantize_nvfp4_triton(*q, out_dtype, config=config),
+                         nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch"), f"{config} {out_dtype}")
+
+
+def test_every_code_and_negative_zero():
+    """Each of the 16 codes, as both nibbles, under scale 1 and global 1: the E2M1 table itself, -0.0 included."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = ((codes[:, None] << 4) | codes[None, :]).reshape(16, 16)  # row r: high nibble r, low nibble 0..15
+    scales = torch.ones(16, 2).to(torch.float8_e4m3fn)
+    out = nvfp4_triton.dequantize_nvfp4_triton(packed, nvfp4.swizzle_block_scales(scales), torch.tensor(1.0),
+                                               torch.float32, config=(16, 1))
+    table = nvfp4.e2m1_table(torch.float32)
+    expect = torch.stack([table[(packed >> 4).long()], table[(packed & 15).long()]], dim=-1).reshape(16, 32)
+    assert_same_bits(out, expect, "codes")
+    assert torch.signbit(out[8, 0]) and out[8, 0] == 0  # code 8 is -0.0
+
+
+def test_swizzle_per_block_scales():
+    """Every block gets its own scale (codes all 1.0): block (r, b) of the output must equal scale[r, b] read from the
+    row-major grid, not from wherever a wrong tile formula points. Feeding the row-major grid unswizzled fails."""
+    rows, nb = 272, 23  # 3 row tiles (the last partial), 6 scale-column tiles (the last partial)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(1, len(SCALE_BYTES), (rows, nb), generator=g)
+    scales = SCALE_BYTES[idx].view(torch.float8_e4m3fn)
+    packed = torch.full((rows, nb * 8), 0x22, dtype=torch.uint8)  # code 2 = 1.0 in both nibbles
+    out = nvfp4_triton.dequantize_nvfp4_triton(packed, nvfp4.swizzle_block_scales(scales), torch.tensor(1.0),
+                                               torch.float32, config=(128, 4))
+    expect = scales.to(torch.float32).repeat_interleave(16, dim=1)
+    assert_same_bits(out, expect, "per-block scales")
+    rp, cp = nvfp4.scale_storage_shape(rows, nb)
+    flat = torch.zeros(rp, cp, dtype=torch.uint8)
+    flat[:rows, :nb] = scales.view(torch.uint8)
+    wrong = nvfp4_triton.dequantize_nvfp4_triton(packed, flat.view(torch.float8_e4m3fn), torch.tensor(1.0),
+                                                 torch.float32, config=(128, 4))
+    assert (_bits(wrong) != _bits(expect)).float().mean() > 0.9
+
+
+def test_nan_scales_give_nan():
+    """E4M3 NaN block scales (never written by quantization) decode to NaN, as on the torch path."""
+    scales = torch.tensor([[0x7F, 0x38], [0xFF, 0x00]], dtype=torch.uint8).repeat(8, 1).view(torch.float8_e4m3fn)
+    q = nvfp4.NVFP4Tensor(torch.full((16, 16), 0x35, dtype=torch.uint8), nvfp4.swizzle_block_scales(scales),
+                          torch.tensor(0.5))
+    for out_dtype in DTYPES:
+        got = nvfp4_triton.dequantize_nvfp4_triton(*q, out_dtype, config=(16, 1))
+        ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
+        assert torch.equal(got.isnan(), ref.isnan()) and got.isnan().sum() == 256
+        assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+def test_bad_storage_is_a_one_line_error():
+    from h3direct.errors import CheckpointError
+
+    q = nvfp4.quantize_nvfp4(torch.randn(32, 64))
+    with pytest.raises(CheckpointError, match="block-scale tensor"):
+        nvfp4_triton.dequantize_nvfp4_triton(q.packed, q.block_scale[:64], q.global_scale)
+    with pytest.raises(ValueError, match="not supported"):
+        nvfp4_triton.dequantize_nvfp4_triton(*q, torch.int32)
+
+
+def test_backend_choice(monkeypatch):
+    """The CPU always decodes on the torch path; on CUDA the env var picks, and a bad value is a one-line error."""
+    assert nvfp4.dequant_backend("cpu") == "torch"
+    monkeypatch.setenv("H3_NVFP4_DEQUANT", "kitchen")
+    assert nvfp4.dequant_backend("cpu") == "torch"
+    monkeypatch.setenv("H3_NVFP4_DEQUANT", "triton")
+    assert nvfp4.dequant_backend("cuda") == "triton"
+    monkeypatch.setenv("H3_NVFP4_DEQUANT", "torch")
+    assert nvfp4.dequant_backend("cuda") == "torch"
+    monkeypatch.delenv("H3_NVFP4_DEQUANT")
+    assert nvfp4.dequant_backend("cuda") == "triton"  # Triton is importable here (module skip otherwise)
+    monkeypatch.setenv("H3_NVFP4_DEQUANT", "cutlass")
+    with pytest.raises(ValueError, match="H3_NVFP4_DEQUANT='cutlass'"):
+        nvfp4.dequant_backend("cuda")
+
+
+@pytest.mark.parametrize("out_dtype", DTYPE_IDS)
+def test_compiles_for_hopper_with_wide_memory_access(out_dtype, monkeypatch):
+    """Compiled mode (what the GPU runs), without a GPU: the kernel lowers to sm_90 PTX whose stores are 16-byte
+    vectors and (bf16/fp16) whose roundings are the packed round-to-nearest-even conversions."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    tr = nvfp4_triton.triton
+    code = {"bf16": 2, "fp16": 1, "fp32": 0}[out_dtype]
+    sig = {"words_ptr": "*i32", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*fp32" if code == 0 else "*i16",
+           "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
+           "EVEN": "constexpr", "INTERPRET": "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # pointers and `total`, as a launch specializes
+    blk, warps = nvfp4_triton.DEFAULT_CONFIG
+    try:
+        k = tr.compile(ASTSource(tr.jit(nvfp4_triton._dequant_kernel), sig,
+                                 {"BLK": blk, "OUT": code, "EVEN": False, "INTERPRET": False}, aligned),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
+        if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
+            pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
+        raise
+    ptx = k.asm["ptx"]
+    assert ".target sm_90" in ptx
+    stores = set(re.findall(r"st\.global(?:\.\w+)*", ptx))
+    assert stores == {"st.global.v4.b32"}, stores
+    assert "mul.ftz" not in ptx  # the E2M1 code 0.5 goes through an fp32 subnormal
+    if code == 2:
+        assert "cvt.rn.bf16x2.f32" in ptx
+    elif code == 1:
+        assert "cvt.rn.f16x2.f32" in ptx
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
+def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
+    """On a GPU: the compiled kernel, random storage, bitwise the torch path run on the CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator().manual_seed(3)
+    for shape in ((300, 270), (1024, 2048)):
+        rows, cols = nvfp4.padded_shape(shape)
+        q = random_storage(rows, cols, g, 1.2345678e-3)
+        ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
+        got = nvfp4_triton.dequantize_nvfp4_triton(*(t.cuda() for t in q), out_dtype)
+        assert_same_bits(got.cpu(), ref, f"cuda {shape}")
+
+
+def test_check_dequant_smoke(tmp_path):
+    """`benchmarks/check_dequant.py --small` on the CPU: every comparison runs and agrees; the JSON has its fields."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import check_dequant
+
+    out = tmp_path / "dequant.json"
+    assert check_dequant.main(["--device", "cpu", "--small", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mismatches"] == [] and all(s["bitwise"] for s in res["shapes"].values())
+    assert set(res["per_step_ms"]) == {"torch", "triton 256x4", "copy"}
