@@ -219,3 +219,23 @@ def test_config_rejects_bad_tiles():
         Config(bn=96)
     with pytest.raises(ValueError, match="persistent"):
         Config(ws=True)
+
+
+@pytest.mark.parametrize("part", ["qkv", "fc1", "fc2"])
+def test_bench_runs_every_variant_on_the_cpu(part, tmp_path, capsys):
+    """benchmarks/tgemm_bench.py (the H200 script's steps) on tiny shapes in the interpreter: every config and
+    fused variant runs and lands within one rounding of its fp64 reference; the summary reads the JSON."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tgemm_bench
+
+    out = tmp_path / f"{part}.json"
+    assert tgemm_bench.main(["--part", part, "--device", "cpu", "--rows", "40", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["configs"] + res["fused"]
+    assert res["fused"] and all("error" not in r and r["ok"] for r in rows), rows
+    assert tgemm_bench.main(["--summary", str(tmp_path)]) == 0
+    assert f"best {res['best']}" in capsys.readouterr().out
