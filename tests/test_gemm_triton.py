@@ -24,6 +24,7 @@ Config = gemm_triton.Config
 # small tiles so that the test shapes span several tiles and partial ones; every load path / loop kind
 CONFIGS = [pytest.param(Config(bm=32, bn=64, bk=32, group_m=2, tma=tma, persistent=pers), id=f"{kind}-{name}")
            for tma, kind in ((True, "tma"), (False, "ptr")) for pers, name in ((False, "tiles"), (True, "persistent"))]
+CONFIGS.append(pytest.param(Config(bm=32, bn=64, bk=32, tma_store=False), id="tma-loads-pointer-stores"))
 RUNS = [ModRun(0, 10, 1), ModRun(10, 45, 0), ModRun(45, 60, 2)]  # rows 60.. are outside every run
 
 

@@ -52,7 +52,9 @@ _OUT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 class Config:
     """One kernel configuration. bm/bn/bk: tile; group_m: row tiles per group of the swizzled order; stages: software
     pipeline depth; warps: per program; tma: descriptor loads (else pointer loads); persistent: one program per SM;
-    ws: warp specialisation of the persistent loop (`tl.range(..., warp_specialize=True)`)."""
+    ws: warp specialisation of the persistent loop (`tl.range(..., warp_specialize=True)`); tma_store: the plain /
+    SwiGLU / rope epilogues store through a descriptor (else pointer stores; its staging buffer costs shared memory:
+    with it a 128x256x64 tile fits 3 pipeline stages in the H200's 227 KiB, without it 4)."""
 
     bm: int = 128
     bn: int = 256
@@ -63,6 +65,7 @@ class Config:
     tma: bool = True
     persistent: bool = False
     ws: bool = False
+    tma_store: bool = True
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -75,6 +78,7 @@ class Config:
     @property
     def name(self) -> str:
         kind = ("P" if self.persistent else "N") + ("ws" if self.ws else "") + ("-tma" if self.tma else "-ptr")
+        kind += "" if self.tma_store or not self.tma else "-pst"
         return f"{kind}-{self.bm}x{self.bn}x{self.bk}-g{self.group_m}-s{self.stages}-w{self.warps}"
 
 
@@ -101,7 +105,8 @@ if triton is not None:
     def _gemm_kernel(a, b, c, M, N, K, stride_am, stride_bn, stride_cm,
                      e_ptr, e_idx, e_tab, stride_e, stride_ts, stride_tj, stride_ta, stride_tb, R, HEADS, eps,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     TMA: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr, OUT: tl.constexpr,
+                     TMA: tl.constexpr, TMA_STORE: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr,
+                     OUT: tl.constexpr,
                      EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
         # a, b, c: tensors (pointer mode) or TensorDescriptors (TMA). One loop over tiles: the grid is either one
         # program per tile (one iteration each) or one per SM (persistent). Epilogue arguments (by EPI):
@@ -219,7 +224,7 @@ if triton is not None:
                 y = y.to(tl.float16)
             if EPI == 2:
                 tl.store(x_ptrs, y, mask=live)
-            elif TMA:
+            elif TMA_STORE:
                 c.store([off_m, off_c], y)
             else:
                 c_ptrs = c + rm.to(tl.int64)[:, None] * stride_cm + rc[None, :]
@@ -267,7 +272,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, epi: int, cfg: 
         return
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     grid = (min(tiles, _num_sms(x.device)),) if cfg.persistent else (tiles,)
-    store_tma = cfg.tma and epi in (EPI_PLAIN, EPI_SWIGLU, EPI_QK_ROPE)
+    store_tma = cfg.tma and cfg.tma_store and epi in (EPI_PLAIN, EPI_SWIGLU, EPI_QK_ROPE)
     if cfg.tma:
         if TensorDescriptor is None:
             raise RuntimeError("gemm: this Triton has no triton.tools.tensor_descriptor (use a tma=False config)")
@@ -284,7 +289,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, epi: int, cfg: 
         a, b, c, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         dummy if e_ptr is None else e_ptr, dummy if e_idx is None else e_idx, dummy if e_tab is None else e_tab,
         stride_e, *tab_strides, rot_pairs, heads, float(eps),
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, TMA=cfg.tma, WS=cfg.ws, EPI=epi,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, TMA=cfg.tma, TMA_STORE=store_tma, WS=cfg.ws, EPI=epi,
         OUT=_OUT_CODE[out.dtype], EVEN_K=k % cfg.bk == 0, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
