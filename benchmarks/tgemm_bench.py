@@ -223,6 +223,7 @@ def run_part(part: str, device: str, compile_only: bool, rows: int) -> dict:
 
 def summary(rdir: Path) -> int:
     print("\n== Triton GEMM vs cuBLAS (M = 20,050, bf16; ms median; rel-L2 vs fp64 on 1024 rows)")
+    totals: dict = {"plain": {}, "fused": {}}
     for part in SHAPES:
         p = rdir / f"{part}.json"
         if not p.is_file():
@@ -253,11 +254,23 @@ def summary(rdir: Path) -> int:
                 if "error" in f:
                     print(f"    fused     {f['name']:34s} ERROR {f['error'][:100]}")
                 else:
-                    print(f"    fused     {f['name']:34s} {f['ms']:7.3f} ms  saves {sms - f['ms']:+.3f} ms/call "
-                          f"(x50 blocks: {50 * (sms - f['ms']):+.1f} ms/step)  err {f.get('rel_l2', float('nan')):.2e}"
+                    print(f"    fused     {f['name']:34s} {f['ms']:7.3f} ms  {f['ms'] - sms:+.3f} ms/call vs separate "
+                          f"(x50 blocks: {50 * (f['ms'] - sms):+.1f} ms/step)  err {f.get('rel_l2', float('nan')):.2e}"
                           f" {'ok' if f.get('ok') else 'BAD'}")
         if "untouched_rows_equal" in r:
             print(f"    rows outside every run untouched: {r['untouched_rows_equal']}")
+        if best and cms == cms:
+            totals["plain"][part] = best["ms"] - cms
+        good = [f for f in r.get("fused", []) if "error" not in f and f.get("ok")]
+        if sep and "error" not in sep and good:
+            totals["fused"][part] = min(f["ms"] for f in good) - sep["ms"]
+    # per DiT step: each shape runs once per block, 50 blocks
+    for kind, what in (("plain", "best plain Triton GEMM - cuBLAS"),
+                       ("fused", "best correct fused GEMM+epilogue - (cuBLAS + fused.py kernel)")):
+        t = totals[kind]
+        if t:
+            per = ", ".join(f"{p} {50 * v:+.1f}" for p, v in t.items())
+            print(f"  per step (x50 blocks), {what}: {50 * sum(t.values()):+.1f} ms  ({per}; negative = faster)")
     return 0
 
 
