@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One H200 call (expected ~2.5 min, capped at TGEMM_BUDGET_S = 230 s; every step under its own timeout): can a Triton
+# One H200 call (expected ~1.5-2.5 min, capped at TGEMM_BUDGET_S = 230 s; every step under its own timeout): can a Triton
 # GEMM (h3direct/dit/gemm_triton.py) match cuBLAS on the block's four shapes (M 20,050, bf16) while fusing the
 # elementwise work after it? benchmarks/tgemm_bench.py, one process per shape (a crash costs one shape only):
 #   (i)  compile: the four shapes' sweeps (7 configs, 5 distinct binaries) and fused variants compiled in parallel (--compile-only; fills
 #        Triton's cache, so the timing runs measure, not compile); ~40-60 s
 #   (ii) per shape, in turn: cuBLAS vs the sweep (ms, TFLOP/s, rel-L2 vs fp64), then the fused epilogue vs
-#        cuBLAS + our separate fused kernel: fc1 + SwiGLU, out / fc2 + gated residual, qkv + q/k norm + rope; ~20 s each
+#        cuBLAS + our separate fused kernel: fc1 + SwiGLU, out / fc2 + gated residual, qkv + q/k norm + rope (gather
+#        and paired-rows variants); ~20 s each
 # Results under $OUT/tgemm/ (a JSON and a log per shape); the summary table at the end.
 #
 #   OUT=/tmp/out CARRY=../.whl bash benchmarks/gpu_tgemm.sh      # from the repository root

@@ -166,9 +166,14 @@ def _qk_inputs(s, heads, dim, rot_pairs, k=64, seed=20):
     x, w = _randn(s, k, seed=seed), _randn(3 * heads * dim, k, seed=seed + 1, scale=0.2)
     qw, kw = (1 + 0.3 * _randn(dim, seed=seed + 2).float()).bfloat16(), (1 + 0.3 * _randn(dim, seed=seed + 3)
                                                                          .float()).bfloat16()
-    pos = torch.stack([torch.arange(s) // 12, (torch.arange(s) // 4) % 3, torch.arange(s) % 4], 1).double()
-    inv_freq = 1.0 / (100.0 ** (torch.arange(rot_pairs // 3) / (rot_pairs // 3)))
-    table = rope.rotation_table(rope.rope_angles(pos, inv_freq.float()), torch.bfloat16)
+    if rot_pairs % 3 == 0:  # the model's 3-axis angles
+        pos = torch.stack([torch.arange(s) // 12, (torch.arange(s) // 4) % 3, torch.arange(s) % 4], 1).double()
+        inv_freq = 1.0 / (100.0 ** (torch.arange(rot_pairs // 3) / (rot_pairs // 3)))
+        angles = rope.rope_angles(pos, inv_freq.float())
+    else:  # any R (e.g. the whole head rotating)
+        angles = 6 * torch.rand(s, 2 * rot_pairs, generator=torch.Generator().manual_seed(seed + 4))
+    table = rope.rotation_table(angles, torch.bfloat16)
+    assert table.shape[-3] == rot_pairs
     return x, w, qw, kw, table
 
 
@@ -183,11 +188,13 @@ def _qk_ref(x, w, qw, kw, table, eps, heads, dim):
                                  pytest.param(Config(bm=32, bn=32, bk=32, tma=False, persistent=True),
                                               id="ptr-persistent")])
 @pytest.mark.parametrize("dim,rot_pairs", [(32, 12), (32, 16)], ids=["partial-rotation", "full-rotation"])
-def test_linear_qk_norm_rope_matches_rope_module(cfg, dim, rot_pairs):
+@pytest.mark.parametrize("paired", [False, True], ids=["gather", "paired-rows"])
+def test_linear_qk_norm_rope_matches_rope_module(cfg, dim, rot_pairs, paired):
     s, heads, eps = 45, 2, 1e-6
     x, w, qw, kw, table = _qk_inputs(s, heads, dim, rot_pairs)
     ref = _qk_ref(x, w, qw, kw, table, eps, heads, dim)
-    ours = gemm_triton.linear_qk_norm_rope(x, w, qw, kw, table, eps, heads, cfg)
+    w_in = w[gemm_triton.qk_pair_order(heads, dim, rot_pairs)] if paired else w
+    ours = gemm_triton.linear_qk_norm_rope(x, w_in, qw, kw, table, eps, heads, cfg, paired=paired)
     # eager: the projection rounded, then the norm + rope (fp32 inside, one rounding)
     eager = F.linear(x, w)
     q, k, _ = eager.view(1, s, 3 * heads, dim).split(heads, dim=2)
@@ -198,13 +205,31 @@ def test_linear_qk_norm_rope_matches_rope_module(cfg, dim, rot_pairs):
                                                                            ref[:, :2 * heads * dim])
 
 
-def test_linear_qk_norm_rope_head_dim_128():
+@pytest.mark.parametrize("paired", [False, True], ids=["gather", "paired-rows"])
+def test_linear_qk_norm_rope_head_dim_128(paired):
     """The real head geometry: 128 dims, 48 rotated pairs (96 of 128 rotate), one head per tile."""
     s, heads, dim, eps = 20, 1, 128, 1e-6
     x, w, qw, kw, table = _qk_inputs(s, heads, dim, 48)
     ref = _qk_ref(x, w, qw, kw, table, eps, heads, dim)
-    ours = gemm_triton.linear_qk_norm_rope(x, w, qw, kw, table, eps, heads, Config(bm=32, bn=128, bk=64))
+    w_in = w[gemm_triton.qk_pair_order(heads, dim, 48)] if paired else w
+    ours = gemm_triton.linear_qk_norm_rope(x, w_in, qw, kw, table, eps, heads, Config(bm=32, bn=128, bk=64),
+                                           paired=paired)
     assert _rel(ours, ref) <= 1.05 * _one_rounding(ref)
+
+
+def test_qk_pair_order_moves_only_q_and_k_rows():
+    order = gemm_triton.qk_pair_order(2, 8, 3)  # heads 2, dim 8, 3 rotated pairs
+    assert sorted(order.tolist()) == list(range(48))
+    assert order[:8].tolist() == [0, 3, 1, 4, 2, 5, 6, 7] and order[8:16].tolist() == [8, 11, 9, 12, 10, 13, 14, 15]
+    assert order[32:].tolist() == list(range(32, 48))  # v heads
+
+
+def test_paired_rope_needs_the_permuted_weight():
+    s, heads, dim, eps = 45, 2, 32, 1e-6
+    x, w, qw, kw, table = _qk_inputs(s, heads, dim, 12)
+    ref = _qk_ref(x, w, qw, kw, table, eps, heads, dim)
+    ours = gemm_triton.linear_qk_norm_rope(x, w, qw, kw, table, eps, heads, Config(bm=32, bn=32, bk=32), paired=True)
+    assert _rel(ours[:, :2 * heads * dim], ref[:, :2 * heads * dim]) > 0.1
 
 
 def test_linear_qk_norm_rope_catches_swapped_norm_weights():
@@ -260,6 +285,7 @@ _NO_BACKEND = "needs Triton" if fused.triton is None else _nvidia_backend()
     pytest.param(Config(128, 256, 64, 8, 4, 8, tma=False), gemm_triton.EPI_RESIDUAL, id="residual-ptr-s4"),
     pytest.param(Config(128, 256, 64, 8, 3, 8), gemm_triton.EPI_SWIGLU, id="swiglu-tma-s3"),
     pytest.param(Config(128, 128, 64, 8, 4, 8), gemm_triton.EPI_QK_ROPE, id="qk-rope-tma-s4"),
+    pytest.param(Config(128, 128, 64, 8, 4, 8), gemm_triton.EPI_QK_ROPE_PAIRED, id="qk-rope-paired-tma-s4"),
 ])
 def test_kernel_compiles_for_sm90_within_shared_memory(cfg, epi, monkeypatch):
     """The H200 configurations lower for sm_90 (offline, no GPU): warpgroup MMAs and a shared-memory footprint

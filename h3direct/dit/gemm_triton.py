@@ -44,7 +44,7 @@ if triton is not None:
 else:  # pragma: no cover
     TensorDescriptor = None
 
-EPI_PLAIN, EPI_SWIGLU, EPI_RESIDUAL, EPI_QK_ROPE = 0, 1, 2, 3
+EPI_PLAIN, EPI_SWIGLU, EPI_RESIDUAL, EPI_QK_ROPE, EPI_QK_ROPE_PAIRED = 0, 1, 2, 3, 4
 _OUT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -182,32 +182,70 @@ if triton is not None:
                 rc = rn
                 n_out = N
             elif EPI == 3:
-                # BN = head_dim: this tile is head pid_n of q | k | v; q and k heads: RMSNorm then rotation
+                # BN = head_dim: this tile is head pid_n of q | k | v; q and k heads: RMSNorm then rotation. v heads
+                # take the same arithmetic with identity factors (inv_rms 1, weight 1, table [[1, 0], [0, 1]]), which
+                # is exact and lets acc die early (fewer live [BM, BN] tensors: no spills at 128x128, 8 warps)
                 third = pid_n // HEADS  # 0 q, 1 k, 2 v
+                qk = third < 2
                 d = tl.arange(0, BN)
                 if INTERPRET:
                     ss = tl.reduce(acc * acc, 1, tl.standard._sum_combine)
                 else:
                     ss = tl.sum(acc * acc, axis=1)
-                inv_rms = 1.0 / tl.sqrt_rn(ss / BN + eps)
-                w = tl.load(e_ptr + tl.minimum(third, 1) * BN + d).to(tl.float32)
+                inv_rms = tl.where(qk, 1.0 / tl.sqrt_rn(ss / BN + eps), 1.0)
+                lim = tl.where(qk, BN, 0)  # columns that get the norm (all, or none for v): an integer mask
+                w = tl.load(e_ptr + tl.minimum(third, 1) * BN + d, mask=d < lim, other=1.0).to(tl.float32)
                 nrm = acc * inv_rms[:, None] * w[None, :]
                 lo = d < R
                 rot = d < 2 * R
                 partner = tl.where(lo, d + R, tl.where(rot, d - R, d))
                 nrm_p = tl.gather(nrm, tl.broadcast_to(partner[None, :], (BM, BN)), 1)
-                # out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R], out[j+R] = T[j,1,0]·n[j] + T[j,1,1]·n[j+R] (j < R)
+                # out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R], out[j+R] = T[j,1,0]·n[j] + T[j,1,1]·n[j+R] (j < R);
+                # 32-bit offsets (the host checks the table has < 2^31 elements)
                 j = tl.where(lo, d, d - R)
                 ai = tl.where(lo, 0, 1)
-                trow = (e_tab + tl.where(row_in, rm, 0).to(tl.int64)[:, None] * stride_ts
-                        + (j * stride_tj + ai * stride_ta)[None, :])
-                tmask = row_in[:, None] & rot[None, :]
-                c_self = tl.load(trow + (ai * stride_tb)[None, :], mask=tmask, other=1.0).to(tl.float32)
-                c_part = tl.load(trow + ((1 - ai) * stride_tb)[None, :], mask=tmask, other=0.0).to(tl.float32)
-                roped = nrm * c_self + nrm_p * c_part
-                y = tl.where(third < 2, roped, acc)
+                t_off = tl.where(row_in, rm, 0)[:, None] * stride_ts + (j * stride_tj + ai * stride_ta)[None, :]
+                tmask = row_in[:, None] & (d < tl.minimum(2 * R, lim))[None, :]
+                c_self = tl.load(e_tab + t_off + (ai * stride_tb)[None, :], mask=tmask, other=1.0).to(tl.float32)
+                c_part = tl.load(e_tab + t_off + ((1 - ai) * stride_tb)[None, :], mask=tmask, other=0.0).to(tl.float32)
+                y = nrm * c_self + nrm_p * c_part
                 off_c = off_n
                 rc = rn
+                n_out = N
+            elif EPI == 4:
+                # as EPI 3, but q / k heads' weight rows are in pair order (`qk_pair_order`): tile column 2p holds
+                # head dim p and 2p+1 dim p+R (p < R), then the R.. pass-through dims in order; the rotation
+                # partners are adjacent columns (a register-local split, no gather), stored back to head order.
+                third = pid_n // HEADS
+                qk = third < 2
+                lim = tl.where(qk, BN, 0)
+                x1, x2 = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+                if INTERPRET:
+                    ss = tl.reduce(x1 * x1 + x2 * x2, 1, tl.standard._sum_combine)
+                else:
+                    ss = tl.sum(x1 * x1 + x2 * x2, axis=1)
+                inv_rms = tl.where(qk, 1.0 / tl.sqrt_rn(ss / BN + eps), 1.0)
+                p = tl.arange(0, BN // 2)
+                paired = p < R
+                dim1 = tl.where(paired, p, 2 * p)  # head dim of column 2p (pass-through columns: 2R + 2(p - R))
+                dim2 = tl.where(paired, p + R, 2 * p + 1)
+                wbase = e_ptr + tl.minimum(third, 1) * BN
+                w1 = tl.load(wbase + dim1, mask=dim1 < lim, other=1.0).to(tl.float32)
+                w2 = tl.load(wbase + dim2, mask=dim2 < lim, other=1.0).to(tl.float32)
+                n1 = x1 * inv_rms[:, None] * w1[None, :]
+                n2 = x2 * inv_rms[:, None] * w2[None, :]
+                t_off = tl.where(row_in, rm, 0)[:, None] * stride_ts + (p * stride_tj)[None, :]
+                tmask = row_in[:, None] & (p < tl.where(qk, R, 0))[None, :]
+                t00 = tl.load(e_tab + t_off, mask=tmask, other=1.0).to(tl.float32)
+                t01 = tl.load(e_tab + t_off + stride_tb, mask=tmask, other=0.0).to(tl.float32)
+                o1 = n1 * t00 + n2 * t01
+                t10 = tl.load(e_tab + t_off + stride_ta, mask=tmask, other=0.0).to(tl.float32)
+                t11 = tl.load(e_tab + t_off + stride_ta + stride_tb, mask=tmask, other=1.0).to(tl.float32)
+                o2 = n1 * t10 + n2 * t11
+                y = tl.reshape(tl.join(o1, o2), (BM, BN))
+                dcol = tl.reshape(tl.join(dim1, dim2), (BN,))  # head dim of each tile column (q / k heads)
+                rc = off_n + tl.where(qk, dcol, tl.arange(0, BN))
+                off_c = off_n
                 n_out = N
             else:
                 y = acc
@@ -333,24 +371,41 @@ def linear_gated_residual_(stream: torch.Tensor, x: torch.Tensor, w: torch.Tenso
 
 
 def linear_qk_norm_rope(x: torch.Tensor, w: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                        table: torch.Tensor, eps: float, heads: int, cfg: Config | None = None) -> torch.Tensor:
+                        table: torch.Tensor, eps: float, heads: int, cfg: Config | None = None, *,
+                        paired: bool = False) -> torch.Tensor:
     """qkv projection with the q/k per-head RMSNorm + partial split-half rope fused: x [M, K], W [3·H·D, K],
     table [1, M, 1, R, 2, 2] -> [M, 3·H·D] (q | k | v, heads of D), what `rms_norm_rope_` leaves in the eager
-    qkv buffer, fp32 inside and one rounding (eager: the projection's, then the norm+rope kernel's)."""
+    qkv buffer, fp32 inside and one rounding (eager: the projection's, then the norm+rope kernel's).
+    paired: W's rows are in `qk_pair_order` (permuted once, e.g. on the NVFP4 rows at load), so the epilogue finds
+    each rotation partner in the adjacent column instead of gathering it across the tile; the output is in the
+    ordinary head order either way."""
     n = w.shape[0]
     dim = q_weight.shape[0]
     if n != 3 * heads * dim or table.shape[-3] * 2 > dim or table.shape[1] != x.shape[0]:
         raise ValueError(f"linear_qk_norm_rope: W {list(w.shape)}, heads {heads}, head_dim {dim}, "
                          f"table {list(table.shape)}, rows {x.shape[0]}")
+    if table.stride(1) * table.shape[1] >= 2**31:
+        raise ValueError(f"linear_qk_norm_rope: table {list(table.shape)} too large for 32-bit offsets")
     cfg = cfg or config_for(n, w.shape[1], EPI_QK_ROPE)
     if cfg.bn != dim:
         raise ValueError(f"linear_qk_norm_rope: the tile width {cfg.bn} must be the head dim {dim}")
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     norm_w = torch.stack([q_weight, k_weight]).to(torch.float32).contiguous()
-    _launch(x, w, out, EPI_QK_ROPE, cfg, e_ptr=norm_w, e_tab=table,
+    _launch(x, w, out, EPI_QK_ROPE_PAIRED if paired else EPI_QK_ROPE, cfg, e_ptr=norm_w, e_tab=table,
             tab_strides=(table.stride(1), table.stride(3), table.stride(4), table.stride(5)),
             rot_pairs=table.shape[-3], heads=heads, eps=eps)
     return out
+
+
+def qk_pair_order(heads: int, dim: int, rot_pairs: int, device=None) -> torch.Tensor:
+    """[3·H·D] row order of the qkv weight for `linear_qk_norm_rope(paired=True)`: in every q and k head, dims
+    (p, p + R) become rows (2p, 2p + 1) for p < R, the pass-through dims follow in order; v heads unchanged."""
+    p = torch.arange(rot_pairs)
+    head = torch.cat([torch.stack([p, p + rot_pairs], 1).reshape(-1), torch.arange(2 * rot_pairs, dim)])
+    base = torch.arange(3 * heads)[:, None] * dim
+    order = torch.where(torch.arange(3 * heads)[:, None] < 2 * heads, base + head[None, :],
+                        base + torch.arange(dim)[None, :])
+    return order.reshape(-1).to(device)
 
 
 # ---- fc1 weight layout for the SwiGLU epilogue ----------------------------------------------------------------
