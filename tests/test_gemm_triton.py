@@ -108,7 +108,7 @@ def test_gate_up_interleave_of_nvfp4_rows_is_exact():
     gives exactly the interleaved dense weight."""
     f, k = 80, 64  # 160 rows: two swizzle row tiles of 128, the second partial
     q = nvfp4.quantize_nvfp4(_randn(2 * f, k, seed=11).float())
-    packed, scales = gemm_triton.interleave_gate_up_nvfp4(q.packed, q.block_scale, 2 * f, k)
+    packed, scales = gemm_triton.interleave_gate_up_nvfp4(q.packed, q.block_scale, 2 * f)
     assert scales.shape == q.block_scale.shape and scales.dtype == q.block_scale.dtype
     dense = nvfp4.dequantize_nvfp4(q.packed, q.block_scale, q.global_scale)
     permuted = nvfp4.dequantize_nvfp4(packed, scales, q.global_scale)
@@ -215,6 +215,15 @@ def test_linear_qk_norm_rope_head_dim_128(paired):
     ours = gemm_triton.linear_qk_norm_rope(x, w_in, qw, kw, table, eps, heads, Config(bm=32, bn=128, bk=64),
                                            paired=paired)
     assert _rel(ours, ref) <= 1.05 * _one_rounding(ref)
+
+
+def test_qk_pair_order_on_nvfp4_rows_is_exact():
+    heads, dim, r = 2, 32, 12  # 192 rows
+    q = nvfp4.quantize_nvfp4(_randn(3 * heads * dim, 64, seed=13).float())
+    order = gemm_triton.qk_pair_order(heads, dim, r)
+    packed, scales = gemm_triton.permute_nvfp4_rows(q.packed, q.block_scale, order, 3 * heads * dim)
+    dense = nvfp4.dequantize_nvfp4(q.packed, q.block_scale, q.global_scale)
+    assert torch.equal(nvfp4.dequantize_nvfp4(packed, scales, q.global_scale), dense[order])
 
 
 def test_qk_pair_order_moves_only_q_and_k_rows():

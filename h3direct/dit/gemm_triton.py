@@ -107,11 +107,12 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      TMA: tl.constexpr, TMA_STORE: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr,
                      OUT: tl.constexpr,
-                     EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+                     EVEN_K: tl.constexpr, OFF: tl.constexpr, INTERPRET: tl.constexpr):
         # a, b, c: tensors (pointer mode) or TensorDescriptors (TMA). One loop over tiles: the grid is either one
         # program per tile (one iteration each) or one per SM (persistent). Epilogue arguments (by EPI):
         #   residual: e_ptr = gate [n_rows, N] (row stride stride_e), e_idx = [M] int32 adaLN row (-1: skip);
         #   qk rope:  e_ptr = norm weights [2, BN] (q, k), e_tab = rotation table, R rotated pairs, HEADS per third.
+        # OFF: the integer type of the output offsets (int32 when they fit: fewer registers in the epilogue).
         num_pid_m = (M + BM - 1) // BM
         num_pid_n = (N + BN - 1) // BN
         num_tiles = num_pid_m * num_pid_n
@@ -173,9 +174,9 @@ if triton is not None:
             elif EPI == 2:
                 r = tl.load(e_idx + rm, mask=row_in, other=-1)
                 live = (row_in & (r >= 0))[:, None] & (rn < N)[None, :]
-                r = tl.maximum(r, 0).to(tl.int64)
+                r = tl.maximum(r, 0)  # (n_rows · stride_e < 2^31: checked on the host)
                 gate = tl.load(e_ptr + r[:, None] * stride_e + rn[None, :], mask=live, other=0.0).to(tl.float32)
-                x_ptrs = c + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+                x_ptrs = c + rm.to(OFF)[:, None] * stride_cm + rn[None, :]
                 x = tl.load(x_ptrs, mask=live, other=0.0).to(tl.float32)
                 y = x + acc * gate
                 off_c = off_n
@@ -265,7 +266,7 @@ if triton is not None:
             elif TMA_STORE:
                 c.store([off_m, off_c], y)
             else:
-                c_ptrs = c + rm.to(tl.int64)[:, None] * stride_cm + rc[None, :]
+                c_ptrs = c + rm.to(OFF)[:, None] * stride_cm + rc[None, :]
                 tl.store(c_ptrs, y, mask=row_in[:, None] & (rc < n_out)[None, :])
 
 
@@ -328,7 +329,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, epi: int, cfg: 
         dummy if e_ptr is None else e_ptr, dummy if e_idx is None else e_idx, dummy if e_tab is None else e_tab,
         stride_e, *tab_strides, rot_pairs, heads, float(eps),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, TMA=cfg.tma, TMA_STORE=store_tma, WS=cfg.ws, EPI=epi,
-        OUT=_OUT_CODE[out.dtype], EVEN_K=k % cfg.bk == 0, INTERPRET=_interpreting(),
+        OUT=_OUT_CODE[out.dtype], EVEN_K=k % cfg.bk == 0,
+        OFF=tl.int32 if m * out.stride(0) < 2**31 else tl.int64, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -364,6 +366,8 @@ def linear_gated_residual_(stream: torch.Tensor, x: torch.Tensor, w: torch.Tenso
         raise ValueError(f"linear_gated_residual_: stream {list(stream.shape)}, x {list(x.shape)}, "
                          f"W {list(w.shape)} (stream needs unit column stride)")
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    if gate.shape[0] * gate.stride(0) >= 2**31:
+        raise ValueError(f"linear_gated_residual_: gate {list(gate.shape)} too large for 32-bit offsets")
     cfg = cfg or config_for(n, w.shape[1], EPI_RESIDUAL)
     idx = fused.row_index(runs, m, stream.device)
     _launch(x, w, stream, EPI_RESIDUAL, cfg, e_ptr=gate, e_idx=idx, stride_e=gate.stride(0))
@@ -421,55 +425,21 @@ def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     return w[gate_up_order(w.shape[0] // 2, w.device)]
 
 
-def interleave_gate_up_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, rows: int, cols: int):
-    """The same row permutation applied to an NVFP4 weight before dequantisation (exact: each row's packed codes
-    and block scales are independent of the others). packed [rows, cols/2] uint8; block_scale in the cuBLAS 128x4
-    swizzled layout, which is unswizzled, permuted by rows and swizzled again (it is not row-major). rows = 2F,
-    unpadded (a multiple of 16 here, so packed has no padding rows). Returns (packed, block_scale)."""
+def permute_nvfp4_rows(packed: torch.Tensor, block_scale: torch.Tensor, order: torch.Tensor, rows: int):
+    """An NVFP4 weight's rows reordered before dequantisation (exact: each row's packed codes and block scales are
+    independent of the others): packed [rows, K/2] uint8 rows indexed directly; block_scale is in the cuBLAS 128x4
+    swizzled layout (not row-major), so it is unswizzled, its rows reordered, and swizzled again. `rows` is the
+    unpadded row count, a multiple of 16 (no padding rows to keep in place). Returns (packed, block_scale)."""
     from h3direct.checkpoint.quant import nvfp4
 
-    if rows % 16 or packed.shape[0] != rows:
-        raise ValueError(f"interleave_gate_up_nvfp4: {rows} rows (packed {list(packed.shape)}): need 2F rows, "
-                         "a multiple of 16")
-    order = gate_up_order(rows // 2, packed.device)
+    if rows % 16 or packed.shape[0] != rows or order.numel() != rows:
+        raise ValueError(f"permute_nvfp4_rows: {rows} rows (packed {list(packed.shape)}, order {order.numel()}): "
+                         "need one index per row, rows a multiple of 16")
+    order = order.to(packed.device)
     scales = nvfp4.unswizzle_block_scales(block_scale, rows, 2 * packed.shape[1] // nvfp4.BLOCK)
     return packed[order].contiguous(), nvfp4.swizzle_block_scales(scales[order].contiguous())
 
 
-# ---- offline compile (no GPU) -----------------------------------------------------------------------------------
-
-SM90_SHARED_BYTES = 232448  # the H100/H200 per-block shared-memory limit (227 KiB)
-
-
-def compile_offline(cfg: Config, epi: int = EPI_PLAIN, capability: int = 90) -> dict:
-    """Compile the kernel for an NVIDIA target without a GPU (`triton.compile` of the AST with Triton's bundled
-    ptxas), with the argument properties of a real call (bf16 tensors, 16-byte aligned pointers and strides, M
-    unaligned): lowering errors show up here, and the shared memory the configuration needs. Returns
-    {"shared": bytes, "wgmma": whether the dot became warpgroup MMAs, "fits": shared <= the sm_90 limit}."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = triton.jit(_gemm_kernel)
-    store_tma = cfg.tma and cfg.tma_store and epi in (EPI_PLAIN, EPI_SWIGLU, EPI_QK_ROPE)
-
-    def desc(rows, cols):
-        return f"tensordesc<bf16[{rows},{cols}]>"
-    sig = {"a": desc(cfg.bm, cfg.bk) if cfg.tma else "*bf16", "b": desc(cfg.bn, cfg.bk) if cfg.tma else "*bf16",
-           "c": desc(cfg.bm, cfg.bn // 2 if epi == EPI_SWIGLU else cfg.bn) if store_tma else "*bf16",
-           "e_ptr": "*bf16" if epi == EPI_RESIDUAL else "*fp32", "e_idx": "*i32", "e_tab": "*bf16", "eps": "fp32"}
-    for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_cm", "stride_e", "stride_ts", "stride_tj",
-                 "stride_ta", "stride_tb", "R", "HEADS"):
-        sig[name] = "i32"
-    constexprs = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
-                  "TMA_STORE": store_tma, "WS": cfg.ws, "EPI": epi, "OUT": _OUT_CODE[torch.bfloat16],
-                  "EVEN_K": True, "INTERPRET": False}
-    sig.update(dict.fromkeys(constexprs, "constexpr"))
-    names = list(fn.arg_names)
-    aligned = ("a", "b", "c", "N", "K", "stride_am", "stride_bn", "stride_cm", "e_ptr", "e_idx", "e_tab", "stride_e",
-               "stride_ts")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if not sig[n].startswith("tensordesc")}
-    src = ASTSource(fn, {n: sig[n] for n in names}, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                       options={"num_warps": cfg.warps, "num_stages": cfg.stages})
-    shared = int(k.metadata.shared)
-    return {"shared": shared, "wgmma": "warp_group_dot" in k.asm["ttgir"], "fits": shared <= SM90_SHARED_BYTES}
+def interleave_gate_up_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, rows: int):
+    """fc1's NVFP4 weight (rows = 2F) in `linear_swiglu`'s interleaved order (see `permute_nvfp4_rows`)."""
+    return permute_nvfp4_rows(packed, block_scale, gate_up_order(rows // 2), rows)
