@@ -443,3 +443,42 @@ def permute_nvfp4_rows(packed: torch.Tensor, block_scale: torch.Tensor, order: t
 def interleave_gate_up_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, rows: int):
     """fc1's NVFP4 weight (rows = 2F) in `linear_swiglu`'s interleaved order (see `permute_nvfp4_rows`)."""
     return permute_nvfp4_rows(packed, block_scale, gate_up_order(rows // 2), rows)
+
+
+# ---- offline compile (no GPU) -----------------------------------------------------------------------------------
+
+SM90_SHARED_BYTES = 232448  # the H100/H200 per-block shared-memory limit (227 KiB)
+
+
+def compile_offline(cfg: Config, epi: int = EPI_PLAIN, capability: int = 90) -> dict:
+    """Compile the kernel for an NVIDIA target without a GPU (`triton.compile` of the AST with Triton's bundled
+    ptxas), with the argument properties of a real call (bf16 tensors, 16-byte aligned pointers and strides, M
+    unaligned): lowering errors show up here, and the shared memory the configuration needs. Returns
+    {"shared": bytes, "wgmma": whether the dot became warpgroup MMAs, "fits": shared <= the sm_90 limit}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = triton.jit(_gemm_kernel)
+    store_tma = cfg.tma and cfg.tma_store and epi in (EPI_PLAIN, EPI_SWIGLU, EPI_QK_ROPE)
+
+    def desc(rows, cols):
+        return f"tensordesc<bf16[{rows},{cols}]>"
+    sig = {"a": desc(cfg.bm, cfg.bk) if cfg.tma else "*bf16", "b": desc(cfg.bn, cfg.bk) if cfg.tma else "*bf16",
+           "c": desc(cfg.bm, cfg.bn // 2 if epi == EPI_SWIGLU else cfg.bn) if store_tma else "*bf16",
+           "e_ptr": "*bf16" if epi == EPI_RESIDUAL else "*fp32", "e_idx": "*i32", "e_tab": "*bf16", "eps": "fp32"}
+    for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_cm", "stride_e", "stride_ts", "stride_tj",
+                 "stride_ta", "stride_tb", "R", "HEADS"):
+        sig[name] = "i32"
+    constexprs = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
+                  "TMA_STORE": store_tma, "WS": cfg.ws, "EPI": epi, "OUT": _OUT_CODE[torch.bfloat16],
+                  "EVEN_K": True, "OFF": tl.int32, "INTERPRET": False}
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    names = list(fn.arg_names)
+    aligned = ("a", "b", "c", "N", "K", "stride_am", "stride_bn", "stride_cm", "e_ptr", "e_idx", "e_tab", "stride_e",
+               "stride_ts")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if not sig[n].startswith("tensordesc")}
+    src = ASTSource(fn, {n: sig[n] for n in names}, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                       options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+    shared = int(k.metadata.shared)
+    return {"shared": shared, "wgmma": "warp_group_dot" in k.asm["ttgir"], "fits": shared <= SM90_SHARED_BYTES}
