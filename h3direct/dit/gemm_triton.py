@@ -107,12 +107,12 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      TMA: tl.constexpr, TMA_STORE: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr,
                      OUT: tl.constexpr,
-                     EVEN_K: tl.constexpr, OFF: tl.constexpr, INTERPRET: tl.constexpr):
+                     EVEN_K: tl.constexpr, I64: tl.constexpr, INTERPRET: tl.constexpr):
         # a, b, c: tensors (pointer mode) or TensorDescriptors (TMA). One loop over tiles: the grid is either one
         # program per tile (one iteration each) or one per SM (persistent). Epilogue arguments (by EPI):
         #   residual: e_ptr = gate [n_rows, N] (row stride stride_e), e_idx = [M] int32 adaLN row (-1: skip);
         #   qk rope:  e_ptr = norm weights [2, BN] (q, k), e_tab = rotation table, R rotated pairs, HEADS per third.
-        # OFF: the integer type of the output offsets (int32 when they fit: fewer registers in the epilogue).
+        # I64: 64-bit output offsets (else 32-bit, when they fit: fewer registers in the epilogue).
         num_pid_m = (M + BM - 1) // BM
         num_pid_n = (N + BN - 1) // BN
         num_tiles = num_pid_m * num_pid_n
@@ -161,6 +161,10 @@ if triton is not None:
 
             # ---- epilogue: fp32 in, one rounding at the store
             row_in = rm < M
+            if I64:
+                row_off = rm.to(tl.int64)
+            else:
+                row_off = rm
             if EPI == 1:
                 # interleaved columns: (gate j, up j) adjacent -> [BM, BN/2] each
                 g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
@@ -176,7 +180,7 @@ if triton is not None:
                 live = (row_in & (r >= 0))[:, None] & (rn < N)[None, :]
                 r = tl.maximum(r, 0)  # (n_rows · stride_e < 2^31: checked on the host)
                 gate = tl.load(e_ptr + r[:, None] * stride_e + rn[None, :], mask=live, other=0.0).to(tl.float32)
-                x_ptrs = c + rm.to(OFF)[:, None] * stride_cm + rn[None, :]
+                x_ptrs = c + row_off[:, None] * stride_cm + rn[None, :]
                 x = tl.load(x_ptrs, mask=live, other=0.0).to(tl.float32)
                 y = x + acc * gate
                 off_c = off_n
@@ -266,7 +270,7 @@ if triton is not None:
             elif TMA_STORE:
                 c.store([off_m, off_c], y)
             else:
-                c_ptrs = c + rm.to(OFF)[:, None] * stride_cm + rc[None, :]
+                c_ptrs = c + row_off[:, None] * stride_cm + rc[None, :]
                 tl.store(c_ptrs, y, mask=row_in[:, None] & (rc < n_out)[None, :])
 
 
@@ -330,7 +334,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, epi: int, cfg: 
         stride_e, *tab_strides, rot_pairs, heads, float(eps),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, TMA=cfg.tma, TMA_STORE=store_tma, WS=cfg.ws, EPI=epi,
         OUT=_OUT_CODE[out.dtype], EVEN_K=k % cfg.bk == 0,
-        OFF=tl.int32 if m * out.stride(0) < 2**31 else tl.int64, INTERPRET=_interpreting(),
+        I64=m * out.stride(0) >= 2**31, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -471,7 +475,7 @@ def compile_offline(cfg: Config, epi: int = EPI_PLAIN, capability: int = 90) -> 
         sig[name] = "i32"
     constexprs = {"BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
                   "TMA_STORE": store_tma, "WS": cfg.ws, "EPI": epi, "OUT": _OUT_CODE[torch.bfloat16],
-                  "EVEN_K": True, "OFF": tl.int32, "INTERPRET": False}
+                  "EVEN_K": True, "I64": False, "INTERPRET": False}
     sig.update(dict.fromkeys(constexprs, "constexpr"))
     names = list(fn.arg_names)
     aligned = ("a", "b", "c", "N", "K", "stride_am", "stride_bn", "stride_cm", "e_ptr", "e_idx", "e_tab", "stride_e",
