@@ -187,8 +187,8 @@ def main(argv=None) -> int:
             gbps = nbytes / ms / 1e6 if ms == ms else float("nan")
             rows.append({"config": cfg, "ms": ms, "gbps": gbps, "same_bits": same, "error": err})
             del t
-        good = [r for r in rows if r["error"] is None and r["ms"] == r["ms"]]
-        b = min(good, key=lambda r: r["ms"]) if good else None
+        good = [r for r in rows if r["error"] is None]  # (on the CPU every ms is nan: the table's entry then)
+        b = min(good, key=lambda r: (r["ms"] != r["ms"], r["ms"])) if good else None
         bitwise = all(r["same_bits"] for r in rows if r["error"] is None)
         ok &= bitwise and not any(r["error"] for r in rows)
         entry = {"bytes": nbytes, "configs": rows, "bitwise_across_configs": bitwise, "sweep_s": time.perf_counter() - t0,
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     del xa, xb, h_two, h_one
 
     # ---- old vs new, and the per-step total (50 blocks)
-    if cuda and all(k in best for k in fused.SWEEP):
+    if all(k in best for k in fused.SWEEP):  # (on the CPU: the same code once per kernel, no timings)
         old, new = {}, {}
         t = nm_inputs()
         old["norm_modulate"] = timed(lambda: fused.norm_modulate(t["x"], w, 1e-6, shift, scale, runs,

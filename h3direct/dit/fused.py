@@ -64,16 +64,18 @@ LAUNCH: dict[str, dict] = {
     "qk_norm_rope": {"HB": 8, "num_warps": 4},
 }
 
-SWEEP: dict[str, list[dict]] = {
-    "norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16)],
-    "residual_norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16)],
+SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread and tile)
+    "norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16, 32) if 4 * r <= w],
+    "residual_norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16, 32)
+                               if 4 * r <= w],
     "gated_residual": [{"ROWS": r, "BLOCK": b, "num_warps": w} for r, b in ((1, 1024), (1, 2048), (2, 1024),
-                                                                             (2, 2048), (4, 1024))
+                                                                             (2, 2048), (4, 1024), (4, 2048))
                        for w in (4, 8)],
     "swiglu": [{"ROWS": r, "BLOCK": b, "num_warps": w} for r, b in ((1, 1024), (1, 2048), (1, 4096), (2, 1024),
                                                                      (2, 2048), (4, 1024))
-               for w in (4, 8)],
-    "qk_norm_rope": [{"HB": h, "num_warps": w} for h in (4, 8, 16, 32) for w in (2, 4, 8)],
+               for w in (4, 8, 16)],
+    "qk_norm_rope": [{"HB": h, "num_warps": w} for h in (4, 8, 16, 32, 64) for w in (2, 4, 8, 16)
+                     if w <= h <= 16 * w],
 }
 _OPTIONS = ("num_warps", "num_stages")
 
