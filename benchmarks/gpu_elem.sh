@@ -35,6 +35,6 @@ el "check_fused exit $?"; grep -E "norm_modulate|gated_residual|swiglu|qk_norm_r
 
 # ---- summary
 echo; echo "== elem_sweep (full log: $R/sweep.log)"
-grep -E "^device|^== |  best |same bits|DIFFERENT|Error|^  (qk_norm_rope|swiglu|norm_modulate|gated_residual|residual_norm_modulate) +old|per step|^residual|paste|^    '|elem_sweep:" \
+grep -E "^device|^== |  best |fp32 sum|before this branch|DIFFERENT|Error|^  (qk_norm_rope|swiglu|norm_modulate|gated_residual|residual_norm_modulate) +old|per step|^residual|paste|^    '|elem_sweep:" \
   "$R/sweep.log" | tee "$R/summary.txt"
 el "done"

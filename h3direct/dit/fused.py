@@ -57,11 +57,11 @@ def _interpreting() -> bool:
 # per element, and the norms' sums of squares are exact, so independent of how a program splits its row).
 
 LAUNCH: dict[str, dict] = {
-    "norm_modulate": {"ROWS": 1, "num_warps": 8},
-    "residual_norm_modulate": {"ROWS": 1, "num_warps": 8},
+    "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
     "gated_residual": {"ROWS": 1, "BLOCK": 2048, "num_warps": 4},
     "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
-    "qk_norm_rope": {"HB": 8, "num_warps": 4},
+    "qk_norm_rope": {"HB": 8, "EXACT": True, "num_warps": 4},
 }
 
 SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread and tile)
@@ -105,8 +105,8 @@ def _split(cfg: dict) -> tuple[dict, dict]:
 if triton is not None:
     def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, u_ptr, g_ptr, S, D, stride_x,
                               stride_o, stride_u, stride_shift, stride_scale, stride_g, eps, ROWS: tl.constexpr,
-                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr,
-                              INTERPRET: tl.constexpr):
+                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
+                              BF16: tl.constexpr, INTERPRET: tl.constexpr):
         # program = ROWS sequence rows, whole rows in registers; fp32 inside, one rounding at each store.
         # RESIDUAL: first x[row] += u[row]·g[r] in place (rounded to x's dtype and stored, as gated_residual_
         # does), then the norm of that stored x.
@@ -129,22 +129,27 @@ if triton is not None:
             y = y.to(x_ptr.dtype.element_ty)
             tl.store(x_at, y, mask=modulated)
             x = tl.where(modulated, y.to(tl.float32), x)
-        # exact sum of squares per row (see above)
-        e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
-        if INTERPRET:  # tl.max / tl.sum are compiled-mode functions when Triton was imported outside the interpreter
-            emax = tl.reduce(e, 1, tl.standard._elementwise_max)
-        else:
-            emax = tl.max(e, axis=1)
-        down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(126 - emax)
-        up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(emax - 126)
-        t = x * down[:, None]
-        q = (t * t * 281474976710656.0).to(tl.int64)  # · 2^48, truncated
-        if INTERPRET:
-            qs = tl.reduce(q, 1, tl.standard._sum_combine)
-        else:
-            qs = tl.sum(q, axis=1)
-        ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up  # · 2^-48 · 2^(2·(emax - 126))
-        ss = tl.where(emax == 255, float("inf"), ss)  # inf / nan in the row
+        if EXACT:  # exact sum of squares (see above): the same bits for every launch config
+            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+            if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
+                emax = tl.reduce(e, 1, tl.standard._elementwise_max)
+            else:
+                emax = tl.max(e, axis=1)
+            down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(126-emax)
+            up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(emax-126)
+            t = x * down[:, None]
+            q = (t * t * 281474976710656.0).to(tl.int64)  # · 2^48, truncated
+            if INTERPRET:
+                qs = tl.reduce(q, 1, tl.standard._sum_combine)
+            else:
+                qs = tl.sum(q, axis=1)
+            ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up  # · 2^-48 · 2^(2·(emax - 126))
+            ss = tl.where(emax == 255, float("inf"), ss)  # inf / nan in the row
+        else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
+            if INTERPRET:
+                ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
+            else:
+                ss = tl.sum(x * x, axis=1)
         inv_rms = 1.0 / tl.sqrt_rn(ss / D + eps)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + r[:, None] * stride_scale + cols[None, :], mask=modulated,
@@ -209,8 +214,8 @@ if triton is not None:
         tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
 
     def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, t_ptr, H, HQ, R, stride_xs, stride_xh, stride_ts, stride_tj,
-                             stride_ta, stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, BF16: tl.constexpr,
-                             INTERPRET: tl.constexpr):
+                             stride_ta, stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, EXACT: tl.constexpr,
+                             BF16: tl.constexpr, INTERPRET: tl.constexpr):
         # program (row s, block of HB heads), in place on x[s, h, :D] for h < H: per-head RMSNorm (weight wq for
         # heads h < HQ, wk after: q and k of one qkv row are H = 2·HQ heads of one strided view), then the
         # split-half rotation of the first 2R dims: out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R],
@@ -226,22 +231,27 @@ if triton is not None:
         partner = tl.where(lo, d + R, tl.where(rot, d - R, d))
         x = tl.load(base + d[None, :], mask=live, other=0.0).to(tl.float32)
         xp = tl.load(base + partner[None, :], mask=live, other=0.0).to(tl.float32)
-        # exact sum of squares per head (see above)
-        e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
-        if INTERPRET:  # tl.max / tl.sum are compiled-mode functions when Triton was imported outside the interpreter
-            emax = tl.reduce(e, 1, tl.standard._elementwise_max)
-        else:
-            emax = tl.max(e, axis=1)
-        down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)
-        up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)
-        t = x * down[:, None]
-        q = (t * t * 281474976710656.0).to(tl.int64)
-        if INTERPRET:
-            qs = tl.reduce(q, 1, tl.standard._sum_combine)
-        else:
-            qs = tl.sum(q, axis=1)
-        ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up
-        ss = tl.where(emax == 255, float("inf"), ss)
+        if EXACT:  # exact sum of squares (see above): the same bits for every launch config
+            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+            if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
+                emax = tl.reduce(e, 1, tl.standard._elementwise_max)
+            else:
+                emax = tl.max(e, axis=1)
+            down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)
+            up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)
+            t = x * down[:, None]
+            q = (t * t * 281474976710656.0).to(tl.int64)
+            if INTERPRET:
+                qs = tl.reduce(q, 1, tl.standard._sum_combine)
+            else:
+                qs = tl.sum(q, axis=1)
+            ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up
+            ss = tl.where(emax == 255, float("inf"), ss)
+        else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
+            if INTERPRET:
+                ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
+            else:
+                ss = tl.sum(x * x, axis=1)
         inv_rms = 1.0 / tl.sqrt_rn(ss / D + eps)
         is_q = (heads < HQ)[:, None]
         w = tl.where(is_q, tl.load(wq_ptr + d).to(tl.float32)[None, :], tl.load(wk_ptr + d).to(tl.float32)[None, :])
@@ -311,7 +321,8 @@ def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, g
     _kernel(_norm_modulate_kernel)[(triton.cdiv(s, rows),)](
         x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out, u, g, s, d, x.stride(0),
         out.stride(0), u.stride(0), shift.stride(0), scale.stride(0), g.stride(0), float(eps), ROWS=rows,
-        BLOCK=block, RESIDUAL=residual, BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(), **options)
+        BLOCK=block, RESIDUAL=residual, EXACT=bool(tile["EXACT"]), BF16=x.dtype == torch.bfloat16,
+        INTERPRET=_interpreting(), **options)
 
 
 def norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
@@ -419,5 +430,5 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_we
         hb = max(1, min(triton.next_power_of_2(heads), tile["HB"]))
         _kernel(_qk_norm_rope_kernel)[(s, triton.cdiv(heads, hb))](
             x, w_first, w_second, table, heads, h, r, x.stride(1), x.stride(2), table.stride(1), table.stride(3),
-            table.stride(4), table.stride(5), float(eps), D=dim, HB=hb, BF16=x.dtype == torch.bfloat16,
-            INTERPRET=_interpreting(), **options)
+            table.stride(4), table.stride(5), float(eps), D=dim, HB=hb, EXACT=bool(tile["EXACT"]),
+            BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(), **options)
