@@ -455,3 +455,15 @@ def test_elem_sweep_smoke(tmp_path):
     assert all(k["bitwise_across_configs"] for k in res["kernels"].values())
     assert set(res["new_ms"]) == set(fused.SWEEP) and "step_ms_old" in res
     assert elem_sweep.main(["--device", "cpu", "--kernels", "nope"]) == 2
+
+
+def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast warnings
+    """A row with an inf: NaN there and 0 elsewhere (inf·0); a row with a NaN: all NaN — as an fp32 sum gives."""
+    x, w, shift, scale, _ = _inputs(70, 64, seed=19)
+    x[1, 3], x[12, 5], x[13, 7], x[13, 9] = float("inf"), float("nan"), float("-inf"), float("nan")
+    ours = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    eager = blocks.modulate_(F.rms_norm(x, (64,), w, 1e-6), shift, scale, RUNS)
+    assert torch.equal(ours.isnan(), eager.isnan()) and ours[12].isnan().all() and ours[13].isnan().all()
+    assert ours[1].isnan().sum() == 1 and torch.equal(ours[1][~ours[1].isnan()], eager[1][~eager[1].isnan()])
+    fine = ~ours.isnan().any(dim=1)
+    assert _rel(ours[fine], eager[fine].double()) < 1e-2

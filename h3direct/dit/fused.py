@@ -130,11 +130,13 @@ if triton is not None:
             tl.store(x_at, y, mask=modulated)
             x = tl.where(modulated, y.to(tl.float32), x)
         if EXACT:  # exact sum of squares (see above): the same bits for every launch config
-            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+            # key = 2·exponent + is_nan: its row max gives the largest exponent and whether a NaN is in the row
+            e = ((x.to(tl.uint32, bitcast=True) >> 22) & 0x1FE).to(tl.int32) + (x != x).to(tl.int32)
             if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
-                emax = tl.reduce(e, 1, tl.standard._elementwise_max)
+                kmax = tl.reduce(e, 1, tl.standard._elementwise_max)
             else:
-                emax = tl.max(e, axis=1)
+                kmax = tl.max(e, axis=1)
+            emax = kmax >> 1
             down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(126-emax)
             up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(emax-126)
             t = x * down[:, None]
@@ -144,7 +146,7 @@ if triton is not None:
             else:
                 qs = tl.sum(q, axis=1)
             ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up  # · 2^-48 · 2^(2·(emax - 126))
-            ss = tl.where(emax == 255, float("inf"), ss)  # inf / nan in the row
+            ss = tl.where(emax == 255, tl.where(kmax == 511, float("nan"), float("inf")), ss)  # as an fp32 sum
         else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
             if INTERPRET:
                 ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
@@ -232,11 +234,13 @@ if triton is not None:
         x = tl.load(base + d[None, :], mask=live, other=0.0).to(tl.float32)
         xp = tl.load(base + partner[None, :], mask=live, other=0.0).to(tl.float32)
         if EXACT:  # exact sum of squares (see above): the same bits for every launch config
-            e = ((x.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+            # key = 2·exponent + is_nan: its row max gives the largest exponent and whether a NaN is in the row
+            e = ((x.to(tl.uint32, bitcast=True) >> 22) & 0x1FE).to(tl.int32) + (x != x).to(tl.int32)
             if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
-                emax = tl.reduce(e, 1, tl.standard._elementwise_max)
+                kmax = tl.reduce(e, 1, tl.standard._elementwise_max)
             else:
-                emax = tl.max(e, axis=1)
+                kmax = tl.max(e, axis=1)
+            emax = kmax >> 1
             down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)
             up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)
             t = x * down[:, None]
@@ -246,7 +250,7 @@ if triton is not None:
             else:
                 qs = tl.sum(q, axis=1)
             ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up
-            ss = tl.where(emax == 255, float("inf"), ss)
+            ss = tl.where(emax == 255, tl.where(kmax == 511, float("nan"), float("inf")), ss)  # as an fp32 sum
         else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
             if INTERPRET:
                 ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
