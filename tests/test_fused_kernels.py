@@ -207,19 +207,19 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
                 "idx_ptr": "*i32", "out_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*fp32", "S": ptr,
                 "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_u": ptr, "stride_shift": ptr, "stride_scale": ptr,
                 "stride_g": ptr, "eps": "fp32", "ROWS": "constexpr", "BLOCK": "constexpr", "RESIDUAL": "constexpr",
-                "EXACT": "constexpr", "BF16": "constexpr", "INTERPRET": "constexpr"}
+                "EXACT": "constexpr", "BF16_INT": "constexpr", "INTERPRET": "constexpr"}
     kernels = [
         (fused._norm_modulate_kernel, norm_sig,
-         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, "BF16": dtype == "bf16", "INTERPRET": False}),
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
         (fused._norm_modulate_kernel, norm_sig,  # the fp32-sum variant the sweep times for comparison
-         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": False, "BF16": dtype == "bf16", "INTERPRET": False}),
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": False, "BF16_INT": False, "INTERPRET": False}),
         (fused._norm_modulate_kernel, norm_sig,  # the residual + norm kernel, several rows per program
-         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, "BF16": dtype == "bf16", "INTERPRET": False}),
+         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
         (fused._gated_residual_kernel,
          {"x_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*bf16", "idx_ptr": "*i32", "S": ptr, "D": ptr,
           "stride_x": ptr, "stride_u": ptr, "stride_g": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
-          "BF16": "constexpr"},
-         {"ROWS": 2, "BLOCK": 2048, "BF16": dtype == "bf16"}),
+          "BF16_INT": "constexpr"},
+         {"ROWS": 2, "BLOCK": 2048, "BF16_INT": False}),
         (fused._swiglu_kernel,
          {"a_ptr": f"*{dtype}", "S": ptr, "F": ptr, "stride_a": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
           "ROUND": "constexpr", "LIBDEVICE": "constexpr"},
@@ -230,8 +230,8 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
          {"x_ptr": f"*{dtype}", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "t_ptr": f"*{dtype}", "H": ptr, "HQ": ptr,
           "R": ptr, "stride_xs": ptr, "stride_xh": ptr, "stride_ts": ptr, "stride_tj": ptr, "stride_ta": ptr,
           "stride_tb": ptr, "eps": "fp32", "D": "constexpr", "HB": "constexpr", "EXACT": "constexpr",
-          "BF16": "constexpr", "INTERPRET": "constexpr"},
-         {"D": 128, "HB": 8, "EXACT": True, "BF16": dtype == "bf16", "INTERPRET": False}),
+          "BF16_INT": "constexpr", "INTERPRET": "constexpr"},
+         {"D": 128, "HB": 8, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
     ]
     for fn, sig, const in kernels:
         k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

@@ -96,7 +96,8 @@ def _split(cfg: dict) -> tuple[dict, dict]:
 
 
 # ---- kernels (plain functions; `_kernel` jit-compiles them on first use) ------------------------------------------
-# bf16 stores round to nearest even by integer arithmetic (exact; Triton's interpreter truncates on .to()).
+# bf16 stores round to nearest even: by the hardware cast when compiled, by integer arithmetic in Triton's interpreter
+# (BF16_INT; its .to() truncates) — the same bits.
 # The norms' sums of squares are exact: each x² is scaled by a power of two set by the largest exponent in its
 # row (so that it is < 1), truncated to a multiple of 2^-48 and summed as int64 — associative, so the sum does not
 # depend on the program's layout (ROWS, HB, num_warps). The truncation moves the sum by < 2^-34 of it; the only
@@ -106,7 +107,7 @@ if triton is not None:
     def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, u_ptr, g_ptr, S, D, stride_x,
                               stride_o, stride_u, stride_shift, stride_scale, stride_g, eps, ROWS: tl.constexpr,
                               BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
-                              BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                              BF16_INT: tl.constexpr, INTERPRET: tl.constexpr):
         # program = ROWS sequence rows, whole rows in registers; fp32 inside, one rounding at each store.
         # RESIDUAL: first x[row] += u[row]·g[r] in place (rounded to x's dtype and stored, as gated_residual_
         # does), then the norm of that stored x.
@@ -123,7 +124,7 @@ if triton is not None:
             u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=modulated, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + r[:, None] * stride_g + cols[None, :], mask=modulated, other=0.0).to(tl.float32)
             y = tl.fma(u, g, x)  # as _gated_residual_kernel: one fp32 rounding, the same bits
-            if BF16:
+            if BF16_INT:
                 b = y.to(tl.uint32, bitcast=True)
                 y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             y = y.to(x_ptr.dtype.element_ty)
@@ -159,14 +160,14 @@ if triton is not None:
         shift = tl.load(shift_ptr + r[:, None] * stride_shift + cols[None, :], mask=modulated,
                         other=0.0).to(tl.float32)
         h = tl.fma(x * inv_rms[:, None] * w[None, :], 1.0 + scale, shift)
-        if BF16:
+        if BF16_INT:
             b = h.to(tl.uint32, bitcast=True)
             h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=inside)
 
 
     def _gated_residual_kernel(x_ptr, u_ptr, g_ptr, idx_ptr, S, D, stride_x, stride_u, stride_g,
-                               ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16_INT: tl.constexpr):
         # program (ROWS rows, column block); rows outside every run are neither read nor written
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -179,7 +180,7 @@ if triton is not None:
         u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=live, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + r[:, None] * stride_g + cols[None, :], mask=live, other=0.0).to(tl.float32)
         y = tl.fma(u, g, x)  # explicit: the bits do not hang on the compiler's fp-contraction default
-        if BF16:
+        if BF16_INT:
             b = y.to(tl.uint32, bitcast=True)
             y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(x_at, y.to(x_ptr.dtype.element_ty), mask=live)
@@ -188,7 +189,7 @@ if triton is not None:
     def _swiglu_kernel(a_ptr, S, F, stride_a, ROWS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                        LIBDEVICE: tl.constexpr):
         # program (ROWS rows, column block): a[row, :F] <- silu(a[row, :F]) * a[row, F:], each element read before
-        # written. ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne by integer arithmetic)
+        # written. ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne cast; by integer arithmetic interpreted)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = (rows < S)[:, None] & (cols < F)[None, :]
@@ -202,8 +203,12 @@ if triton is not None:
         if ROUND == 1:  # eager rounds silu's result to the storage dtype before the product
             s = s.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
         elif ROUND == 2:
-            b = s.to(tl.uint32, bitcast=True)
-            s = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            if LIBDEVICE:
+                s = s.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            else:
+                b = s.to(tl.uint32, bitcast=True)
+                s = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                s = s.to(tl.float32)
         if LIBDEVICE:
             y = libdevice.mul_rn(s, u)
         else:
@@ -211,13 +216,16 @@ if triton is not None:
         if ROUND == 1:
             y = y.to(tl.float16, fp_downcast_rounding="rtne")
         elif ROUND == 2:
-            b = y.to(tl.uint32, bitcast=True)
-            y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            if LIBDEVICE:
+                y = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            else:
+                b = y.to(tl.uint32, bitcast=True)
+                y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
 
     def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, t_ptr, H, HQ, R, stride_xs, stride_xh, stride_ts, stride_tj,
                              stride_ta, stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, EXACT: tl.constexpr,
-                             BF16: tl.constexpr, INTERPRET: tl.constexpr):
+                             BF16_INT: tl.constexpr, INTERPRET: tl.constexpr):
         # program (row s, block of HB heads), in place on x[s, h, :D] for h < H: per-head RMSNorm (weight wq for
         # heads h < HQ, wk after: q and k of one qkv row are H = 2·HQ heads of one strided view), then the
         # split-half rotation of the first 2R dims: out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R],
@@ -269,7 +277,7 @@ if triton is not None:
         c_self = tl.load(trow + a * stride_tb, mask=rot, other=1.0).to(tl.float32)  # T[j,0,0] or T[j,1,1]
         c_part = tl.load(trow + (1 - a) * stride_tb, mask=rot, other=0.0).to(tl.float32)  # T[j,0,1] or T[j,1,0]
         y = n * c_self[None, :] + n_p * c_part[None, :]
-        if BF16:
+        if BF16_INT:
             b = y.to(tl.uint32, bitcast=True)
             y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(base + d[None, :], y.to(x_ptr.dtype.element_ty), mask=live)
@@ -325,8 +333,8 @@ def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, g
     _kernel(_norm_modulate_kernel)[(triton.cdiv(s, rows),)](
         x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out, u, g, s, d, x.stride(0),
         out.stride(0), u.stride(0), shift.stride(0), scale.stride(0), g.stride(0), float(eps), ROWS=rows,
-        BLOCK=block, RESIDUAL=residual, EXACT=bool(tile["EXACT"]), BF16=x.dtype == torch.bfloat16,
-        INTERPRET=_interpreting(), **options)
+        BLOCK=block, RESIDUAL=residual, EXACT=bool(tile["EXACT"]),
+        BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **options)
 
 
 def norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
@@ -378,7 +386,7 @@ def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, r
     block = min(tile["BLOCK"], triton.next_power_of_2(d))
     _kernel(_gated_residual_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(d, block))](
         x, update, gate, row_index(runs, s, x.device), s, d, x.stride(0), update.stride(0), gate.stride(0),
-        ROWS=tile["ROWS"], BLOCK=block, BF16=x.dtype == torch.bfloat16, **options)
+        ROWS=tile["ROWS"], BLOCK=block, BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), **options)
     return x
 
 
@@ -435,4 +443,4 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_we
         _kernel(_qk_norm_rope_kernel)[(s, triton.cdiv(heads, hb))](
             x, w_first, w_second, table, heads, h, r, x.stride(1), x.stride(2), table.stride(1), table.stride(3),
             table.stride(4), table.stride(5), float(eps), D=dim, HB=hb, EXACT=bool(tile["EXACT"]),
-            BF16=x.dtype == torch.bfloat16, INTERPRET=_interpreting(), **options)
+            BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **options)
