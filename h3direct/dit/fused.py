@@ -52,9 +52,11 @@ def _interpreting() -> bool:
 
 # ---- launch configurations ------------------------------------------------------------------------------------
 # One entry per kernel: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
-# program) and Triton's launch options. The defaults are the H200's best of `SWEEP` as measured by
-# benchmarks/elem_sweep.py at the DiT's full shape; every entry gives the same bits (the kernels are per row or
-# per element, and the norms' sums of squares are exact, so independent of how a program splits its row).
+# program; EXACT: the exact sum of squares, False only for the sweep's measure of what it costs) and Triton's launch
+# options. `SWEEP` lists the candidates benchmarks/elem_sweep.py times at the DiT's full shape (benchmarks/
+# gpu_elem.sh on the H200 prints the best of each, to be copied here; until then these are the configs the
+# kernels had before the sweep existed). Every entry gives the same bits: the kernels are per row or per element,
+# and the norms' sums of squares are exact, so independent of how a program splits its rows.
 
 LAUNCH: dict[str, dict] = {
     "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
@@ -100,7 +102,7 @@ def _split(cfg: dict) -> tuple[dict, dict]:
 # (BF16_INT; its .to() truncates) — the same bits.
 # The norms' sums of squares are exact: each x² is scaled by a power of two set by the largest exponent in its
 # row (so that it is < 1), truncated to a multiple of 2^-48 and summed as int64 — associative, so the sum does not
-# depend on the program's layout (ROWS, HB, num_warps). The truncation moves the sum by < 2^-34 of it; the only
+# depend on the program's layout (ROWS, HB, num_warps). The truncation moves the sum by < 2^-32 of it; the only
 # rounding is the int64 -> fp32 conversion.
 
 if triton is not None:
