@@ -10,6 +10,8 @@ Verdicts (exit 1 if one fails):
 - fc2 reading the strided SwiGLU view: bitwise equal to reading a dense copy, and no hidden copy of the input
   (peak memory of the call ≈ its output + cuBLAS workspace);
 - fa3 with v a strided view of the qkv output (the block no longer copies v): bitwise equal to a dense v;
+- residual_norm_modulate_ (gated residual + norm + modulation in one pass): bitwise gated_residual_ then
+  norm_modulate (x and h), within one bf16 rounding of fp64;
 - qk_norm_rope_ (q/k RMSNorm + rope in place): within one bf16 rounding of fp64 and closer than eager (comfy-kitchen's
   kernel timed and measured beside it when installed).
 CUDA only for the timings and the memory check; on the CPU (TRITON_INTERPRET=1, small --rows) it is a smoke run.
@@ -104,6 +106,22 @@ def main(argv=None) -> int:
                 and gr["outside_rows_untouched"])
     res["gated_residual"] = gr
 
+    # ---- the attention's gated residual + norm2 + modulation in one kernel: bitwise the two kernels in turn
+    xa, xb = x.clone(), x.clone()
+    two_h = fused.norm_modulate(fused.gated_residual_(xa, gate, upd, runs), w, 1e-6, shift, scale, runs)
+    one_h = fused.residual_norm_modulate_(xb, gate, upd, w, 1e-6, shift, scale, runs)
+    ref = F.rms_norm(xa.double(), (d,), w.double(), 1e-6)
+    for r in runs:
+        ref[r.start:r.stop] = ref[r.start:r.stop] * (1 + scale[r.row].double()) + shift[r.row].double()
+    rn = {"bitwise_vs_two_kernels": bool(torch.equal(xa, xb) and torch.equal(two_h, one_h)),
+          "fused_vs_fp64": _rel(one_h, ref), "one_rounding": _rel(ref.bfloat16(), ref),
+          "fused_ms": bench(lambda: fused.residual_norm_modulate_(xb, gate, upd, w, 1e-6, shift, scale, runs)),
+          "two_kernels_ms": bench(lambda: fused.norm_modulate(fused.gated_residual_(xa, gate, upd, runs), w, 1e-6,
+                                                              shift, scale, runs))}
+    rn["ok"] = rn["bitwise_vs_two_kernels"] and rn["fused_vs_fp64"] <= 1.05 * rn["one_rounding"]
+    res["residual_norm_modulate"] = rn
+    del two_h, one_h, ref
+
     # ---- SwiGLU in place
     sw = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -190,7 +208,8 @@ def main(argv=None) -> int:
     qr["ok"] = qr["fused_vs_fp64"] <= 1.05 * qr["one_rounding"] and qr["fused_vs_fp64"] < qr["eager_vs_fp64"]
     res["qk_norm_rope"] = qr
 
-    for name in ("norm_modulate", "gated_residual", "swiglu", "fc2_strided_input", "fa3_strided_v", "qk_norm_rope"):
+    for name in ("norm_modulate", "gated_residual", "residual_norm_modulate", "swiglu", "fc2_strided_input",
+                 "fa3_strided_v", "qk_norm_rope"):
         r = res[name]
         ok &= bool(r["ok"])
         print(f"  {name:18s} {'ok  ' if r['ok'] else 'FAIL'} " + ", ".join(

@@ -83,3 +83,24 @@ def test_full_width_mlp_takes_the_fused_swiglu(monkeypatch):
     assert 2 * 14336 > fused.MAX_HIDDEN
     mlp(x)
     assert calls == [torch.Size([64, 2 * 14336])]
+
+
+def test_fused_residual_norm_is_the_two_kernels_and_config_free():
+    """The attention's gated residual + norm2 + modulation in one kernel: bitwise gated_residual_ then norm_modulate
+    (x and h), and the same bits for every launch config of the sweep (the sums of squares are exact)."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    s, d = 4099, 5376
+    runs = [ModRun(0, 1000, 1), ModRun(1000, 3000, 0), ModRun(3000, 4000, 2)]  # 99 rows outside
+    x = (torch.randn(s, d, generator=g) * 3).to("cuda", torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to("cuda", torch.bfloat16)
+    table = torch.randn(3, 6, d, generator=g).cuda()
+    shift, scale, gate = table[:, 0], 0.2 * table[:, 1], table[:, 2]
+    upd = (torch.randn(s, d, generator=g) * 2).to("cuda", torch.bfloat16)
+    want_x = fused.gated_residual_(x.clone(), gate, upd, runs)
+    want_h = fused.norm_modulate(want_x, w, 1e-6, shift, scale, runs)
+    for cfg in fused.SWEEP["residual_norm_modulate"]:
+        got_x = x.clone()
+        got_h = fused.residual_norm_modulate_(got_x, gate, upd, w, 1e-6, shift, scale, runs, config=cfg)
+        assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h), cfg
+    for cfg in fused.SWEEP["norm_modulate"]:
+        assert torch.equal(fused.norm_modulate(want_x, w, 1e-6, shift, scale, runs, config=cfg), want_h), cfg

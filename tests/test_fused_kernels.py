@@ -192,35 +192,46 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     tr = fused.triton
     try:
-        tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {"a_ptr": "*bf16", "F": "i32", "stride_a": "i32",
+        tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {"a_ptr": "*bf16", "S": "i32", "F": "i32",
+                                                            "stride_a": "i32", "ROWS": "constexpr",
                                                             "BLOCK": "constexpr", "ROUND": "constexpr",
                                                             "LIBDEVICE": "constexpr"},
-                             {"BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True}), target=GPUTarget("cuda", 90, 32))
+                             {"ROWS": 1, "BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True}),
+                   target=GPUTarget("cuda", 90, 32))
     except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
         if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
             pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
         raise
     ptr = "i32"
+    norm_sig = {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "shift_ptr": "*fp32", "scale_ptr": "*fp32",
+                "idx_ptr": "*i32", "out_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*fp32", "S": ptr,
+                "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_u": ptr, "stride_shift": ptr, "stride_scale": ptr,
+                "stride_g": ptr, "eps": "fp32", "ROWS": "constexpr", "BLOCK": "constexpr", "RESIDUAL": "constexpr",
+                "EXACT": "constexpr", "BF16_INT": "constexpr", "INTERPRET": "constexpr"}
     kernels = [
-        (fused._norm_modulate_kernel,
-         {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "shift_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i32",
-          "out_ptr": f"*{dtype}", "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_shift": ptr,
-          "stride_scale": ptr, "eps": "fp32", "BLOCK": "constexpr", "BF16": "constexpr", "INTERPRET": "constexpr"},
-         {"BLOCK": 8192, "BF16": dtype == "bf16", "INTERPRET": False}),
+        (fused._norm_modulate_kernel, norm_sig,
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
+        (fused._norm_modulate_kernel, norm_sig,  # the fp32-sum variant the sweep times for comparison
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": False, "BF16_INT": False, "INTERPRET": False}),
+        (fused._norm_modulate_kernel, norm_sig,  # the residual + norm kernel, several rows per program
+         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
         (fused._gated_residual_kernel,
-         {"x_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*bf16", "idx_ptr": "*i32", "D": ptr,
-          "stride_x": ptr, "stride_u": ptr, "stride_g": ptr, "BLOCK": "constexpr", "BF16": "constexpr"},
-         {"BLOCK": 4096, "BF16": dtype == "bf16"}),
+         {"x_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*bf16", "idx_ptr": "*i32", "S": ptr, "D": ptr,
+          "stride_x": ptr, "stride_u": ptr, "stride_g": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
+          "BF16_INT": "constexpr"},
+         {"ROWS": 2, "BLOCK": 2048, "BF16_INT": False}),
         (fused._swiglu_kernel,
-         {"a_ptr": f"*{dtype}", "F": ptr, "stride_a": ptr, "BLOCK": "constexpr", "ROUND": "constexpr",
-          "LIBDEVICE": "constexpr"},
-         {"BLOCK": 1024, "ROUND": fused._ROUND[getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
-                                                                 "fp32": "float32"}[dtype])], "LIBDEVICE": True}),
+         {"a_ptr": f"*{dtype}", "S": ptr, "F": ptr, "stride_a": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
+          "ROUND": "constexpr", "LIBDEVICE": "constexpr"},
+         {"ROWS": 2, "BLOCK": 1024, "ROUND": fused._ROUND[getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
+                                                                            "fp32": "float32"}[dtype])],
+          "LIBDEVICE": True}),
         (fused._qk_norm_rope_kernel,
-         {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "t_ptr": f"*{dtype}", "H": ptr, "R": ptr, "stride_xs": ptr,
-          "stride_xh": ptr, "stride_ts": ptr, "stride_tj": ptr, "stride_ta": ptr, "stride_tb": ptr, "eps": "fp32",
-          "D": "constexpr", "HB": "constexpr", "BF16": "constexpr", "INTERPRET": "constexpr"},
-         {"D": 128, "HB": 8, "BF16": dtype == "bf16", "INTERPRET": False}),
+         {"x_ptr": f"*{dtype}", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "t_ptr": f"*{dtype}", "H": ptr, "HQ": ptr,
+          "R": ptr, "stride_xs": ptr, "stride_xh": ptr, "stride_ts": ptr, "stride_tj": ptr, "stride_ta": ptr,
+          "stride_tb": ptr, "eps": "fp32", "D": "constexpr", "HB": "constexpr", "EXACT": "constexpr",
+          "BF16_INT": "constexpr", "INTERPRET": "constexpr"},
+         {"D": 128, "HB": 8, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
     ]
     for fn, sig, const in kernels:
         k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
@@ -270,3 +281,189 @@ def test_qk_norm_rope_catches_a_wrong_table_row():
     q, k, _ = (t.view(1, s, heads, head_dim) for t in qkv.chunk(3, dim=-1))
     fused.qk_norm_rope_(q, k, w, w, table.roll(1, dims=1), 1e-6)  # each row rotated by its neighbour's angles
     assert _rel(q, ref) > 20 * _rel(ref.bfloat16(), ref)
+
+
+# ---- the attention's gated residual + norm2 + modulation in one pass; launch configs -----------------------------
+
+def _tiles(kernel: str) -> list[dict]:
+    """The sweep's distinct tile shapes of a kernel (the interpreter ignores num_warps), the table's own first."""
+    seen, out = set(), []
+    for cfg in [fused.LAUNCH[kernel], *fused.SWEEP[kernel]]:
+        tile, _ = fused._split(cfg)
+        key = tuple(sorted(tile.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(tile)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 100, 5376])
+def test_residual_norm_modulate_is_the_two_kernels_bitwise(d):
+    x, w, shift, scale, gate = _inputs(70, d, seed=4)
+    upd = (torch.randn(70, d, generator=torch.Generator().manual_seed(9)) * 2).bfloat16()
+    want_x = fused.gated_residual_(x.clone(), gate, upd, RUNS)
+    want_h = fused.norm_modulate(want_x, w, 1e-6, shift, scale, RUNS)
+    got_x = x.clone()
+    got_h = fused.residual_norm_modulate_(got_x, gate, upd, w, 1e-6, shift, scale, RUNS)
+    assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)
+    assert torch.equal(got_x[60:], x[60:])  # rows outside every run: x untouched, h = their plain norm
+    # and against fp64 / eager as the single kernels are judged
+    ref_x = x.double().clone()
+    for r in RUNS:
+        ref_x[r.start:r.stop] += upd[r.start:r.stop].double() * gate[r.row].double()
+    assert _rel(got_x, ref_x) <= 1.05 * _rel(ref_x.bfloat16(), ref_x)
+    ref_h = _ref_norm_modulate(got_x, w, 1e-6, shift, scale, RUNS)
+    eager_x = blocks.gated_residual_(x.clone(), gate, upd, RUNS)
+    eager_h = blocks.modulate_(F.rms_norm(eager_x, (d,), w, 1e-6), shift, scale, RUNS)
+    assert _rel(got_h, ref_h) <= 1.05 * _rel(ref_h.bfloat16(), ref_h)
+    assert _rel(got_h, ref_h) < _rel(eager_h, ref_h)
+
+
+def test_residual_norm_modulate_catches_a_wrong_gate_row():
+    x, w, shift, scale, gate = _inputs(70, 64, seed=4)
+    upd = torch.randn(70, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    right = fused.residual_norm_modulate_(x.clone(), gate, upd, w, 1e-6, shift, scale, RUNS)
+    wrong = fused.residual_norm_modulate_(x.clone(), gate.roll(1, dims=0), upd, w, 1e-6, shift, scale, RUNS)
+    assert _rel(wrong, right.double()) > 0.05
+
+
+def test_norm_sum_of_squares_is_order_free():
+    """The sum of squares is exact: permuting a row's features (with the weight and the adaLN tables) permutes the
+    output bit for bit — an fp32 sum in another order would move some roundings. Wide dynamic range on purpose."""
+    x, w, shift, scale, _ = _inputs(70, 1000, seed=11)
+    x = (x.float() * torch.logspace(-4, 3, 1000)[torch.randperm(1000, generator=torch.Generator().manual_seed(1))]
+         ).bfloat16()
+    perm = torch.randperm(1000, generator=torch.Generator().manual_seed(12))
+    h = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    hp = fused.norm_modulate(x[:, perm].contiguous(), w[perm], 1e-6, shift[:, perm], scale[:, perm], RUNS)
+    assert torch.equal(hp, h[:, perm])
+    ref = _ref_norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    assert _rel(h, ref) <= 1.05 * _rel(ref.bfloat16(), ref)
+
+
+def test_launch_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="unknown key 'BLOK'"):
+        fused.launch_config("swiglu", {"BLOK": 512})
+    assert fused.launch_config("swiglu", {"num_warps": 2})["num_warps"] == 2
+    assert set(fused.LAUNCH) == set(fused.SWEEP)
+
+
+def test_norm_kernels_give_the_same_bits_for_every_config():
+    x, w, shift, scale, gate = _inputs(67, 100, seed=13)  # 67 rows: a partial row block for ROWS 2 and 4
+    upd = torch.randn(67, 100, generator=torch.Generator().manual_seed(14)).bfloat16()
+    runs = [ModRun(0, 10, 1), ModRun(10, 45, 0), ModRun(45, 60, 2)]
+    tiles = _tiles("norm_modulate")
+    assert len(tiles) >= 2
+    outs = [fused.norm_modulate(x, w, 1e-6, shift, scale, runs, config=t) for t in tiles]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    tiles = _tiles("residual_norm_modulate")
+    assert len(tiles) >= 2
+    pairs = []
+    for t in tiles:
+        xx = x.clone()
+        pairs.append((xx, fused.residual_norm_modulate_(xx, gate, upd, w, 1e-6, shift, scale, runs, config=t)))
+    assert all(torch.equal(a, pairs[0][0]) and torch.equal(b, pairs[0][1]) for a, b in pairs[1:])
+
+
+def test_gated_residual_and_swiglu_give_the_same_bits_for_every_config():
+    x, _, _, _, gate = _inputs(67, 1100, seed=15)  # 1100 columns: partial column blocks of 1024 and 2048
+    upd = torch.randn(67, 1100, generator=torch.Generator().manual_seed(16)).bfloat16()
+    tiles = _tiles("gated_residual")
+    assert len(tiles) >= 2
+    outs = [fused.gated_residual_(x.clone(), gate, upd, RUNS, config=t) for t in tiles]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    a = (torch.randn(37, 2 * 1100, generator=torch.Generator().manual_seed(17)) * 4).bfloat16()
+    tiles = _tiles("swiglu")
+    assert len(tiles) >= 2
+    outs = [fused.swiglu_(a.clone(), config=t) for t in tiles]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_qk_norm_rope_same_bits_for_every_config_and_either_launch():
+    """Heads per program (HB) and one launch over q|k (views of one qkv buffer) vs one per tensor (separate
+    tensors): the same bits."""
+    from h3direct.dit.rope import rope_angles, rotation_table
+
+    g = torch.Generator().manual_seed(18)
+    s, heads, head_dim = 12, 9, 64
+    qkv = (torch.randn(s, 3 * heads * head_dim, generator=g) * 2).bfloat16()
+    wq, wk = ((1 + 0.3 * torch.randn(head_dim, generator=g)).bfloat16() for _ in range(2))
+    pos = torch.stack([torch.arange(s) // 6, torch.arange(s) // 2 % 3, torch.arange(s) % 2], -1).double()
+    table = rotation_table(rope_angles(pos, 1.0 / 100 ** (torch.arange(8) / 8)), torch.bfloat16)
+    outs = []
+    for t in _tiles("qk_norm_rope"):
+        buf = qkv.clone()
+        q, k, _ = (p.view(1, s, heads, head_dim) for p in buf.chunk(3, dim=-1))
+        assert fused._k_follows_q(q, k)
+        fused.qk_norm_rope_(q, k, wq, wk, table, 1e-6, config=t)
+        outs.append(buf)
+    assert len(outs) >= 2 and all(torch.equal(o, outs[0]) for o in outs[1:])
+    q, k = (qkv[:, i * heads * head_dim:(i + 1) * heads * head_dim].clone().view(1, s, heads, head_dim)
+            for i in range(2))
+    assert not fused._k_follows_q(q, k)
+    fused.qk_norm_rope_(q, k, wq, wk, table, 1e-6)
+    assert torch.equal(q.view(s, -1), outs[0][:, :heads * head_dim])
+    assert torch.equal(k.view(s, -1), outs[0][:, heads * head_dim:2 * heads * head_dim])
+
+
+def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
+    """The block's fused path (residual + norm2 in one kernel) gives the bits of the same block with that pass split
+    back into gated_residual_ then norm_modulate."""
+    from h3direct.dit.rope import rope_angles, rotation_table
+
+    blk = _block().bfloat16()
+    s = 70
+    x = torch.randn(s, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    t_emb = torch.randn(1, 16, generator=torch.Generator().manual_seed(6)).bfloat16()
+    runs = [ModRun(0, 20, 1), ModRun(20, 50, 0), ModRun(50, 70, 2)]
+    pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
+    table = rotation_table(rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5)),
+                           torch.bfloat16)
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    calls = []
+    real = fused.residual_norm_modulate_
+
+    def split(x, gate, update, weight, eps, shift, scale, runs):
+        calls.append(x.shape)
+        fused.gated_residual_(x, gate, update, runs)
+        return fused.norm_modulate(x, weight, eps, shift, scale, runs)
+
+    with torch.no_grad():
+        ours = blk(x.clone(), t_emb, runs, table)
+        monkeypatch.setattr(fused, "residual_norm_modulate_", split)
+        two = blk(x.clone(), t_emb, runs, table)
+    monkeypatch.setattr(fused, "residual_norm_modulate_", real)
+    assert calls == [(s, 64)]
+    assert torch.equal(ours, two)
+
+
+def test_elem_sweep_smoke(tmp_path):
+    """benchmarks/elem_sweep.py end to end in the interpreter on tiny shapes (the GPU script's first step): every
+    config runs, the bits agree across configs, and the old-vs-new / per-step part runs (no timings on the CPU)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import elem_sweep
+
+    out = tmp_path / "sweep.json"
+    assert elem_sweep.main(["--device", "cpu", "--rows", "9", "--hidden", "64", "--ffn", "64", "--heads", "2",
+                            "--head-dim", "32", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["kernels"]) == set(fused.SWEEP) and res["residual_norm_bitwise"] and res["ok"]
+    assert all(k["bitwise_across_configs"] for k in res["kernels"].values())
+    assert set(res["new_ms"]) == set(fused.SWEEP) and "step_ms_old" in res
+    assert elem_sweep.main(["--device", "cpu", "--kernels", "nope"]) == 2
+
+
+def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast warnings
+    """A row with an inf: NaN there and 0 elsewhere (inf·0); a row with a NaN: all NaN — as an fp32 sum gives."""
+    x, w, shift, scale, _ = _inputs(70, 64, seed=19)
+    x[1, 3], x[12, 5], x[13, 7], x[13, 9] = float("inf"), float("nan"), float("-inf"), float("nan")
+    ours = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    eager = blocks.modulate_(F.rms_norm(x, (64,), w, 1e-6), shift, scale, RUNS)
+    assert torch.equal(ours.isnan(), eager.isnan()) and ours[12].isnan().all() and ours[13].isnan().all()
+    assert ours[1].isnan().sum() == 1 and torch.equal(ours[1][~ours[1].isnan()], eager[1][~eager[1].isnan()])
+    fine = ~ours.isnan().any(dim=1)
+    assert _rel(ours[fine], eager[fine].double()) < 1e-2

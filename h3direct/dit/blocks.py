@@ -8,7 +8,8 @@ with the modulation applied in place on the norm output and the gated residual a
 in place. That order (multiply, then add, then addcmul into x) is also the oracle's, so bf16 results round
 the same way. On CUDA with Triton (`fused.py`, unless H3_FUSED=0) the norm + modulation and the gated residual
 are one pass each over all rows, fp32 inside and rounded once: closer to fp32 than that eager order, which the
-exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge.
+exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge. The attention's gated residual and the
+MLP's norm + modulation share one pass there (`fused.residual_norm_modulate_`, bitwise the two kernels in turn).
 """
 
 from __future__ import annotations
@@ -192,9 +193,17 @@ class DiTBlock(nn.Module):
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
         fuse = fused.enabled(x)  # Triton: norm+modulation and the gated residual as one pass each
         h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse)
-        x = _add_gated(x, gate_a, self.attn(h, rope_table, backend=backend, sp=sp), runs, fuse)
+        attn_out = self.attn(h, rope_table, backend=backend, sp=sp)
         del h
-        box = [_modulated(self.norm2, x, shift_m, scale_m, runs, fuse)]  # the MLP frees it after fc1 (peak memory)
+        if fuse:  # attention's gated residual, then norm2 + the MLP's modulation, in one pass over x
+            h = fused.residual_norm_modulate_(x, gate_a, attn_out, self.norm2.weight, self.norm2.eps, shift_m,
+                                              scale_m, runs)
+        else:
+            x = gated_residual_(x, gate_a, attn_out, runs)
+            h = _modulated(self.norm2, x, shift_m, scale_m, runs, fuse)
+        del attn_out
+        box = [h]  # the MLP frees it after fc1 (peak memory)
+        del h
         return _add_gated(x, gate_m, self.mlp.forward_taking(box, chunks=mlp_chunks), runs, fuse)
 
 

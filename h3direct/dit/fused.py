@@ -4,13 +4,17 @@
   row (`row_index`; rows outside every modulation run get the plain norm). Eager rounds to the compute dtype
   three times (norm, multiply, add); this kernel keeps fp32 throughout and rounds once, at the store.
 - `gated_residual_`: x[row] += update[row] · gate[r], in place, fp32 inside, one rounding (eager: two).
+- `residual_norm_modulate_`: the two above in one pass (the attention's gated residual, then norm2 + the MLP's
+  modulation): x updated in place and h returned, bitwise what `gated_residual_` then `norm_modulate` give.
 - `swiglu_`: silu(gate) · up from fc1's [gate | up] output, written over the gate half in place (no [S, F]
   buffer). It rounds exactly where PyTorch's eager silu / mul do (CUDA's expf, IEEE division, explicit
   round-to-nearest ops), so on the GPU it is bitwise equal to `F.silu(gate).mul_(up)` (checked by
   `benchmarks/check_fused.py`; Triton's CPU interpreter has no libdevice and differs in the last bit).
 
-The first two are not bitwise equal to eager: they are closer to fp32 (fewer roundings), and the parity gate's
-exact budgets (ratio rule against ComfyUI's fp32 trace) judge them, as the numerical contract says.
+The norms' sums of squares are exact (fixed point, int64), so every launch config of `LAUNCH` / `SWEEP` gives
+the same bits. The adaLN kernels are not bitwise equal to eager: they are closer to fp32 (fewer roundings), and
+the parity gate's exact budgets (ratio rule against ComfyUI's fp32 trace) judge them, as the numerical contract
+says.
 
 Used on CUDA when Triton is importable; `H3_FUSED=0` selects the eager, op-by-op path (bitwise ComfyUI's order).
 The kernels are built on first use (`triton.jit` at that moment), so `TRITON_INTERPRET=1` set by a CPU test runs
@@ -31,6 +35,7 @@ except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
 MAX_HIDDEN = 16384  # one program holds a whole row of the norm (block = next power of two)
+_MAX_TILE = 32768  # values per program of the norm kernels: ROWS is cut to fit
 
 
 def enabled(x: torch.Tensor, *, whole_rows: bool = True) -> bool:
@@ -45,61 +50,154 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# ---- launch configurations ------------------------------------------------------------------------------------
+# One entry per kernel: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
+# program; EXACT: the exact sum of squares, False only for the sweep's measure of what it costs) and Triton's launch
+# options. `SWEEP` lists the candidates benchmarks/elem_sweep.py times at the DiT's full shape (benchmarks/
+# gpu_elem.sh on the H200 prints the best of each, to be copied here; until then these are the configs the
+# kernels had before the sweep existed). Every entry gives the same bits: the kernels are per row or per element,
+# and the norms' sums of squares are exact, so independent of how a program splits its rows.
+
+LAUNCH: dict[str, dict] = {
+    "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "gated_residual": {"ROWS": 1, "BLOCK": 2048, "num_warps": 4},
+    "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
+    "qk_norm_rope": {"HB": 8, "EXACT": True, "num_warps": 4},
+}
+
+SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread and tile)
+    "norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16, 32) if 4 * r <= w],
+    "residual_norm_modulate": [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16, 32)
+                               if 4 * r <= w],
+    "gated_residual": [{"ROWS": r, "BLOCK": b, "num_warps": w} for r, b in ((1, 1024), (1, 2048), (2, 1024),
+                                                                             (2, 2048), (4, 1024), (4, 2048))
+                       for w in (4, 8)],
+    "swiglu": [{"ROWS": r, "BLOCK": b, "num_warps": w} for r, b in ((1, 1024), (1, 2048), (1, 4096), (2, 1024),
+                                                                     (2, 2048), (4, 1024))
+               for w in (4, 8, 16)],
+    "qk_norm_rope": [{"HB": h, "num_warps": w} for h in (4, 8, 16, 32, 64) for w in (2, 4, 8, 16)
+                     if w <= h <= 16 * w],
+}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def launch_config(kernel: str, config: dict | None = None) -> dict:
+    """`LAUNCH[kernel]` with `config`'s entries over it (a sweep's candidate); unknown keys are errors."""
+    cfg = dict(LAUNCH[kernel])
+    for key, value in (config or {}).items():
+        if key not in cfg and key not in _OPTIONS:
+            raise ValueError(f"launch config of {kernel}: unknown key {key!r} (known: {sorted(cfg)})")
+        cfg[key] = value
+    return cfg
+
+
+def _split(cfg: dict) -> tuple[dict, dict]:
+    """(tile constexprs, launch options) of a launch config."""
+    return ({k: v for k, v in cfg.items() if k not in _OPTIONS}, {k: v for k, v in cfg.items() if k in _OPTIONS})
+
+
 # ---- kernels (plain functions; `_kernel` jit-compiles them on first use) ------------------------------------------
+# bf16 stores round to nearest even: by the hardware cast when compiled, by integer arithmetic in Triton's interpreter
+# (BF16_INT; its .to() truncates) — the same bits.
+# The norms' sums of squares are exact: each x² is scaled by a power of two set by the largest exponent in its
+# row (so that it is < 1), truncated to a multiple of 2^-48 and summed as int64 — associative, so the sum does not
+# depend on the program's layout (ROWS, HB, num_warps). The truncation moves the sum by < 2^-32 of it; the only
+# rounding is the int64 -> fp32 conversion.
 
 if triton is not None:
-    def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, D, stride_x, stride_o,
-                              stride_shift, stride_scale, eps, BLOCK: tl.constexpr,
-                              BF16: tl.constexpr, INTERPRET: tl.constexpr):
-        # one program = one sequence row; fp32 inside, one rounding at the store
-        row = tl.program_id(0).to(tl.int64)
+    def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, u_ptr, g_ptr, S, D, stride_x,
+                              stride_o, stride_u, stride_shift, stride_scale, stride_g, eps, ROWS: tl.constexpr,
+                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
+                              BF16_INT: tl.constexpr, INTERPRET: tl.constexpr):
+        # program = ROWS sequence rows, whole rows in registers; fp32 inside, one rounding at each store.
+        # RESIDUAL: first x[row] += u[row]·g[r] in place (rounded to x's dtype and stored, as gated_residual_
+        # does), then the norm of that stored x.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        inside = cols < D
-        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-        if INTERPRET:  # tl.sum is a compiled-mode function when Triton was imported outside the interpreter
-            ss = tl.reduce(x * x, 0, tl.standard._sum_combine)
-        else:
-            ss = tl.sum(x * x, axis=0)
-        inv_rms = 1.0 / tl.sqrt_rn(ss / D + eps)
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(idx_ptr + row)  # adaLN row, -1: no modulation (scale and shift read as 0)
-        modulated = inside & ((cols * 0 + r) >= 0)  # a block-shaped mask
+        in_rows = rows < S
+        inside = in_rows[:, None] & (cols < D)[None, :]
+        r = tl.load(idx_ptr + rows, mask=in_rows, other=-1)  # adaLN row, -1: no modulation (and no residual)
+        modulated = inside & (r >= 0)[:, None]
         r = tl.maximum(r, 0).to(tl.int64)
-        scale = tl.load(scale_ptr + r * stride_scale + cols, mask=modulated, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + r * stride_shift + cols, mask=modulated, other=0.0).to(tl.float32)
-        h = (x * inv_rms * w) * (1.0 + scale) + shift
-        if BF16:  # round to nearest even by integer arithmetic (exact; Triton's interpreter truncates on .to())
+        x_at = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        x = tl.load(x_at, mask=inside, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=modulated, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + r[:, None] * stride_g + cols[None, :], mask=modulated, other=0.0).to(tl.float32)
+            y = tl.fma(u, g, x)  # as _gated_residual_kernel: one fp32 rounding, the same bits
+            if BF16_INT:
+                b = y.to(tl.uint32, bitcast=True)
+                y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            y = y.to(x_ptr.dtype.element_ty)
+            tl.store(x_at, y, mask=modulated)
+            x = tl.where(modulated, y.to(tl.float32), x)
+        if EXACT:  # exact sum of squares (see above): the same bits for every launch config
+            # key = 2·exponent + is_nan: its row max gives the largest exponent and whether a NaN is in the row
+            e = ((x.to(tl.uint32, bitcast=True) >> 22) & 0x1FE).to(tl.int32) + (x != x).to(tl.int32)
+            if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
+                kmax = tl.reduce(e, 1, tl.standard._elementwise_max)
+            else:
+                kmax = tl.max(e, axis=1)
+            emax = kmax >> 1
+            down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(126-emax)
+            up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)  # 2^(emax-126)
+            t = x * down[:, None]
+            q = (t * t * 281474976710656.0).to(tl.int64)  # · 2^48, truncated
+            if INTERPRET:
+                qs = tl.reduce(q, 1, tl.standard._sum_combine)
+            else:
+                qs = tl.sum(q, axis=1)
+            ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up  # · 2^-48 · 2^(2·(emax - 126))
+            ss = tl.where(emax == 255, tl.where(kmax == 511, float("nan"), float("inf")), ss)  # as an fp32 sum
+        else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
+            if INTERPRET:
+                ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
+            else:
+                ss = tl.sum(x * x, axis=1)
+        inv_rms = 1.0 / tl.sqrt_rn(ss / D + eps)
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + r[:, None] * stride_scale + cols[None, :], mask=modulated,
+                        other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + r[:, None] * stride_shift + cols[None, :], mask=modulated,
+                        other=0.0).to(tl.float32)
+        h = tl.fma(x * inv_rms[:, None] * w[None, :], 1.0 + scale, shift)
+        if BF16_INT:
             b = h.to(tl.uint32, bitcast=True)
             h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(out_ptr + row * stride_o + cols, h.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-    def _gated_residual_kernel(x_ptr, u_ptr, g_ptr, idx_ptr, D, stride_x, stride_u, stride_g, BLOCK: tl.constexpr,
-                               BF16: tl.constexpr):
-        # program (row, column block); rows outside every run are neither read nor written
-        row = tl.program_id(0).to(tl.int64)
+    def _gated_residual_kernel(x_ptr, u_ptr, g_ptr, idx_ptr, S, D, stride_x, stride_u, stride_g,
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16_INT: tl.constexpr):
+        # program (ROWS rows, column block); rows outside every run are neither read nor written
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        r = tl.load(idx_ptr + row)
-        live = (cols < D) & ((cols * 0 + r) >= 0)
+        in_rows = rows < S
+        r = tl.load(idx_ptr + rows, mask=in_rows, other=-1)
+        live = (in_rows & (r >= 0))[:, None] & (cols < D)[None, :]
         r = tl.maximum(r, 0).to(tl.int64)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * stride_u + cols, mask=live, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + r * stride_g + cols, mask=live, other=0.0).to(tl.float32)
-        y = x + u * g
-        if BF16:
+        x_at = x_ptr + rows[:, None] * stride_x + cols[None, :]
+        x = tl.load(x_at, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * stride_u + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r[:, None] * stride_g + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        y = tl.fma(u, g, x)  # explicit: the bits do not hang on the compiler's fp-contraction default
+        if BF16_INT:
             b = y.to(tl.uint32, bitcast=True)
             y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(x_ptr + row * stride_x + cols, y.to(x_ptr.dtype.element_ty), mask=live)
+        tl.store(x_at, y.to(x_ptr.dtype.element_ty), mask=live)
 
 
-    def _swiglu_kernel(a_ptr, F, stride_a, BLOCK: tl.constexpr, ROUND: tl.constexpr, LIBDEVICE: tl.constexpr):
-        # program (row, column block): a[row, :F] <- silu(a[row, :F]) * a[row, F:], each element read before written.
-        # ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne by integer arithmetic, exact in the interpreter too)
-        row = tl.program_id(0).to(tl.int64)
+    def _swiglu_kernel(a_ptr, S, F, stride_a, ROWS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                       LIBDEVICE: tl.constexpr):
+        # program (ROWS rows, column block): a[row, :F] <- silu(a[row, :F]) * a[row, F:], each element read before
+        # written. ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne cast; by integer arithmetic interpreted)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < F
-        g = tl.load(a_ptr + row * stride_a + cols, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(a_ptr + row * stride_a + F + cols, mask=inside, other=0.0).to(tl.float32)
+        inside = (rows < S)[:, None] & (cols < F)[None, :]
+        at = a_ptr + rows[:, None] * stride_a + cols[None, :]
+        g = tl.load(at, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(at + F, mask=inside, other=0.0).to(tl.float32)
         if LIBDEVICE:  # CUDA's expf and IEEE division, as PyTorch's silu kernel
             s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
         else:  # Triton's interpreter has no libdevice
@@ -107,8 +205,12 @@ if triton is not None:
         if ROUND == 1:  # eager rounds silu's result to the storage dtype before the product
             s = s.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
         elif ROUND == 2:
-            b = s.to(tl.uint32, bitcast=True)
-            s = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            if LIBDEVICE:
+                s = s.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+            else:
+                b = s.to(tl.uint32, bitcast=True)
+                s = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                s = s.to(tl.float32)
         if LIBDEVICE:
             y = libdevice.mul_rn(s, u)
         else:
@@ -116,16 +218,21 @@ if triton is not None:
         if ROUND == 1:
             y = y.to(tl.float16, fp_downcast_rounding="rtne")
         elif ROUND == 2:
-            b = y.to(tl.uint32, bitcast=True)
-            y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(a_ptr + row * stride_a + cols, y.to(a_ptr.dtype.element_ty), mask=inside)
+            if LIBDEVICE:
+                y = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            else:
+                b = y.to(tl.uint32, bitcast=True)
+                y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
 
-    def _qk_norm_rope_kernel(x_ptr, w_ptr, t_ptr, H, R, stride_xs, stride_xh, stride_ts, stride_tj, stride_ta,
-                             stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, BF16: tl.constexpr,
-                             INTERPRET: tl.constexpr):
-        # program (row s, block of HB heads), in place on x[s, h, :D]: per-head RMSNorm, then the split-half rotation
-        # of the first 2R dims: out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R], out[j+R] = T[j,1,0]·n[j] + T[j,1,1]·n[j+R]
-        # (j < R; T = the row's [R, 2, 2] table), the rest passes through. fp32 inside, one rounding at the store.
+    def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, t_ptr, H, HQ, R, stride_xs, stride_xh, stride_ts, stride_tj,
+                             stride_ta, stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, EXACT: tl.constexpr,
+                             BF16_INT: tl.constexpr, INTERPRET: tl.constexpr):
+        # program (row s, block of HB heads), in place on x[s, h, :D] for h < H: per-head RMSNorm (weight wq for
+        # heads h < HQ, wk after: q and k of one qkv row are H = 2·HQ heads of one strided view), then the
+        # split-half rotation of the first 2R dims: out[j] = T[j,0,0]·n[j] + T[j,0,1]·n[j+R],
+        # out[j+R] = T[j,1,0]·n[j] + T[j,1,1]·n[j+R] (j < R; T = the row's [R, 2, 2] table), the rest passes
+        # through. fp32 inside, one rounding at the store.
         s = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)
         d = tl.arange(0, D)
@@ -136,22 +243,43 @@ if triton is not None:
         partner = tl.where(lo, d + R, tl.where(rot, d - R, d))
         x = tl.load(base + d[None, :], mask=live, other=0.0).to(tl.float32)
         xp = tl.load(base + partner[None, :], mask=live, other=0.0).to(tl.float32)
-        if INTERPRET:  # tl.sum is a compiled-mode function when Triton was imported outside the interpreter
-            ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
-        else:
-            ss = tl.sum(x * x, axis=1)
+        if EXACT:  # exact sum of squares (see above): the same bits for every launch config
+            # key = 2·exponent + is_nan: its row max gives the largest exponent and whether a NaN is in the row
+            e = ((x.to(tl.uint32, bitcast=True) >> 22) & 0x1FE).to(tl.int32) + (x != x).to(tl.int32)
+            if INTERPRET:  # tl.max / tl.sum: compiled-mode functions when Triton was imported outside it
+                kmax = tl.reduce(e, 1, tl.standard._elementwise_max)
+            else:
+                kmax = tl.max(e, axis=1)
+            emax = kmax >> 1
+            down = (tl.minimum(tl.maximum(253 - emax, 1), 254) << 23).to(tl.float32, bitcast=True)
+            up = (tl.minimum(tl.maximum(emax + 1, 1), 254) << 23).to(tl.float32, bitcast=True)
+            t = x * down[:, None]
+            q = (t * t * 281474976710656.0).to(tl.int64)
+            if INTERPRET:
+                qs = tl.reduce(q, 1, tl.standard._sum_combine)
+            else:
+                qs = tl.sum(q, axis=1)
+            ss = qs.to(tl.float32) * 3.552713678800501e-15 * up * up
+            ss = tl.where(emax == 255, tl.where(kmax == 511, float("nan"), float("inf")), ss)  # as an fp32 sum
+        else:  # fp32 sum in the layout's order (for measuring what the exact sum costs)
+            if INTERPRET:
+                ss = tl.reduce(x * x, 1, tl.standard._sum_combine)
+            else:
+                ss = tl.sum(x * x, axis=1)
         inv_rms = 1.0 / tl.sqrt_rn(ss / D + eps)
-        w = tl.load(w_ptr + d).to(tl.float32)
-        wp = tl.load(w_ptr + partner).to(tl.float32)
-        n = x * inv_rms[:, None] * w[None, :]
-        n_p = xp * inv_rms[:, None] * wp[None, :]
+        is_q = (heads < HQ)[:, None]
+        w = tl.where(is_q, tl.load(wq_ptr + d).to(tl.float32)[None, :], tl.load(wk_ptr + d).to(tl.float32)[None, :])
+        wp = tl.where(is_q, tl.load(wq_ptr + partner).to(tl.float32)[None, :],
+                      tl.load(wk_ptr + partner).to(tl.float32)[None, :])
+        n = x * inv_rms[:, None] * w
+        n_p = xp * inv_rms[:, None] * wp
         j = tl.where(lo, d, d - R)
         a = tl.where(lo, 0, 1)  # output row of the 2x2 matrix
         trow = t_ptr + s * stride_ts + j * stride_tj + a * stride_ta
         c_self = tl.load(trow + a * stride_tb, mask=rot, other=1.0).to(tl.float32)  # T[j,0,0] or T[j,1,1]
         c_part = tl.load(trow + (1 - a) * stride_tb, mask=rot, other=0.0).to(tl.float32)  # T[j,0,1] or T[j,1,0]
         y = n * c_self[None, :] + n_p * c_part[None, :]
-        if BF16:
+        if BF16_INT:
             b = y.to(tl.uint32, bitcast=True)
             y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(base + d[None, :], y.to(x_ptr.dtype.element_ty), mask=live)
@@ -195,9 +323,24 @@ def row_index(runs, rows: int, device) -> torch.Tensor:
 
 
 # ---- entry points ---------------------------------------------------------------------------------------------
+# `config`: entries over the kernel's `LAUNCH` row (benchmarks/elem_sweep.py passes each candidate); None: the table.
+
+def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, gate, config) -> None:
+    s, d = x.shape
+    block = triton.next_power_of_2(d)
+    tile, options = _split(launch_config(kernel, config))
+    rows = max(1, min(tile["ROWS"], _MAX_TILE // block))
+    residual = update is not None
+    u, g = (update, gate) if residual else (x, shift)  # unread placeholders without the residual
+    _kernel(_norm_modulate_kernel)[(triton.cdiv(s, rows),)](
+        x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out, u, g, s, d, x.stride(0),
+        out.stride(0), u.stride(0), shift.stride(0), scale.stride(0), g.stride(0), float(eps), ROWS=rows,
+        BLOCK=block, RESIDUAL=residual, EXACT=bool(tile["EXACT"]),
+        BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **options)
+
 
 def norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-                  runs) -> torch.Tensor:
+                  runs, *, config: dict | None = None) -> torch.Tensor:
     """rmsnorm(x)·weight ⊙ (1 + scale[r]) + shift[r] per row (a fresh tensor in x's dtype). x [S, D];
     shift, scale [n_rows, D] (any row stride); rows outside `runs`: the plain norm."""
     s, d = x.shape
@@ -205,17 +348,34 @@ def norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torc
         raise ValueError(f"norm_modulate holds one row per program: hidden {d} > {MAX_HIDDEN}")
     x, shift, scale = _rows_contiguous(x), _rows_contiguous(shift), _rows_contiguous(scale)
     out = torch.empty(s, d, dtype=x.dtype, device=x.device)
-    if s == 0:
-        return out
-    block = triton.next_power_of_2(d)
-    _kernel(_norm_modulate_kernel)[(s,)](x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out,
-                                         d, x.stride(0), out.stride(0), shift.stride(0), scale.stride(0),
-                                         float(eps), BLOCK=block, BF16=x.dtype == torch.bfloat16,
-                                         INTERPRET=_interpreting(), num_warps=8 if block >= 4096 else 4)
+    if s:
+        _norm_launch("norm_modulate", x, weight, eps, shift, scale, runs, out, None, None, config)
     return out
 
 
-def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, runs) -> torch.Tensor:
+def residual_norm_modulate_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
+                            eps: float, shift: torch.Tensor, scale: torch.Tensor, runs, *,
+                            config: dict | None = None) -> torch.Tensor:
+    """`gated_residual_(x, gate, update, runs)` then `norm_modulate(x, weight, eps, shift, scale, runs)` in one pass:
+    x is updated in place (the same bits as gated_residual_), and the returned fresh h is the norm of that stored x
+    (the same bits as norm_modulate). Reads x and update once, writes x and h."""
+    s, d = x.shape
+    if d > MAX_HIDDEN:
+        raise ValueError(f"residual_norm_modulate_ holds one row per program: hidden {d} > {MAX_HIDDEN}")
+    if x.stride(-1) != 1:
+        raise ValueError("residual_norm_modulate_ writes x in place: it needs unit column stride")
+    if update.shape != x.shape:
+        raise ValueError(f"residual_norm_modulate_: update {tuple(update.shape)} != x {tuple(x.shape)}")
+    update, gate = _rows_contiguous(update), _rows_contiguous(gate)
+    shift, scale = _rows_contiguous(shift), _rows_contiguous(scale)
+    out = torch.empty(s, d, dtype=x.dtype, device=x.device)
+    if s:
+        _norm_launch("residual_norm_modulate", x, weight, eps, shift, scale, runs, out, update, gate, config)
+    return out
+
+
+def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, runs, *,
+                    config: dict | None = None) -> torch.Tensor:
     """In place: x[row] += update[row]·gate[r] for the rows of `runs` (the others untouched); returns x.
     x [S, D] with unit column stride; update [S, D]; gate [n_rows, D]."""
     s, d = x.shape
@@ -224,15 +384,15 @@ def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, r
     update, gate = _rows_contiguous(update), _rows_contiguous(gate)
     if s == 0:
         return x
-    block = min(2048, triton.next_power_of_2(d))  # 5376 = 3 blocks of 2048 (2 of 4096 would idle a third)
-    _kernel(_gated_residual_kernel)[(s, triton.cdiv(d, block))](x, update, gate, row_index(runs, s, x.device), d,
-                                                                x.stride(0), update.stride(0), gate.stride(0),
-                                                                BLOCK=block, BF16=x.dtype == torch.bfloat16,
-                                                                num_warps=4)
+    tile, options = _split(launch_config("gated_residual", config))
+    block = min(tile["BLOCK"], triton.next_power_of_2(d))
+    _kernel(_gated_residual_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(d, block))](
+        x, update, gate, row_index(runs, s, x.device), s, d, x.stride(0), update.stride(0), gate.stride(0),
+        ROWS=tile["ROWS"], BLOCK=block, BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), **options)
     return x
 
 
-def swiglu_(a: torch.Tensor) -> torch.Tensor:
+def swiglu_(a: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
     """a [S, 2F] (fc1's output: gate | up) -> silu(gate)·up written over the gate half; returns that [S, F] view
     (row stride 2F)."""
     s, f2 = a.shape
@@ -240,9 +400,11 @@ def swiglu_(a: torch.Tensor) -> torch.Tensor:
         raise ValueError("swiglu_ writes in place: it needs unit column stride")
     f = f2 // 2
     if s:
-        block = 1024
-        _kernel(_swiglu_kernel)[(s, triton.cdiv(f, block))](a, f, a.stride(0), BLOCK=block, ROUND=_ROUND[a.dtype],
-                                                            LIBDEVICE=not _interpreting())
+        tile, options = _split(launch_config("swiglu", config))
+        block = min(tile["BLOCK"], triton.next_power_of_2(f))
+        _kernel(_swiglu_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(f, block))](
+            a, s, f, a.stride(0), ROWS=tile["ROWS"], BLOCK=block, ROUND=_ROUND[a.dtype],
+            LIBDEVICE=not _interpreting(), **options)
     return a[:, :f]
 
 
@@ -253,21 +415,34 @@ def qk_norm_rope_supported(q: torch.Tensor, table: torch.Tensor) -> bool:
     return (dim & (dim - 1)) == 0 and dim <= 256 and q.stride(-1) == 1 and 2 * table.shape[-3] <= dim
 
 
+def _k_follows_q(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """k's heads continue q's in memory (q, k = thirds of one qkv projection row): one launch covers both."""
+    h = q.shape[2]
+    return (k.shape == q.shape and k.stride() == q.stride() and k.dtype == q.dtype
+            and k.data_ptr() == q.data_ptr() + h * q.stride(2) * q.element_size())
+
+
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                  table: torch.Tensor, eps: float) -> None:
+                  table: torch.Tensor, eps: float, *, config: dict | None = None) -> None:
     """In place on q, k [1, S, H, D] (views into the qkv projection output): per-head RMSNorm (weight [D]) then
-    the partial split-half rotation by table [1, S, 1, R, 2, 2] — `rope.rms_norm_rope` in one pass per tensor,
-    fp32 inside, one rounding."""
+    the partial split-half rotation by table [1, S, 1, R, 2, 2] — `rope.rms_norm_rope` in one pass, fp32 inside,
+    one rounding. One launch for both when k's heads follow q's in memory (the qkv buffer), else one per tensor."""
     _, s, h, dim = q.shape
     r = table.shape[-3]
-    hb = max(1, min(triton.next_power_of_2(h), 1024 // dim))  # [hb, dim] = 1024 elements per program
-    for x, w in ((q, q_weight), (k, k_weight)):
+    for x in (q, k):
         if x.stride(-1) != 1:
             raise ValueError("qk_norm_rope_ writes in place: it needs unit last stride")
-        if s == 0:
-            continue
-        _kernel(_qk_norm_rope_kernel)[(s, triton.cdiv(h, hb))](
-            x, w.contiguous(), table, h, r, x.stride(1), x.stride(2), table.stride(1), table.stride(3),
-            table.stride(4), table.stride(5), float(eps), D=dim, HB=hb, BF16=x.dtype == torch.bfloat16,
-            INTERPRET=_interpreting(), num_warps=4)
-
+    if s == 0:
+        return
+    tile, options = _split(launch_config("qk_norm_rope", config))
+    wq, wk = q_weight.contiguous(), k_weight.contiguous()
+    if _k_follows_q(q, k):
+        calls = [(q, wq, wk, 2 * h)]
+    else:
+        calls = [(q, wq, wq, h), (k, wk, wk, h)]
+    for x, w_first, w_second, heads in calls:
+        hb = max(1, min(triton.next_power_of_2(heads), tile["HB"]))
+        _kernel(_qk_norm_rope_kernel)[(s, triton.cdiv(heads, hb))](
+            x, w_first, w_second, table, heads, h, r, x.stride(1), x.stride(2), table.stride(1), table.stride(3),
+            table.stride(4), table.stride(5), float(eps), D=dim, HB=hb, EXACT=bool(tile["EXACT"]),
+            BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **options)
