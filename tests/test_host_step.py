@@ -201,3 +201,53 @@ def test_sampler_loop_reads_back_once_and_tags_sigmas(monkeypatch, sampler):
         counts.append(len(spy.calls))
     assert counts[0] == counts[1], counts
     assert seen and all(v is not None and v == float(t.reshape(-1)[0]) for v, t in seen)
+
+
+# ---- the GPU script's pieces, on the CPU ----------------------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_host_step_trace_analysis():
+    """Busy = union of GPU intervals in the step window; gaps name the kernels around them and the launching op;
+    a blocking runtime call inside the Denoiser's range is listed with the op that made it."""
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    from host_step import analyse_trace
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [x("user_annotation", "host_step0", 0, 1000), x("user_annotation", "den0", 10, 900),
+              x("cpu_op", "aten::item", 100, 150), x("cuda_runtime", "cudaStreamSynchronize", 110, 100),
+              x("cpu_op", "aten::mm", 300, 20), x("cuda_runtime", "cudaLaunchKernel", 305, 5, corr=7),
+              x("kernel", "k1", 50, 100, 9, 3), x("kernel", "k2", 120, 100, 9, 4),  # overlapping: merged
+              x("kernel", "gemm", 320, 600, 9, 7), x("kernel", "outside", 1200, 50, 9, 8)]
+    (s,) = analyse_trace(events, 1)
+    assert (s["wall_ms"], s["busy_ms"], s["lead_ms"], s["tail_ms"]) == (1.0, 0.77, 0.05, 0.08)
+    assert abs(s["idle_ms"] - 0.23) < 1e-9 and s["gaps_over_50us"] == 2
+    g = s["largest_gaps"][0]
+    assert (g["before"], g["after"], g["launched_by"], g["gap_ms"]) == ("k2", "gemm", "aten::mm", 0.1)
+    assert [(y["call"], y["in_op"]) for y in s["syncs_in_denoiser"]] == [("cudaStreamSynchronize", "aten::item")]
+
+
+def test_host_step_script_tiny(tmp_path):
+    """benchmarks/host_step.py end to end on the tiny preset (CPU: no kernels to time; the plumbing and the bitwise
+    check run)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "host_step.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(BENCH / "host_step.py"), "--preset", "tiny", "--device", "cpu",
+                           "--steps", "2", "--out", str(out)], cwd=BENCH.parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["bitwise_cached_vs_uncached"] == {"0.8": True, "0.3": True}
+    assert len(r["steps"]) == 2 and all("wall_ms" in s for s in r["steps"])
