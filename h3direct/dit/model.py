@@ -63,25 +63,26 @@ class StepInvariants:
     """What every forward with one context and one conditioning shares, made on the first call and kept by the caller
     (a `Denoiser`) for the next ones: the packed layout, its rope table, the condition rows and the host copy of the
     text tags. None of it depends on σ. Each piece is reused only while what it was made from is unchanged: the layout
-    while its signature matches the inputs, the rope table for the same layout object, device and dtype, the condition
-    rows for the same latent tensor objects, seed, noise levels and device, the tags for the same tag tensor. The
-    conditioning's tensors are not expected to change in place between calls (a Denoiser's conditioning is fixed).
+    while its signature matches the inputs, the rope table for the same layout object, model, device and dtype, the
+    condition rows for the same model, latent tensor objects, seed, noise levels and device, the tags for the same tag
+    tensor. The conditioning's tensors are not expected to change in place between calls (a Denoiser's conditioning
+    is fixed).
     """
 
     def __init__(self):
         self.layout: PackedLayout | None = None
-        self._rope = None  # (layout, device, dtype, table)
+        self._rope = None  # (layout, model, device, dtype, table)
         self._cond = None  # (key, (video rows | None, audio rows | None))
         self._tags = None  # (tag tensor, host list)
 
     def rope_table(self, model: H3DiT, layout: PackedLayout, device) -> torch.Tensor:
         device, r = torch.device(device), self._rope
-        if r is None or r[0] is not layout or r[1] != device or r[2] != model.compute_dtype:
-            self._rope = r = (layout, device, model.compute_dtype, model.rope_table(layout, device))
-        return r[3]
+        if r is None or r[0] is not layout or r[1] is not model or r[2] != device or r[3] != model.compute_dtype:
+            self._rope = r = (layout, model, device, model.compute_dtype, model.rope_table(layout, device))
+        return r[4]
 
     def condition_rows(self, model: H3DiT, cond: Conditioning, device):
-        latents = (*cond.cond_video_latents(), None, *cond.cond_audio_latents())
+        latents = (model, *cond.cond_video_latents(), None, *cond.cond_audio_latents())
         key = (latents, int(cond.seed), float(cond.visual_cond_noise_aug), float(cond.audio_cond_noise_aug),
                torch.device(device))
         if self._cond is None or not _same_key(self._cond[0], key):
@@ -97,7 +98,7 @@ class StepInvariants:
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
-    """Keys of `StepInvariants.condition_rows`: the latents compared by identity, the rest by value."""
+    """Keys of `StepInvariants.condition_rows`: the model and latents compared by identity, the rest by value."""
     return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0], strict=True))
             and a[1:] == b[1:])
 
