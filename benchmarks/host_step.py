@@ -254,14 +254,7 @@ def main(argv=None) -> int:
         t = torch.tensor([value], dtype=torch.float32).to(dev)  # made outside the timed regions
         return host_sigma.tag(t, value) if tagged else t
 
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        den(video, audio, torch.tensor([0.9], device=dev))
-        C.sync(dev)
-        res["warmup_s"] = time.perf_counter() - t0
-        C.log(f"warm-up step {res['warmup_s']:.2f} s")
-
-        # 2. synchronized steps under the profiler
+    def profiled():  # 2. synchronized steps under the profiler
         sigmas = [fresh(0.8 - 0.1 * i) for i in range(args.steps)]
         walls = []
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -276,30 +269,29 @@ def main(argv=None) -> int:
                     C.sync(dev)
                 walls.append(time.perf_counter() - t0)
         res["synced_wall_s"] = walls
+        C.log(f"profiled steps: wall {[round(w, 4) for w in walls]}")
         trace = f"/tmp/host_step_trace_{os.getpid()}.json"
         prof.export_chrome_trace(trace)
-        res["steps"] = analyse_trace(_load_trace(trace), args.steps)
-        os.unlink(trace)
-        save()
-        C.log(f"profiled steps: wall {[round(w, 4) for w in walls]}")
+        try:
+            res["steps"] = analyse_trace(_load_trace(trace), args.steps)
+        finally:
+            os.unlink(trace)
 
-        # 3. sync debug mode
-        if cuda:
-            with torch.inference_mode(False):  # a normal tensor, as run_contract's σ: untagged, its read remembered
-                same = torch.tensor([0.55], device=dev)
-            den(video, audio, same)
-            tagged, untagged, old = fresh(0.45), fresh(0.35, tagged=False), fresh(0.25)
-            C.sync(dev)
-            res["sync_debug"] = {
-                "warm_same_sigma": syncs_during(lambda: den(video, audio, same)),
-                "warm_fresh_tagged_sigma": syncs_during(lambda: den(video, audio, tagged)),
-                "warm_fresh_untagged_sigma": syncs_during(lambda: den(video, audio, untagged)),
-                "uncached_path": syncs_during(lambda: uncached(old)),
-            }
-            save()
+    def sync_debug():  # 3. sync debug mode
+        with torch.inference_mode(False):  # a normal tensor, as run_contract's σ: untagged, its read remembered
+            same = torch.tensor([0.55], device=dev)
+        den(video, audio, same)
+        tagged, untagged, old = fresh(0.45), fresh(0.35, tagged=False), fresh(0.25)
+        C.sync(dev)
+        res["sync_debug"] = {
+            "warm_same_sigma": syncs_during(lambda: den(video, audio, same)),
+            "warm_fresh_tagged_sigma": syncs_during(lambda: den(video, audio, tagged)),
+            "warm_fresh_untagged_sigma": syncs_during(lambda: den(video, audio, untagged)),
+            "uncached_path": syncs_during(lambda: uncached(old)),
+        }
 
-        # 4. bitwise: cached vs uncached
-        bit = {}
+    def bitwise():  # 4. cached vs uncached
+        bit = res["bitwise_cached_vs_uncached"] = {}
         for v in (0.8, 0.3):
             a, b = den(video, audio, fresh(v)), uncached(fresh(v))
             bit[str(v)] = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -308,32 +300,46 @@ def main(argv=None) -> int:
             a, b = uncached(fresh(0.8)), uncached(fresh(0.8))
             bit["uncached_twice_equal"] = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
             del a, b
-        res["bitwise_cached_vs_uncached"] = bit
-        save()
 
-        # 5. without the profiler: synced steps (the Denoiser, then the uncached path), and no per-step syncs (CUDA
-        # events), as run_contract times its steps
-        if time.perf_counter() - t_start < 150 or not cuda:
-            for key, fn in (("synced_wall_noprof_s", den), ("synced_wall_uncached_s", None)):
-                walls = []
-                for i in range(args.steps if fn is not None else max(2, args.steps - 1)):
-                    s = fresh(0.75 - 0.1 * i)
-                    C.sync(dev)
-                    t0 = time.perf_counter()
-                    if fn is None:
-                        uncached(s)
-                    else:
-                        fn(video, audio, s)
-                    C.sync(dev)
-                    walls.append(time.perf_counter() - t0)
-                res[key] = walls
-            same = fresh(0.8)
-            r = C.time_calls(lambda: den(video, audio, same), dev, warmup=0, iters=args.steps)
-            res["events_denoiser_s"] = r["times_s"]
-            r = C.time_calls(lambda: uncached(same), dev, warmup=0, iters=max(2, args.steps - 1))
-            res["events_uncached_s"] = r["times_s"]
-        else:
-            res["events_skipped"] = "time budget"
+    def timing():  # 5. without the profiler: synced steps, and CUDA events without per-step syncs (run_contract)
+        if time.perf_counter() - t_start > 150 and cuda:
+            res["timing_skipped"] = "time budget"
+            return
+        for key, fn in (("synced_wall_noprof_s", den), ("synced_wall_uncached_s", None)):
+            walls = []
+            for i in range(args.steps if fn is not None else max(2, args.steps - 1)):
+                s = fresh(0.75 - 0.1 * i)
+                C.sync(dev)
+                t0 = time.perf_counter()
+                if fn is None:
+                    uncached(s)
+                else:
+                    fn(video, audio, s)
+                C.sync(dev)
+                walls.append(time.perf_counter() - t0)
+            res[key] = walls
+        same = fresh(0.8)
+        res["events_denoiser_s"] = C.time_calls(lambda: den(video, audio, same), dev, warmup=0,
+                                                iters=args.steps)["times_s"]
+        res["events_uncached_s"] = C.time_calls(lambda: uncached(same), dev, warmup=0,
+                                                iters=max(2, args.steps - 1))["times_s"]
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        den(video, audio, torch.tensor([0.9], device=dev))
+        C.sync(dev)
+        res["warmup_s"] = time.perf_counter() - t0
+        C.log(f"warm-up step {res['warmup_s']:.2f} s")
+        for name, fn in (("profiled", profiled), ("sync_debug", sync_debug if cuda else None),
+                         ("bitwise", bitwise), ("timing", timing)):
+            if fn is None:
+                continue
+            try:  # one failing part does not lose the others
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON and the summary
+                res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                C.log(f"{name} failed: {res['errors'][name]}")
+            save()
     res["total_s"] = time.perf_counter() - t_start
     save()
     summary(res)
@@ -384,6 +390,10 @@ def summary(res: dict) -> None:
         if res.get(key):
             print(f"  {key:24s} median {statistics.median(res[key]):.4f} s  {[round(t, 4) for t in res[key]]}"
                   f"  ({what})")
+    for name, err in (res.get("errors") or {}).items():
+        print(f"  ERROR in {name}: {err}")
+    if res.get("timing_skipped"):
+        print(f"  timing skipped: {res['timing_skipped']}")
     print(f"  total {res.get('total_s', 0):.0f} s")
 
 
