@@ -9,6 +9,10 @@ audio stream scaled by audio_scale = shift_video / shift_audio (12 / 3 = 4). The
 4. the audio output is mapped back to the carried variable:
    out_a ← (1 − scale)·audio_own + (1 + (scale − 1)·σ_a)·out_a;
 5. x0 = x − out·σ (float32), per stream.
+
+A Denoiser keeps what its calls share (`model.StepInvariants`: layout, rope table, condition rows, text tags) and
+plans each step from σ's host value (`sampling.host_sigma`: the sampler tags the σ tensors it passes; an untagged σ
+is read back once and remembered), so a call after the first queues its GPU work without waiting for the GPU.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from h3direct.dit.attention import DEFAULT_BACKEND
-from h3direct.dit.model import Conditioning, H3DiT
-from h3direct.dit.timesteps import sigma_from_timestep
+from h3direct.dit.model import Conditioning, H3DiT, StepInvariants
+from h3direct.dit.timesteps import host_stream_times, sigma_from_timestep
+from h3direct.sampling import host_sigma
 from h3direct.sampling.schedules import audio_sigma
 
 
@@ -59,14 +64,17 @@ class AudioCarry:
 
 def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                   context: torch.Tensor, cond: Conditioning, *, audio_scale: float,
-                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None):
-    """One model call on sampler-space (carried) audio: audio in and out are the sampler's variable y."""
+                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None,
+                  invariants: StepInvariants | None = None, times: tuple[float, float] | None = None):
+    """One model call on sampler-space (carried) audio: audio in and out are the sampler's variable y.
+    `invariants`, `times`: see `H3DiT.forward_inner`."""
     carry = AudioCarry.at(model, timestep, audio_scale, audio.dtype) if audio_scale != 1.0 else None
     own_audio = audio if carry is None else carry.own(audio)
     for name, tensor in (("video", video), ("audio", own_audio), ("timestep", timestep), ("context", context)):
         model._record(f"dit_inner.in.{name}", tensor)
     out_v, out_a = model.forward_inner(video, own_audio, timestep, context, cond, backend=backend,
-                                       mlp_chunks=mlp_chunks, layout=layout)
+                                       mlp_chunks=mlp_chunks, layout=layout, invariants=invariants,
+                                       times=times)
     model._record("dit_inner.out.video", out_v)
     model._record("dit_inner.out.audio", out_a)
     if carry is not None:
@@ -86,11 +94,18 @@ class Denoiser:
     mlp_chunks: int = 1
 
     def __post_init__(self):
-        self._layout = None
+        self._invariants = StepInvariants()
+
+    @property
+    def _layout(self):
+        """The packed layout of the last call (None before the first)."""
+        return self._invariants.layout
 
     def __call__(self, x_video: torch.Tensor, x_audio: torch.Tensor, sigma: torch.Tensor):
-        m = self.model
+        m, c = self.model, self.model.config
         dtype = m.compute_dtype
+        times = host_stream_times(host_sigma.read(sigma), shift_video=c.sigma_shift_video,
+                                  shift_audio=c.sigma_shift_audio, device_type=sigma.device.type)
         sigma = sigma.reshape(-1)[:1].float()
         timestep = (sigma * 1000.0).float()
         v_in, a_in = x_video.to(dtype), x_audio.to(dtype)
@@ -98,11 +113,9 @@ class Denoiser:
         m._record("dit_forward.in.audio", a_in)
         m._record("dit_forward.in.timestep", timestep)
         with torch.no_grad():
-            if self._layout is None:
-                self._layout = m.layout_for(self.context.shape[1], v_in, a_in, self.cond)
             out_v, out_a = model_forward(m, v_in, a_in, timestep, self.context, self.cond,
                                          audio_scale=self.audio_scale, backend=self.backend,
-                                         mlp_chunks=self.mlp_chunks, layout=self._layout)
+                                         mlp_chunks=self.mlp_chunks, invariants=self._invariants, times=times)
         m._record("dit_forward.out.video", out_v)
         m._record("dit_forward.out.audio", out_a)
         s = sigma.reshape(1, *([1] * (x_video.ndim - 1)))

@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from h3direct.dit.host import upload
+
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
     import triton
     import triton.language as tl
@@ -315,7 +317,7 @@ def row_index(runs, rows: int, device) -> torch.Tensor:
         idx = torch.full((rows,), -1, dtype=torch.int32)
         for r in runs:
             idx[r.start:r.stop] = r.row
-        idx = idx.to(device)
+        idx = upload(idx, device)  # pinned, asynchronous: no host wait
         if len(_ROW_INDEX) >= 16:
             _ROW_INDEX.clear()
         _ROW_INDEX[key] = idx

@@ -26,10 +26,11 @@ from h3direct.dit.embed import (
     unpack_audio,
     unpatchify_video,
 )
+from h3direct.dit.host import upload
 from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.linear import Linear, prefetcher_for
 from h3direct.dit.rope import rope_angles, rotation_table
-from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, plan_timesteps
+from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, host_tags, plan_timesteps
 from h3direct.errors import H3Error
 
 
@@ -56,6 +57,50 @@ class Conditioning:
     def cond_audio_latents(self) -> list[torch.Tensor]:
         return ([kf["audio_latent"] for kf in self.keyframes if kf.get("audio_latent") is not None]
                 + [r["audio_latent"] for r in self.refs if r.get("audio_latent") is not None])
+
+
+class StepInvariants:
+    """What every forward with one context and one conditioning shares, made on the first call and kept by the caller
+    (a `Denoiser`) for the next ones: the packed layout, its rope table, the condition rows and the host copy of the
+    text tags. None of it depends on σ. Each piece is reused only while what it was made from is unchanged: the layout
+    while its signature matches the inputs, the rope table for the same layout object, model, device and dtype, the
+    condition rows for the same model, latent tensor objects, seed, noise levels and device, the tags for the same tag
+    tensor. The conditioning's tensors are not expected to change in place between calls (a Denoiser's conditioning
+    is fixed).
+    """
+
+    def __init__(self):
+        self.layout: PackedLayout | None = None
+        self._rope = None  # (layout, model, device, dtype, table)
+        self._cond = None  # (key, (video rows | None, audio rows | None))
+        self._tags = None  # (tag tensor, host list)
+
+    def rope_table(self, model: H3DiT, layout: PackedLayout, device) -> torch.Tensor:
+        device, r = torch.device(device), self._rope
+        if r is None or r[0] is not layout or r[1] is not model or r[2] != device or r[3] != model.compute_dtype:
+            self._rope = r = (layout, model, device, model.compute_dtype, model.rope_table(layout, device))
+        return r[4]
+
+    def condition_rows(self, model: H3DiT, cond: Conditioning, device):
+        latents = (model, *cond.cond_video_latents(), None, *cond.cond_audio_latents())
+        key = (latents, int(cond.seed), float(cond.visual_cond_noise_aug), float(cond.audio_cond_noise_aug),
+               torch.device(device))
+        if self._cond is None or not _same_key(self._cond[0], key):
+            self._cond = (key, model.condition_rows(cond, device))
+        return self._cond[1]
+
+    def text_tags(self, tags: torch.Tensor | None) -> list[int] | None:
+        if tags is None:
+            return None
+        if self._tags is None or self._tags[0] is not tags:
+            self._tags = (tags, host_tags(tags))
+        return self._tags[1]
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Keys of `StepInvariants.condition_rows`: the model and latents compared by identity, the rest by value."""
+    return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0], strict=True))
+            and a[1:] == b[1:])
 
 
 class H3DiT(nn.Module):
@@ -108,21 +153,30 @@ class H3DiT(nn.Module):
                             keyframes=cond.keyframes, refs=cond.refs)
 
     def time_embedding(self, values: list[float], device) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.float32, device=device)
+        t = upload(torch.tensor(values, dtype=torch.float32), device)  # no read-back wait on a GPU
         if self.config.is_curve:
             return curve_embedding(self.adaln_t_table.to(device), t)
         return self.time_embedder(t).to(self.compute_dtype)
 
+    def condition_rows(self, cond: Conditioning, device):
+        """(video, audio) condition rows (fp32 on `device`, None where absent): patchified and noise-augmented."""
+        return condition_rows(cond.cond_video_latents(), cond.cond_audio_latents(), seed=int(cond.seed),
+                              visual_keep=float(cond.visual_cond_noise_aug),
+                              audio_keep=float(cond.audio_cond_noise_aug), device=device,
+                              patch=self.config.patch_size)
+
+    def rope_table(self, layout: PackedLayout, device) -> torch.Tensor:
+        """[1, S, 1, R, 2, 2] rotation table of the layout's positions, in the compute dtype."""
+        return rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)), self.compute_dtype)
+
     def embed_rows(self, layout: PackedLayout, video: torch.Tensor, audio: torch.Tensor, context: torch.Tensor,
-                   cond: Conditioning) -> torch.Tensor:
-        """The packed hidden states [S, hidden] in the compute dtype."""
+                   cond: Conditioning, cond_rows=None) -> torch.Tensor:
+        """The packed hidden states [S, hidden] in the compute dtype. `cond_rows`: `condition_rows(cond)` made
+        earlier (they do not change between steps)."""
         device, dtype = video.device, self.compute_dtype
         video_rows = patchify_video(video.float(), self.config.patch_size)
         audio_rows = pack_audio(audio.float())
-        cond_v, cond_a = condition_rows(cond.cond_video_latents(), cond.cond_audio_latents(), seed=int(cond.seed),
-                                        visual_keep=float(cond.visual_cond_noise_aug),
-                                        audio_keep=float(cond.audio_cond_noise_aug), device=device,
-                                        patch=self.config.patch_size)
+        cond_v, cond_a = self.condition_rows(cond, device) if cond_rows is None else cond_rows
         # condition rows precede the target rows of the same modality, segment order
         all_video = video_rows if cond_v is None else torch.cat([cond_v, video_rows])
         all_audio = audio_rows if cond_a is None else torch.cat([cond_a, audio_rows])
@@ -149,9 +203,14 @@ class H3DiT(nn.Module):
     def forward_inner(self, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor, cond: Conditioning | None = None, *,
                       backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1,
-                      layout: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      layout: PackedLayout | None = None, invariants: StepInvariants | None = None,
+                      times: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ComfyUI's `_forward`. video [1,C,T,H,W], audio [1,Ca,2,Ta] (own σ_a), timestep [1] = 1000·σ_v,
-        context [1, L, hidden] refined text -> (−v_video, −v_audio) in the inputs' dtypes."""
+        context [1, L, hidden] refined text -> (−v_video, −v_audio) in the inputs' dtypes.
+
+        `invariants`: the caller's `StepInvariants` (layout, rope table, condition rows, tags: made once, reused);
+        `times`: (t_video, t_audio) of `timestep` from `timesteps.host_stream_times`. With both, a call after the first
+        reads nothing back from the device and leaves the GPU no host work to wait for."""
         cond = cond or Conditioning()
         c = self.config
         orig_t, orig_h, orig_w = video.shape[2:]
@@ -162,18 +221,24 @@ class H3DiT(nn.Module):
         video_p = F.pad(video, pad, mode="circular") if any(pad) else video
         if context.shape[-1] != c.hidden_size:
             context = self.preprocess_text(context, backend=backend)
+        if layout is None and invariants is not None:
+            layout = invariants.layout
         if layout is None or layout.signature != (context.shape[1], *video_p.shape[2:], audio.shape[-1]):
             layout = self.layout_for(context.shape[1], video_p, audio, cond)
         self._record("layout.position_ids", layout.position_ids)
 
+        inv = invariants
+        if inv is not None:
+            inv.layout = layout
+        tags = cond.text_token_tags if inv is None else inv.text_tags(cond.text_token_tags)
         plan = plan_timesteps(layout, timestep, shift_video=c.sigma_shift_video, shift_audio=c.sigma_shift_audio,
-                              text_tags=cond.text_token_tags, visual_cond_aug=cond.visual_cond_noise_aug,
-                              audio_cond_aug=cond.audio_cond_noise_aug)
+                              text_tags=tags, visual_cond_aug=cond.visual_cond_noise_aug,
+                              audio_cond_aug=cond.audio_cond_noise_aug, times=times)
         device = video.device
-        h = self.embed_rows(layout, video_p, audio, context, cond)
+        h = self.embed_rows(layout, video_p, audio, context, cond,
+                            cond_rows=None if inv is None else inv.condition_rows(self, cond, device))
         t_emb = self.time_embedding(plan.values, device)
-        rope_table = rotation_table(rope_angles(layout.position_ids, self.rope.inv_freq.to(device)),
-                                    self.compute_dtype)
+        rope_table = self.rope_table(layout, device) if inv is None else inv.rope_table(self, layout, device)
         runs, sp = plan.runs, self.parallel
         pf = prefetcher_for(self, h)  # None on the CPU, without H3_PREFETCH_DEQUANT=1, or no per-call weights
         with sequence_hints(layout.segment("video").start), (pf.running() if pf is not None else nullcontext()):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3direct.errors import H3Error
+from h3direct.sampling import host_sigma
 from h3direct.sampling.schedules import SHIFT_AUDIO, SHIFT_VIDEO, FlowSigmas, audio_scale, audio_sigma
 
 CACHE_MODES = ("off", "easycache", "h3_cache")
@@ -95,7 +96,7 @@ class StepCache:
         scale = self.scale
 
         def cached(xv: torch.Tensor, xa: torch.Tensor, sigma: torch.Tensor):
-            s = float(sigma.reshape(-1)[0])
+            s = host_sigma.read(sigma)  # the sampler's tag: no read-back
             sig_v = sigma.reshape((-1,) + (1,) * (xv.ndim - 1))
             sig_a = sigma.reshape((-1,) + (1,) * (xa.ndim - 1))
             if not s > self.end_sigma:

@@ -8,6 +8,10 @@ audio part ×(1 / audio_scale).
 
 The model is a user callable `denoise(x_video, x_audio, sigma) -> (x0_video, x0_audio)` in that
 space (audio carried), sigma a float32 tensor [B]; i.e. ComfyUI's `calculate_denoised` output.
+
+The loop reads nothing back from the device: the sigmas are copied to the host once, control flow and callbacks use
+those copies, and each σ tensor handed to the model carries its host value (`host_sigma.tag`), so a model that plans
+on the host (`h3direct.dit.denoiser.Denoiser`) need not wait for the GPU either.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from h3direct.errors import H3Error
+from h3direct.sampling import host_sigma
 
 DenoiseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 SAMPLERS = ("euler", "heun", "dpmpp_2m")
@@ -88,34 +93,39 @@ def _derivative(x: torch.Tensor, sigma: torch.Tensor, x0: torch.Tensor) -> torch
     return (x - x0) / sigma[(...,) + (None,) * (x.ndim - sigma.ndim)]
 
 
-def _euler(model, x, sigmas, on_step):
+def _batch_sigma(s: torch.Tensor, ones: torch.Tensor, host: float) -> torch.Tensor:
+    """σ for every batch row (s · ones), tagged with its host value."""
+    return host_sigma.tag(s * ones, host)
+
+
+def _euler(model, x, sigmas, on_step, host):
     """First order: x ← x + (dx/dσ)·(σ_next − σ)."""
     ones = x.new_ones([x.shape[0]])
     for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
-        x0 = model(x, s * ones)
+        x0 = model(x, _batch_sigma(s, ones, host[i]))
         on_step(i, x, x0)
         x = x + _derivative(x, s, x0) * (s_next - s)
     return x
 
 
-def _heun(model, x, sigmas, on_step):
+def _heun(model, x, sigmas, on_step, host):
     """Second order (trapezoid): an Euler predictor x̃ = x + d·Δσ, then x ← x + (d + d̃)/2·Δσ with d̃ the slope
     at (x̃, σ_next). The step to σ = 0 keeps the Euler predictor (the slope is undefined at σ = 0)."""
     ones = x.new_ones([x.shape[0]])
     for i, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
-        x0 = model(x, s * ones)
+        x0 = model(x, _batch_sigma(s, ones, host[i]))
         on_step(i, x, x0)
         slope, dt = _derivative(x, s, x0), s_next - s
         predicted = x + slope * dt
-        if s_next == 0:
+        if host[i + 1] == 0:
             x = predicted
             continue
-        slope_end = _derivative(predicted, s_next, model(predicted, s_next * ones))
+        slope_end = _derivative(predicted, s_next, model(predicted, _batch_sigma(s_next, ones, host[i + 1])))
         x = x + (slope + slope_end) / 2 * dt
     return x
 
 
-def _dpmpp_2m(model, x, sigmas, on_step):
+def _dpmpp_2m(model, x, sigmas, on_step, host):
     """DPM-Solver++(2M): second-order multistep in λ = −log σ.
 
     With h = λ_next − λ: x ← (e^(−λ_next) / e^(−λ))·x − (e^(−h) − 1)·D. D is the model's x0 on the first step
@@ -129,12 +139,12 @@ def _dpmpp_2m(model, x, sigmas, on_step):
 
     x0_prev = None
     for i in range(len(sigmas) - 1):
-        x0 = model(x, sigmas[i] * ones)
+        x0 = model(x, _batch_sigma(sigmas[i], ones, host[i]))
         on_step(i, x, x0)
         lam_now, lam_next = lam(i), lam(i + 1)
         h = lam_next - lam_now
         target = x0
-        if x0_prev is not None and sigmas[i + 1] != 0:
+        if x0_prev is not None and host[i + 1] != 0:
             w = 1 / (2 * ((lam_now - lam(i - 1)) / h))  # 1 / (2r)
             target = (1 + w) * x0 - w * x0_prev
         x = (lam_next.neg().exp() / lam_now.neg().exp()) * x - (-h).expm1() * target
@@ -173,6 +183,7 @@ def sample(
     if use_cfg and denoise_negative is None:
         raise H3Error(f"cfg={cfg} needs a negative prompt conditioning (cfg 1 runs without one)")
     sigmas = sigmas.to(torch.float32)
+    host = sigmas.detach().cpu().tolist()  # the one read-back of the loop
     pk = AVPack(noise_video.shape, noise_audio.shape)
     noise = pk.pack(noise_video.to(torch.float32), noise_audio.to(torch.float32))
     if latent_video is None:
@@ -209,10 +220,10 @@ def sample(
             return
         xv, xa = pk.unpack(x)
         x0v, x0a = pk.unpack(x0)
-        callback(StepInfo(i, len(sigmas) - 1, float(sigmas[i]), xv, xa, x0v, x0a))
+        callback(StepInfo(i, len(sigmas) - 1, host[i], xv, xa, x0v, x0a))
 
     x = _flow_noise_scaling(sigmas[0], noise, latent)
-    x = _SAMPLER_FNS[sampler](model, x, sigmas, on_step)
+    x = _SAMPLER_FNS[sampler](model, x, sigmas, on_step, host)
     last = sigmas[-1]
     x = x / (1.0 - last)
     x = pk.scale_audio(x.to(torch.float32), 1.0 / audio_scale)
