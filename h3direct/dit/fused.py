@@ -56,16 +56,15 @@ def _interpreting() -> bool:
 # One entry per kernel: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
 # program; EXACT: the exact sum of squares, False only for the sweep's measure of what it costs) and Triton's launch
 # options. `SWEEP` lists the candidates benchmarks/elem_sweep.py times at the DiT's full shape (benchmarks/
-# gpu_elem.sh on the H200 prints the best of each, to be copied here; until then these are the configs the
-# kernels had before the sweep existed). Every entry gives the same bits: the kernels are per row or per element,
-# and the norms' sums of squares are exact, so independent of how a program splits its rows.
+# gpu_elem.sh on the H200 prints the best of each, copied here). Every entry gives the same bits: the kernels are
+# per row or per element, and the norms' sums of squares are exact, so independent of how a program splits its rows.
 
-LAUNCH: dict[str, dict] = {
+LAUNCH: dict[str, dict] = {  # the H200's best of SWEEP (benchmarks/gpu_elem.sh, 2026-12-01)
     "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
-    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
-    "gated_residual": {"ROWS": 1, "BLOCK": 2048, "num_warps": 4},
+    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
+    "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
     "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
-    "qk_norm_rope": {"HB": 8, "EXACT": True, "num_warps": 4},
+    "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
 }
 
 SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread and tile)
