@@ -10,8 +10,10 @@ Storage (ComfyUI mixed-precision layer, `comfy_quant` = ``{"format": "nvfp4"}``)
 N16/K16 are N/K rounded up to 16 (ComfyUI pads odd shapes with zeros before quantizing).
 Decoded value = e2m1(code) * (global * block_scale), where the scale product and the multiplication are
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
-`QuantizedTensor.dequantize`): the results here are bitwise equal to it for fp32, bf16 and fp16. On CUDA the
-decode runs in our Triton kernel (`nvfp4_triton`, same bits) unless ``H3_NVFP4_DEQUANT`` says otherwise.
+`QuantizedTensor.dequantize`): the results here are bitwise equal to its CPU path (the oracle's traces) for fp32,
+bf16 and fp16. On CUDA the decode runs in our Triton kernel (`nvfp4_triton`, same bits as the torch path) unless
+``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel differs from both by one ulp in ~6 % of the
+bf16 values of a quantized weight (measured on the H200, `benchmarks/check_dequant.py`).
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
 `comfy.model_management.supports_nvfp4_compute`):
@@ -181,7 +183,8 @@ def dequant_backend(device: torch.device | str) -> str:
     """The implementation `dequantize_nvfp4` runs for tensors on `device`. The CPU always takes the torch path
     (what the shared CPU traces were recorded with). On CUDA, ``H3_NVFP4_DEQUANT`` = triton | kitchen | torch
     picks one; unset, it is our Triton kernel (`nvfp4_triton`, the fastest) when Triton is importable, else
-    comfy-kitchen's CUDA kernel when it loads, else the torch path. All three give the same bits."""
+    comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same bits;
+    comfy-kitchen 0.2.40's kernel rounds ~6 % of the values one ulp away (see the module docstring)."""
     if torch.device(device).type != "cuda":
         return "torch"
     want = os.environ.get("H3_NVFP4_DEQUANT", "")
@@ -205,7 +208,7 @@ def dequant_backend(device: torch.device | str) -> str:
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                      out_dtype: torch.dtype = torch.bfloat16, shape: tuple[int, int] | None = None,
                      backend: str | None = None) -> torch.Tensor:
-    """NVFP4 weight -> dense [N, K] in `out_dtype`, bitwise equal to comfy-kitchen's `dequantize_nvfp4`.
+    """NVFP4 weight -> dense [N, K] in `out_dtype`, bitwise equal to comfy-kitchen's `dequantize_nvfp4` on the CPU.
 
     `shape` is the logical (unpadded) [N, K]; without it the padded [N16, K16] is returned, as comfy-kitchen
     does. The scale product global*block and the value*scale product are both rounded to `out_dtype`.
@@ -223,7 +226,7 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_sca
 
         out = dequantize_nvfp4_triton(packed, block_scale, global_scale, out_dtype)
     elif backend == "kitchen":
-        # comfy-kitchen's CUDA kernel (the one ComfyUI calls on GPUs): same arithmetic, one pass
+        # comfy-kitchen's CUDA kernel (the one ComfyUI calls on GPUs): one pass, its own rounding of the scale product
         op = kitchen_op("dequantize_nvfp4")
         if op is None:
             raise RuntimeError("NVFP4 dequantization backend 'kitchen': comfy-kitchen is not installed or won't load")
