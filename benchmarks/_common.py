@@ -174,6 +174,20 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
             "wall_s": t2 - t1}
 
 
+def bits(t):
+    """A 16- or 32-bit float tensor's bit patterns (a view as int16 / int32), for bitwise comparisons."""
+    import torch
+
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    """Bit for bit, NaNs included (16- or 32-bit floats)."""
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 # ---------------------------------------------------------------- clocks and power while a measurement runs
 
 POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons: "SW power cap" (the board holds its power limit)

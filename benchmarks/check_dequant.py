@@ -61,13 +61,10 @@ def main(argv=None) -> int:
         r = C.time_calls(fn, dev, warmup=1, iters=args.iters) if cuda else C.time_calls(fn, dev, warmup=0, iters=1)
         return 1e3 * r["median_s"]
 
-    def bits(t: torch.Tensor) -> torch.Tensor:
-        return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
     def check(what: str, ours: torch.Tensor, ref: torch.Tensor) -> bool:
-        ok = ours.shape == ref.shape and ours.dtype == ref.dtype and torch.equal(bits(ours), bits(ref))
+        ok = C.same_bits(ours, ref)
         if not ok:
-            n = int((bits(ours) != bits(ref)).sum())
+            n = int((C.bits(ours) != C.bits(ref)).sum())
             res["mismatches"].append(f"{what}: {n} values differ")
             print(f"  MISMATCH {what}: {n} of {ours.numel()} values differ")
         return ok
