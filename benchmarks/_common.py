@@ -233,8 +233,10 @@ class GpuSampler:
         import shutil
         import subprocess
 
+        import torch
+
         if is_cuda(self.device) and shutil.which("nvidia-smi"):
-            index = str(getattr(_torch_device(self.device), "index", None) or 0)
+            index = str(torch.device(self.device).index or 0)
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "-i", index, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits",
                  "-lms", str(self.period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -250,12 +252,6 @@ class GpuSampler:
                 out = ""
             self.summary = summarize_gpu_samples(out.splitlines())
         return False
-
-
-def _torch_device(device):
-    import torch
-
-    return torch.device(device)
 
 
 @contextmanager
