@@ -174,6 +174,20 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
             "wall_s": t2 - t1}
 
 
+def bits(t):
+    """A 16- or 32-bit float tensor's bit patterns (a view as int16 / int32), for bitwise comparisons."""
+    import torch
+
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bits(a, b) -> bool:
+    """Bit for bit, NaNs included (16- or 32-bit floats)."""
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 # ---------------------------------------------------------------- clocks and power while a measurement runs
 
 POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons: "SW power cap" (the board holds its power limit)
@@ -219,8 +233,10 @@ class GpuSampler:
         import shutil
         import subprocess
 
+        import torch
+
         if is_cuda(self.device) and shutil.which("nvidia-smi"):
-            index = str(getattr(_torch_device(self.device), "index", None) or 0)
+            index = str(torch.device(self.device).index or 0)
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "-i", index, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits",
                  "-lms", str(self.period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -236,12 +252,6 @@ class GpuSampler:
                 out = ""
             self.summary = summarize_gpu_samples(out.splitlines())
         return False
-
-
-def _torch_device(device):
-    import torch
-
-    return torch.device(device)
 
 
 @contextmanager

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
 
 SHAPES = [("qkv", 21504, 5376), ("out", 5376, 7168), ("fc1", 28672, 5376), ("fc2", 5376, 14336)]
 SMALL_SHAPES = [("qkv", 300, 160), ("out", 130, 270), ("fc1", 200, 96), ("fc2", 37, 520)]
@@ -56,31 +57,14 @@ def main(argv=None) -> int:
     default = nvfp4_triton.DEFAULT_CONFIG if cuda else configs[0]
     g = torch.Generator(device="cpu").manual_seed(0)
 
-    def ms_per_call(fn) -> float:
-        if not cuda:
-            t = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t)
-        fn()
-        times = []
-        for _ in range(args.iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            times.append((a, b))
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in times)
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+    def ms_per_call(fn) -> float:  # the GPU: median of --iters after one warm-up call; the CPU: one call
+        r = C.time_calls(fn, dev, warmup=1, iters=args.iters) if cuda else C.time_calls(fn, dev, warmup=0, iters=1)
+        return 1e3 * r["median_s"]
 
     def check(what: str, ours: torch.Tensor, ref: torch.Tensor) -> bool:
-        ok = same(ours, ref)
+        ok = C.same_bits(ours, ref)
         if not ok:
-            n = int((ours.view(torch.int16 if ours.element_size() == 2 else torch.int32)
-                     != ref.view(torch.int16 if ref.element_size() == 2 else torch.int32)).sum())
+            n = int((C.bits(ours) != C.bits(ref)).sum())
             res["mismatches"].append(f"{what}: {n} values differ")
             print(f"  MISMATCH {what}: {n} of {ours.numel()} values differ")
         return ok

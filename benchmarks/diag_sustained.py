@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     for n in names:  # warm-up: compile / heuristics
         timed(n, 2)
-    res = {"cool_ms": {}, "hot_ms": {}, "smi": []}
+    res = {"cool_ms": {}, "hot_ms": {}}
     for n in names:
         time.sleep(2.0)
         res["cool_ms"][n] = timed(n, 1)
@@ -86,18 +86,16 @@ def main(argv=None) -> int:
     order = ["qkv_proj", "attention", "out_proj", "fc1", "fc2"]
     ev = {n: [] for n in order}
     t_end = time.time() + args.seconds
-    last_smi = 0.0
-    while time.time() < t_end:
-        for n in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call(n)
-            b.record()
-            ev[n].append((a, b))
-        torch.cuda.synchronize()
-        if time.time() - last_smi > 1.0:
-            res["smi"].append(smi("clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"))
-            last_smi = time.time()
+    with C.GpuSampler(dev, period_ms=500) as gpu:  # clocks, power, throttle reasons, off the timed loop
+        while time.time() < t_end:
+            for n in order:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                call(n)
+                b.record()
+                ev[n].append((a, b))
+            torch.cuda.synchronize()
+    res["hot_gpu"] = gpu.summary
     for n in order:
         times = [a.elapsed_time(b) for a, b in ev[n]]
         half = times[len(times) // 2:]  # the second half: steady state
@@ -112,7 +110,7 @@ def main(argv=None) -> int:
     print(f"block (4 GEMMs + attention): cool {blk_cool:.2f} ms, hot {blk_hot:.2f} ms -> x50 {blk_cool * 50:.0f} / "
           f"{blk_hot * 50:.0f} ms per step")
     print("cool smi (clock MHz, W, C):", res["cool_smi"])
-    print("hot smi samples (clock, W, C, throttle):", res["smi"][-5:])
+    print("hot (medians of the loaded nvidia-smi samples):", res["hot_gpu"])
     out = os.environ.get("OUT")
     if out:
         Path(out, f"diag_sustained_{args.attention}_{args.weights}.json").write_text(json.dumps(res, indent=1))

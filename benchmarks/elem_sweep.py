@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
 
 SPEC_TBPS = 4.8  # H200 HBM3e, the data sheet's number
 # the launch configs this branch started from (what the block ran before: fp32 sums), for "old vs new"
@@ -34,15 +37,6 @@ OLD = {"norm_modulate": {"ROWS": 1, "EXACT": False, "num_warps": 8},
 # ms per call at this shape before this branch (benchmarks/results/h200-2026-12-01-session2.md, check_fused.py): fp32
 # sums, one launch each for q and k; the per-step profile then: rope 27, SwiGLU 26, norm+mod 17.5, residuals ~16 ms
 PREVIOUS = {"norm_modulate": 0.153, "gated_residual": 0.157, "swiglu": 0.547, "qk_norm_rope": 0.465}
-
-
-def _bits_equal(a, b) -> bool:
-    """Bit for bit (NaNs included)."""
-    import torch
-
-    ints = {2: torch.int16, 4: torch.int32}
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints[a.element_size()]),
-                                                                      b.view(ints[b.element_size()]))
 
 
 def main(argv=None) -> int:
@@ -183,7 +177,7 @@ def main(argv=None) -> int:
             try:
                 t = make()
                 outs = [o.clone() for o in run(t, cfg)]
-                same = True if ref is None else all(_bits_equal(a, b) for a, b in zip(outs, ref, strict=True))
+                same = True if ref is None else all(C.same_bits(a, b) for a, b in zip(outs, ref, strict=True))
                 if ref is None:
                     ref = outs
                 t = make()
@@ -233,7 +227,7 @@ def main(argv=None) -> int:
     xa, xb = x0.clone(), x0.clone()
     h_two = fused.norm_modulate(fused.gated_residual_(xa, gate, upd, runs), w, 1e-6, shift, scale, runs)
     h_one = fused.residual_norm_modulate_(xb, gate, upd, w, 1e-6, shift, scale, runs)
-    res["residual_norm_bitwise"] = bool(_bits_equal(xa, xb) and _bits_equal(h_two, h_one))
+    res["residual_norm_bitwise"] = bool(C.same_bits(xa, xb) and C.same_bits(h_two, h_one))
     ok &= res["residual_norm_bitwise"]
     print(f"\nresidual+norm2+modulation one kernel == gated_residual_ then norm_modulate (x and h): "
           f"{res['residual_norm_bitwise']}")
