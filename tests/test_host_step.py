@@ -10,6 +10,7 @@ its outputs are bitwise those of the uncached path (today's op order), for sever
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,33 @@ def test_cached_steps_bitwise_equal_uncached(setup):
             assert g.dtype == w.dtype and torch.equal(g, w), f"sigma {s}: cached step differs from uncached"
         outs[s] = got
     assert not torch.equal(outs[0.8][0], outs[0.3][0]) and not torch.equal(outs[0.3][1], outs[0.05][1])
+
+
+def test_invariants_follow_changed_inputs(setup):
+    """A warm Denoiser whose inputs change under it (conditioning seed, text tags, latent sizes) makes its invariants
+    again: each call still equals the uncached path for the inputs it was given, and each change shows in the output
+    (so a stale piece would be caught)."""
+    model, ctx, cond, xv, xa = setup
+    den = Denoiser(model, ctx, replace(cond), SCALE)
+    sigma = 0.8
+    previous = None
+    for change in ("none", "seed", "tags", "video size", "audio size"):
+        if change == "seed":  # noise-augmented condition rows (visual keep 0.999) depend on it
+            den.cond = replace(den.cond, seed=den.cond.seed + 7)
+        elif change == "tags":  # a new tag tensor: other modulation runs
+            den.cond = replace(den.cond, text_token_tags=torch.tensor([1, 0, 0, 1, 1, 1, 0, 1]))
+        elif change == "video size":  # a new layout, hence a new rope table
+            xv = xv[:, :, :1]
+        elif change == "audio size":
+            xa = xa[..., :-1]
+        got = den(xv, xa, host_sigma.tag(torch.tensor([sigma]), sigma))
+        want = _uncached_x0(model, ctx, den.cond, xv, xa, torch.tensor([sigma]))
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"after a change of {change}: the warm step differs from the uncached one"
+        if previous is not None and got[0].shape == previous[0].shape:
+            assert not torch.equal(got[0], previous[0]), f"a change of {change} does not show in the output"
+        previous = got
+    assert den._layout.signature[1:] == (1, *xv.shape[3:], xa.shape[-1])
 
 
 def test_stale_tag_is_not_used():
