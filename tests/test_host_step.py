@@ -141,18 +141,21 @@ def test_cached_steps_bitwise_equal_uncached(setup):
 
 
 def test_invariants_follow_changed_inputs(setup):
-    """A warm Denoiser whose inputs change under it (conditioning seed, text tags, latent sizes) makes its invariants
-    again: each call still equals the uncached path for the inputs it was given, and each change shows in the output
-    (so a stale piece would be caught)."""
+    """A warm Denoiser whose inputs change under it (conditioning seed, text tags, keyframes / references, latent
+    sizes) makes its invariants again: each call still equals the uncached path for the inputs it was given, and each
+    change shows in the output (so a stale piece would be caught)."""
     model, ctx, cond, xv, xa = setup
     den = Denoiser(model, ctx, replace(cond), SCALE)
     sigma = 0.8
     previous = None
-    for change in ("none", "seed", "tags", "video size", "audio size"):
+    for change in ("none", "seed", "tags", "keyframe", "video size", "audio size"):
         if change == "seed":  # noise-augmented condition rows (visual keep 0.999) depend on it
             den.cond = replace(den.cond, seed=den.cond.seed + 7)
         elif change == "tags":  # a new tag tensor: other modulation runs
             den.cond = replace(den.cond, text_token_tags=torch.tensor([1, 0, 0, 1, 1, 1, 0, 1]))
+        elif change == "keyframe":  # the reference image becomes a first-frame keyframe: as many rows, other places
+            (ref,) = den.cond.refs
+            den.cond = replace(den.cond, refs=[], keyframes=[{"resolved_frame_index": 0, "latent": ref["latent"]}])
         elif change == "video size":  # a new layout, hence a new rope table
             xv = xv[:, :, :1]
         elif change == "audio size":

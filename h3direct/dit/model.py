@@ -63,17 +63,25 @@ class StepInvariants:
     """What every forward with one context and one conditioning shares, made on the first call and kept by the caller
     (a `Denoiser`) for the next ones: the packed layout, its rope table, the condition rows and the host copy of the
     text tags. None of it depends on σ. Each piece is reused only while what it was made from is unchanged: the layout
-    while its signature matches the inputs, the rope table for the same layout object, model, device and dtype, the
-    condition rows for the same model, latent tensor objects, seed, noise levels and device, the tags for the same tag
-    tensor. The conditioning's tensors are not expected to change in place between calls (a Denoiser's conditioning
-    is fixed).
+    for the same conditioning object (its keyframes and references place rows) while its signature matches the
+    inputs, the rope table for the same layout object, model, device and dtype, the condition rows for the same model,
+    latent tensor objects, seed, noise levels and device, the tags for the same tag tensor. The conditioning is not
+    expected to change in place between calls (a Denoiser's conditioning is fixed).
     """
 
     def __init__(self):
         self.layout: PackedLayout | None = None
+        self._layout_cond = None  # the Conditioning `layout` was made for
         self._rope = None  # (layout, model, device, dtype, table)
         self._cond = None  # (key, (video rows | None, audio rows | None))
         self._tags = None  # (tag tensor, host list)
+
+    def packed_layout(self, model: H3DiT, context_len: int, video: torch.Tensor, audio: torch.Tensor,
+                      cond: Conditioning) -> PackedLayout:
+        if (self.layout is None or self._layout_cond is not cond
+                or self.layout.signature != (context_len, *video.shape[2:], audio.shape[-1])):
+            self.layout, self._layout_cond = model.layout_for(context_len, video, audio, cond), cond
+        return self.layout
 
     def rope_table(self, model: H3DiT, layout: PackedLayout, device) -> torch.Tensor:
         device, r = torch.device(device), self._rope
@@ -221,15 +229,13 @@ class H3DiT(nn.Module):
         video_p = F.pad(video, pad, mode="circular") if any(pad) else video
         if context.shape[-1] != c.hidden_size:
             context = self.preprocess_text(context, backend=backend)
-        if layout is None and invariants is not None:
-            layout = invariants.layout
-        if layout is None or layout.signature != (context.shape[1], *video_p.shape[2:], audio.shape[-1]):
+        inv = invariants
+        if layout is None and inv is not None:
+            layout = inv.packed_layout(self, context.shape[1], video_p, audio, cond)
+        elif layout is None or layout.signature != (context.shape[1], *video_p.shape[2:], audio.shape[-1]):
             layout = self.layout_for(context.shape[1], video_p, audio, cond)
         self._record("layout.position_ids", layout.position_ids)
 
-        inv = invariants
-        if inv is not None:
-            inv.layout = layout
         tags = cond.text_token_tags if inv is None else inv.text_tags(cond.text_token_tags)
         plan = plan_timesteps(layout, timestep, shift_video=c.sigma_shift_video, shift_audio=c.sigma_shift_audio,
                               text_tags=tags, visual_cond_aug=cond.visual_cond_noise_aug,
