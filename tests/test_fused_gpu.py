@@ -27,14 +27,20 @@ def _rel(a, ref) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-def test_fused_adaln_kernels_round_once():
-    g = torch.Generator(device="cpu").manual_seed(1)
+def _adaln_case(g):
+    """A bf16 stream with modulation runs (99 rows outside every run), its norm weight and one adaLN table."""
     s, d = 4099, 5376
     runs = [ModRun(0, 1000, 1), ModRun(1000, 3000, 0), ModRun(3000, 4000, 2)]  # 99 rows outside
     x = (torch.randn(s, d, generator=g) * 3).to("cuda", torch.bfloat16)
     w = (1 + 0.3 * torch.randn(d, generator=g)).to("cuda", torch.bfloat16)
     table = torch.randn(3, 6, d, generator=g).cuda()
     shift, scale, gate = table[:, 0], 0.2 * table[:, 1], table[:, 2]
+    return s, d, runs, x, w, shift, scale, gate
+
+
+def test_fused_adaln_kernels_round_once():
+    g = torch.Generator(device="cpu").manual_seed(1)
+    s, d, runs, x, w, shift, scale, gate = _adaln_case(g)
     ref = F.rms_norm(x.double(), (d,), w.double(), 1e-6)
     for r in runs:
         ref[r.start:r.stop] = ref[r.start:r.stop] * (1 + scale[r.row].double()) + shift[r.row].double()
@@ -89,12 +95,7 @@ def test_fused_residual_norm_is_the_two_kernels_and_config_free():
     """The attention's gated residual + norm2 + modulation in one kernel: bitwise gated_residual_ then norm_modulate
     (x and h), and the same bits for every launch config of the sweep (the sums of squares are exact)."""
     g = torch.Generator(device="cpu").manual_seed(3)
-    s, d = 4099, 5376
-    runs = [ModRun(0, 1000, 1), ModRun(1000, 3000, 0), ModRun(3000, 4000, 2)]  # 99 rows outside
-    x = (torch.randn(s, d, generator=g) * 3).to("cuda", torch.bfloat16)
-    w = (1 + 0.3 * torch.randn(d, generator=g)).to("cuda", torch.bfloat16)
-    table = torch.randn(3, 6, d, generator=g).cuda()
-    shift, scale, gate = table[:, 0], 0.2 * table[:, 1], table[:, 2]
+    s, d, runs, x, w, shift, scale, gate = _adaln_case(g)
     upd = (torch.randn(s, d, generator=g) * 2).to("cuda", torch.bfloat16)
     want_x = fused.gated_residual_(x.clone(), gate, upd, runs)
     want_h = fused.norm_modulate(want_x, w, 1e-6, shift, scale, runs)
