@@ -13,7 +13,6 @@ graph breaks, and whether a later step compiled again (it must not).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import types
@@ -53,7 +52,10 @@ def main(argv=None) -> int:
     rows = []
 
     def run(name, fused: bool, mode: str | None):
-        os.environ["H3_FUSED"] = "1" if fused else "0"
+        with C.env_options({"H3_FUSED": "1" if fused else "0"}):  # put back afterwards
+            measure(name, mode)
+
+    def measure(name, mode: str | None):
         if mode is not None:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
