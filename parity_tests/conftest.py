@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from h3direct.traces.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
-from parity_tests.plugin import given_trace_dirs, trace_roots
+from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
+from parity_tests.plugin import given_trace_dirs, report_dir, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()
@@ -131,11 +131,11 @@ def trace_problems(request):
 @pytest.fixture(scope="session")
 def gate_options(request):
     c = request.config
-    from h3direct.traces.budgets import load_budgets
+    from parity_tests.budgets import load_budgets
 
     return {"attention": c.getoption("--attention"), "device": c.getoption("--device"),
             "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
-            "fp8_linear": c.getoption("--fp8-linear")}
+            "fp8_linear": c.getoption("--fp8-linear"), "no_twin": c.getoption("--no-twin")}
 
 
 @pytest.fixture(scope="session")
@@ -145,4 +145,4 @@ def report():
 
 def pytest_sessionfinish(session, exitstatus):
     if _collector.rows:
-        _collector.write(session.config.getoption("--parity-report"))
+        _collector.write(report_dir(session.config))

@@ -13,12 +13,11 @@ as `python -m h3direct generate`, so whatever a flag does there it does here.
 The exact reference of a device: fa3 (sm_90, fa3-fwd importable), else cudnn_sdpa, else sdpa. Same seed, same inputs
 and geometry; only the path's flags differ. The video latent of each run is decoded by the pipeline's video VAE to
 float frames in [0, 1] (before the uint8 rounding of an mp4, which would hide errors under 1/255) and compared:
-PSNR per frame (peak 1) and SSIM per frame (scikit-image, data range 1), mean and min over frames, against the
-budgets entry of mode "e2e", kind "frames", attention = the path name (fp8_linear: weights "fp8_w8a8", attention =
-the reference), fields psnr_db, psnr_min_db, ssim_mean, ssim_min. No entry -> "no calibrated budget" (there is no
-catch-all).
+PSNR per frame (peak 1) and SSIM per frame (scikit-image, data range 1), mean and min over frames, and the audio
+latent decoded by the audio VAE to a waveform (its SNR), against the approximate mode's declared quality (budgets
+table, mode "quality", kinds "frames" and "waveform": part c of the gate, `gate.py`).
 
-The model: a folder made by `python benchmarks/e2e_frames.py build` (`e2e.json` beside a DiT, the two VAEs and a
+The model: a folder made by `python -m parity_tests.e2e_frames build` (`e2e.json` beside a DiT, the two VAEs and a
 text-embeds file; the GPU gate uses a head_dim-128 "small" DiT at S ~ 4.5 k tokens so that sol_attn runs its
 kernel), or None: the bundled tiny models at the bundled default size (CPU tests).
 
@@ -29,7 +28,6 @@ kernel), or None: the bundled tiny models at the bundled default size (CPU tests
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -41,8 +39,8 @@ import torch
 from h3direct.dit.linear import FP8_WEIGHTS_KEY as FP8_WEIGHTS
 from h3direct.errors import H3Error
 from h3direct.traces import metrics
-from h3direct.traces.budgets import Budget, BudgetTable, frames_verdict, load_budgets
-from parity_tests.gate import CaseResult, KeyedBudgets, LayerResult
+from parity_tests.budgets import Budget, BudgetTable, Measured, load_budgets, verdict
+from parity_tests.gate import CaseResult, LayerResult
 
 FP8_LINEAR = "fp8_linear"
 REFERENCES = ("fa3", "cudnn_sdpa", "sdpa")  # the exact reference of a device: the first one available
@@ -75,8 +73,8 @@ class E2EModel:
         try:
             spec = json.loads((root / SPEC).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise H3Error(f"not an e2e model folder (needs {SPEC}, made by benchmarks/e2e_frames.py build): {exc}",
-                          path=root) from None
+            raise H3Error(f"not an e2e model folder (needs {SPEC}, made by python -m parity_tests.e2e_frames "
+                          f"build): {exc}", path=root) from None
         keys = ("width", "height", "frames", "steps", "seed", "weights", "vae_config", "files", "about")
         return cls(root=root, **{k: spec[k] for k in keys if k in spec})
 
@@ -174,6 +172,7 @@ def path_flags(path: str, reference: str) -> list[str]:
 @dataclass
 class FramesRun:
     frames: torch.Tensor  # float32 [T, H, W, 3] in [0, 1], on the CPU
+    waveform: torch.Tensor  # float32 [channels, samples], on the CPU
     flags: list[str]
     seconds: float
     attention_calls: dict
@@ -185,7 +184,7 @@ def run_frames(model: E2EModel, flags: list[str], *, device: str = "cpu") -> Fra
     flags (the path)."""
     from h3direct.app.generate import load_pipeline, resolve_args
     from h3direct.dit.attention import attention_stats, reset_attention_stats
-    from h3direct.vae.api import decode_video
+    from h3direct.vae.api import decode_audio, decode_video
 
     argv = model.argv() + ["--device", device, "--vae-dtype", "fp32", "--quiet"] + list(flags)
     args = resolve_args(generate_parser().parse_args(argv), check_output=False)
@@ -201,11 +200,13 @@ def run_frames(model: E2EModel, flags: list[str], *, device: str = "cpu") -> Fra
         with torch.inference_mode():
             px = decode_video(pipe.video_vae, res.video_latent.to(pipe.device), dtype=pipe.vae_dtype,
                               tile_size=pipe.vae_tile_size)
+            wave = decode_audio(pipe.audio_vae, res.audio_latent.to(pipe.device))
         frames = px[0].float().cpu()
         tokens = _tokens(pipe, res)
     finally:
         torch.set_num_threads(threads)
-    return FramesRun(frames, list(flags), time.perf_counter() - t0, calls, tokens)
+    return FramesRun(frames, wave.reshape(-1, wave.shape[-1]).float().cpu(), list(flags), time.perf_counter() - t0,
+                     calls, tokens)
 
 
 def _tokens(pipe, res) -> int:
@@ -259,25 +260,22 @@ def frame_metrics(ours: torch.Tensor, ref: torch.Tensor, workers: int | None = N
             "ssim_min": min(ssim), "frames": len(psnr)}
 
 
-def budget_key(path: str, compute: str, weights: str, reference: str) -> dict:
-    """The budgets key of a path's e2e frames entry: attention = the path; for fp8_linear, as every FP8-linear
-    comparison of the gate is keyed, weights = "fp8_w8a8" and attention = the (exact) reference it runs with."""
+def budget_key(path: str, kind: str, weights: str) -> dict:
+    """The budgets key of a path's quality entry: attention = the approximate backend ("exact" for FP8 linears over
+    the exact reference), weights = "fp8_w8a8" when the FP8 block linears run."""
     attention, fp8 = split_path(path)
-    if fp8:
-        return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": FP8_WEIGHTS,
-                "attention": attention or reference}
-    return {"mode": "e2e", "kind": "frames", "compute": compute, "weights": weights, "attention": path}
+    return {"mode": "quality", "kind": kind, "compute": "*", "weights": FP8_WEIGHTS if fp8 else weights,
+            "attention": attention if attention is not None and kind_of(attention) != "exact" else "exact",
+            "twin": "*"}
 
 
-def frames_budget(budgets: BudgetTable, path: str, compute: str, weights: str, reference: str = "sdpa") -> Budget:
-    """The e2e frames entry of `path`; an entry without any frames floor is no frames budget, and an fp8_linear
-    run takes only an entry that names weights "fp8_w8a8" (never one of the checkpoint's own weights or "*")."""
-    key = budget_key(path, compute, weights, reference)
-    b = (KeyedBudgets(budgets, FP8_WEIGHTS) if split_path(path)[1] else budgets).lookup(**key)
-    if all(x is None for x in (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min)):
-        what = f"e2e frames, {compute}, {key['weights']}, {key['attention']}"
-        raise H3Error(f"no calibrated budget for ({what}): the matching entry has no PSNR/SSIM floor; add a "
-                      f"calibrated e2e frames entry to the budgets table", path=budgets.path)
+def quality_budget(budgets: BudgetTable, path: str, kind: str, weights: str) -> Budget:
+    """The declared quality entry of `path` for `kind` (frames | waveform), looked up before any compute."""
+    b = budgets.lookup(**budget_key(path, kind, weights))
+    floors = (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min) if kind == "frames" else (b.sqnr_db,)
+    if b.rule != "contract" or all(x is None for x in floors):
+        raise H3Error(f"no declared {kind} quality for {path} in the budgets table (mode quality, kind {kind})",
+                      path=budgets.path)
     return b
 
 
@@ -288,48 +286,119 @@ class E2ECase:
     weights: str
 
 
-def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, b: Budget, *, compute: str,
+def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, budgets: BudgetTable, *, compute: str,
           reference: str) -> CaseResult:
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
-    fm = frame_metrics(ours.frames, ref.frames)
-    ok, rule = frames_verdict(b, fm)
     case = E2ECase(model.id, compute, model.weights)
-    result = CaseResult(case, "e2e", path, title=f"{model.id} [e2e frames, {compute}, {model.weights}, {path} vs "
+    result = CaseResult(case, "e2e", path, title=f"{model.id} [quality, {compute}, {model.weights}, {path} vs "
                         f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls)
-    redo = (f"python benchmarks/e2e_frames.py compare --model {model.root or 'bundled'} --paths {path} "
+    redo = (f"python -m parity_tests.e2e_frames compare --model {model.root or 'bundled'} --path {path} "
             f"--device {'cuda' if compute == 'bf16' else 'cpu'}")
-    result.layers.append(LayerResult("frames", "frames", "e2e", metrics.rel_l2(ours.frames, ref.frames),
-                                     metrics.sqnr_db(ours.frames, ref.frames),
-                                     metrics.max_abs(ours.frames, ref.frames), ok, rule, b.provenance, redo))
+    fm = frame_metrics(ours.frames, ref.frames)
+    for name, a, e, m in (("frames", ours.frames, ref.frames, fm), ("waveform", ours.waveform, ref.waveform, None)):
+        b = quality_budget(budgets, path, name, model.weights)
+        rel = metrics.rel_l2(a, e)
+        v = verdict(b, Measured(rel, frames=m))
+        info = (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.2f} / min {fm['psnr_min']:.2f} dB, SSIM mean "
+                f"{fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}") if m else f"SNR {metrics.sqnr_db(a, e):.1f} dB"
+        result.layers.append(LayerResult(name, name, "e2e", rel, metrics.sqnr_db(a, e), metrics.max_abs(a, e),
+                                         v.passed, v.text, b.provenance, redo, None, v.error, v.limit, "quality",
+                                         info))
     result.frame_metrics = fm
     return result
 
 
 def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", budgets: BudgetTable | None = None,
                   reference: str | None = None, exact_run: FramesRun | None = None) -> CaseResult:
-    """Exact reference vs `path` on `model`, judged by the e2e frames entry of `path` (looked up before any
+    """Exact reference vs `path` on `model`, judged by the declared quality of `path` (looked up before any
     compute). `exact_run`: a reference run to reuse."""
     budgets = budgets or load_budgets()
     compute = compute_of(device)
     reference = reference or exact_reference(device)
-    b = frames_budget(budgets, path, compute, model.weights, reference)
+    for kind in ("frames", "waveform"):
+        quality_budget(budgets, path, kind, model.weights)
     ref = exact_run or run_frames(model, ["--attention", reference], device=device)
     ours = run_frames(model, path_flags(path, reference), device=device)
-    return judge(model, path, ours, ref, b, compute=compute, reference=reference)
+    return judge(model, path, ours, ref, budgets, compute=compute, reference=reference)
 
 
-@contextlib.contextmanager
-def budgets_with(entries: list[dict]):
-    """A temporary budgets table of `entries` (dicts of the TOML fields): tests and calibration."""
-    import tempfile
+# ---- command line: build a model folder, compare one path -----------------------------------------
 
-    lines = []
-    for e in entries:
-        lines.append("[[budget]]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in e.items()]
-        lines.append("")
-    with tempfile.TemporaryDirectory(prefix="h3_e2e_budgets_") as d:
-        p = Path(d) / "budgets.toml"
-        p.write_text("\n".join(lines))
-        yield load_budgets(p)
+def build(out: Path, *, preset: str = "small", weights: str = "bf16", vae_preset: str = "tiny",
+          dit_args: tuple[str, ...] = (), width: int = 512, height: int = 512, frames: int = 56, steps: int = 4,
+          seed: int = 0, text_len: int = 64) -> dict:
+    """An e2e model folder: a `make-checkpoint` DiT (extra flags `dit_args`), the synthetic VAEs, seeded text states
+    and `e2e.json`. The default geometry packs 17x16x16 = 4,352 video + 93 audio + 64 text = 4,509 tokens: above
+    sol_attn's minimum, so its kernel runs in the DiT blocks."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from h3direct.config import H3Config
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"dit": "dit.safetensors", "video_vae": "video_vae.safetensors", "audio_vae": "audio_vae.safetensors",
+             "text_embeds": "text_embeds.safetensors"}
+    make = [sys.executable, "-m", "h3direct", "make-checkpoint", "--seed", str(seed)]
+    dit = make + ["--component", "dit", "--preset", preset, "--quant", "nvfp4" if weights == "nvfp4" else "none",
+                  "--output", str(out / files["dit"])] + (["--nvfp4-layers", "dit"] if weights == "nvfp4" else [])
+    for cmd in [dit + list(dit_args)] + [make + ["--component", c, "--preset", vae_preset, "--output",
+                                                 str(out / files[c])] for c in ("video_vae", "audio_vae")]:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise H3Error(f"{' '.join(cmd[2:])} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+    cfg = H3Config.from_name(preset)
+    g = torch.Generator().manual_seed(seed + 1)
+    save_file({"text_states": torch.randn(1, text_len, cfg.text_dim, generator=g),
+               "token_tags": torch.ones(text_len, dtype=torch.long)}, str(out / files["text_embeds"]))
+    spec = {"width": width, "height": height, "frames": frames, "steps": steps, "seed": seed,
+            "weights": "nvfp4_w4a16" if weights == "nvfp4" else "bf16", "vae_config": vae_preset, "files": files,
+            "about": f"{preset} DiT ({weights}{' ' + ' '.join(dit_args) if dit_args else ''}), {vae_preset} VAEs, "
+                     f"{width}x{height}x{frames}, {steps} steps, text {text_len}"}
+    (out / SPEC).write_text(json.dumps(spec, indent=1) + "\n")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m parity_tests.e2e_frames", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="write an e2e model folder")
+    b.add_argument("--out", required=True)
+    b.add_argument("--preset", default="small")
+    b.add_argument("--weights", choices=["bf16", "nvfp4"], default="bf16")
+    b.add_argument("--vae-preset", default="tiny")
+    b.add_argument("--dit-arg", action="append", default=[],
+                   help="extra make-checkpoint flag for the DiT (repeatable: --dit-arg=--attention-structure "
+                        "--dit-arg=local)")
+    for flag, default in (("--width", 512), ("--height", 512), ("--frames", 56), ("--steps", 4), ("--seed", 0),
+                          ("--text-len", 64)):
+        b.add_argument(flag, type=int, default=default)
+    c = sub.add_parser("compare", help="the exact path vs one approximate path, decoded frames and audio")
+    c.add_argument("--model", default="bundled", help="model folder or 'bundled'")
+    c.add_argument("--path", required=True, help="an approximate attention backend, fp8_linear, or NAME+fp8_linear")
+    c.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "build":
+            spec = build(Path(args.out), preset=args.preset, weights=args.weights, vae_preset=args.vae_preset,
+                         dit_args=tuple(args.dit_arg), width=args.width, height=args.height, frames=args.frames,
+                         steps=args.steps, seed=args.seed, text_len=args.text_len)
+            print(f"e2e model folder {args.out}: {spec['about']}")
+            return 0
+        model = E2EModel.load(None if args.model == "bundled" else args.model)
+        result = compare_paths(model, args.path, device=args.device)
+    except H3Error as exc:
+        print(f"e2e_frames: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.report())
+    for r in result.layers:
+        print(r.line())
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,18 @@
 """Running the gate: compare h3direct with one ComfyUI trace, teacher-forced and free-running.
 
+An exact path (sdpa, cudnn_sdpa, fa3; the checkpoint's own weights) is compared with ComfyUI at every site under the
+exact entries of the budgets table. An approximate mode (an attention backend that is not exact, and/or the FP8
+block linears of `--fp8-linear`) is judged in three parts, each reported per case:
+
+- (a) **exact**: every site is also run on the exact path (the approximate backend replaced by `EXACT_REFERENCE`,
+  the FP8 linears by the checkpoint's own) and held to the exact rule against ComfyUI, so a broken linear cannot
+  hide behind an approximate attention;
+- (b) **kernel**: at each attention site the backend runs on the recorded q/k/v and is compared with exact fp32
+  attention on the same operands (or with the reference implementation its contract names); at each FP8 linear the
+  FP8 product is compared with the exact fp32 product on the recorded input;
+- (c) **quality**: free-running, the approximate mode's x0 against h3direct's own exact path on the same inputs,
+  device and dtype (decoded frames: `parity_tests/e2e_frames.py`).
+
 Plain Python (no pytest) so tests, the sensitivity checks and people at a prompt use the same code:
 
     from parity_tests.gate import run_dit_case
@@ -16,12 +29,19 @@ from pathlib import Path
 
 import torch
 
+from h3direct.errors import H3Error
 from h3direct.traces import metrics
-from h3direct.traces.budgets import BudgetTable, load_budgets, verdict
-from h3direct.traces.discovery import DitCase
 from h3direct.traces.format import Trace, load_trace
+from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
+from parity_tests.discovery import DitCase
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
+EXACT_REFERENCE = "sdpa"  # the exact backend that runs what an approximate mode does not compute
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class NoTwin(H3Error):
+    """A low-precision case without ComfyUI's fp32 twin, gated without --no-twin."""
 
 
 @dataclass
@@ -29,19 +49,24 @@ class LayerResult:
     name: str
     kind: str
     mode: str
-    rel_l2: float
+    rel_l2: float  # against the reference of the comparison (ComfyUI's trace, exact attention, the exact path)
     sqnr_db: float
     worst: metrics.MaxAbs
     passed: bool
     rule: str
     budget_provenance: str
     replay: str
-    vs_fp32: tuple[float, float] | None = None  # (ours, comfy) error against the fp32 twin
+    vs_fp32: tuple[float, float] | None = None  # (ours, ComfyUI) error against the fp32 twin
+    error: float = math.nan  # what the rule judged, on its own scale (rel-L2), and its limit: the report's plot
+    limit: float = math.inf
+    part: str = "exact"  # exact (a) | kernel (b) | quality (c)
+    info: str = ""  # what else was measured (a kernel's error against exact attention, the fallback it ran)
 
     def line(self) -> str:
         status = "ok  " if self.passed else "FAIL"
+        extra = f" ({self.info})" if self.info else ""
         return (f"{status} {self.mode:7s} {self.name}: rel_l2 {self.rel_l2:.3e}, sqnr {self.sqnr_db:.1f} dB, "
-                f"worst {self.worst} [{self.rule}]")
+                f"worst {self.worst} [{self.rule}]{extra}")
 
 
 @dataclass
@@ -58,8 +83,9 @@ class CaseResult:
     action: str = "replay"  # label of the command that re-runs it
     compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
     attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
-    weights: str | None = None  # budget weights key when it is not the case's own ("fp8_w8a8")
+    weights: str | None = None  # "fp8_w8a8" when the FP8 block linears ran
     fp8_linear_calls: dict | None = None  # --fp8-linear: calls per GEMM path (scaled_mm / emulated (reason))
+    notes: list[str] = field(default_factory=list)  # what was not gated, and why
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -69,23 +95,42 @@ class CaseResult:
     def passed(self) -> bool:
         return self.first_failure is None and bool(self.layers)
 
+    def worst(self, part: str) -> LayerResult | None:
+        """The comparison of `part` closest to (or furthest past) its limit."""
+        rows = [r for r in self.layers if r.part == part and r.limit > 0 and not math.isnan(r.error)]
+        return max(rows, key=lambda r: r.error / r.limit, default=None)
+
     def report(self) -> str:
         f = self.first_failure
         c = self.case
         head = self.title or (f"{c.id} [{self.mode}, {getattr(c, 'compute', '?')}, {getattr(c, 'weights', '?')}, "
                               f"{self.attention}]")
+        notes = "".join(f"\n  note: {n}" for n in self.notes)
         if f is None:
-            return f"{head}: {len(self.layers)} {self.unit}s within budget"
-        return (f"{head}: first failing {self.unit} in execution order: {f.name} ({f.kind})\n"
+            return f"{head}: {len(self.layers)} {self.unit}s within their rules{notes}"
+        return (f"{head}: first failing {self.unit} in execution order: {f.name} ({f.kind}, {f.part})\n"
                 f"  {f.line()}\n"
-                f"  budget: {f.rule} — {f.budget_provenance}\n"
-                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, ComfyUI {f.worst.ref:.8g}\n"
-                f"  {self.action}: {f.replay}")
+                f"  rule: {f.rule} — {f.budget_provenance}\n"
+                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, "
+                f"reference {f.worst.ref:.8g}\n"
+                f"  {self.action}: {f.replay}{notes}")
 
 
-def replay_command(trace: Path, layer: str, comfy_root: str | None = None) -> str:
+def replay_command(trace: Path, layer: str, comfy_root: str | None = None, rule: str = "") -> str:
+    """The command that re-runs one compared tensor (`python -m oracle replay`), with the rule it was judged by."""
     root = f" --comfy-root {comfy_root}" if comfy_root else ""
-    return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct"
+    return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct{rule}"
+
+
+def rule_flags(b, limit: float, attention: str = "", device: str = "cpu") -> str:
+    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`)."""
+    flags = f" --attention {attention}" if attention and attention != "sdpa" else ""
+    flags += f" --device {device}" if device != "cpu" else ""
+    if b.rule == "ratio":
+        return flags + f" --ratio {b.k:g} --floor {b.floor:g}"
+    if math.isfinite(limit) and limit > 0:
+        return flags + f" --budget {limit:.3g}"
+    return flags
 
 
 @lru_cache(maxsize=8)
@@ -95,90 +140,47 @@ def _model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_line
     return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=fp8_linear)
 
 
-class KeyedBudgets:
-    """A budgets table whose lookups are made under one `weights` key (FP8 linears: "fp8_w8a8") and accept only
-    entries that name that key: a run with approximate weights never falls back to an entry calibrated on the
-    checkpoint's own weights (or on a `weights = "*"` entry); without one it fails as "no calibrated budget"."""
-
-    def __init__(self, table: BudgetTable, weights: str):
-        self.table, self.weights, self.path = table, weights, table.path
-
-    def lookup(self, **key: str):
-        from h3direct.errors import H3Error
-
-        key = {**key, "weights": self.weights}
-        b = self.table.lookup(**key)
-        if b.match.get("weights") != self.weights:
-            what = ", ".join(str(key.get(k, "*")) for k in ("mode", "compute", "weights", "attention"))
-            raise H3Error(f"no calibrated budget for ({what}) (kind {key.get('kind', '*')}): the best match is not "
-                          f"keyed weights = {self.weights!r} ({b.provenance[:60]}); add a calibrated entry",
-                          path=self.path)
-        return b
-
-
 @lru_cache(maxsize=32)
 def _trace(path: str) -> Trace:
     return load_trace(path)
 
 
-def _compare(name, kind, mode, ours, ref_trace: Trace, budgets: BudgetTable, case: DitCase, attention: str,
-             twin: Trace | None, comfy_root: str | None, compute: str | None = None) -> LayerResult:
-    """compute: the budget key's compute value when h3direct ran in another dtype than the trace ("bf16@fp32":
-    h3direct bf16 against ComfyUI's fp32 trace; `twin` is then ComfyUI's bf16 trace of the same case)."""
-    ref = ref_trace.get(name)
-    ours = ours.detach().cpu()
-    if ours.shape != ref.shape:
-        nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
-        return LayerResult(name, kind, mode, math.inf, -math.inf, nan, False,
-                           f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}", "", replay_command(
-                               case.trace, name, comfy_root))
-    # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
-    b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
-    compute = compute or case.compute
-    b = budgets.lookup(mode=b_mode, kind=b_kind, compute=compute, weights=case.weights, attention=attention)
-    rel = metrics.rel_l2(ours, ref)
-    sq = metrics.sqnr_db(ours, ref)
-    identical = torch.equal(ours.to(ref.dtype), ref)
-    vs = None
-    if twin is not None and name in twin and b.k is not None:
-        other = twin.get(name)
-        if other.shape == ref.shape:
-            if compute == case.compute:  # twin = ComfyUI fp32: (ours vs fp32, ComfyUI vs fp32)
-                vs = (metrics.rel_l2(ours, other), metrics.rel_l2(ref, other))
-            else:  # ref = ComfyUI fp32, twin = ComfyUI in our dtype
-                vs = (rel, metrics.rel_l2(other, ref))
-    ok, rule = verdict(b, rel=rel, sqnr=sq, identical=identical, ours_vs_fp32=vs[0] if vs else None,
-                       comfy_vs_fp32=vs[1] if vs else None)
-    return LayerResult(name, kind, mode, rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance,
-                       replay_command(case.trace, name, comfy_root), vs)
+def attention_key(backend: str) -> str:
+    """The budgets key of an attention backend: "exact" for every exact one, else its own name."""
+    from h3direct.dit.attention import is_exact
+
+    return "exact" if is_exact(backend) else backend
 
 
 def lowp_twin(case: DitCase, compute: str) -> Path | None:
     """ComfyUI's `compute` trace of the same checkpoint and inputs as the fp32 `case` (None if not recorded)."""
-    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.discovery import find_dit_cases
 
     cases, _ = find_dit_cases([case.trace.parent])
     return next((c.trace for c in cases if c.compute == compute and c.twin_fp32 is not None
                  and c.twin_fp32.name == case.trace.name), None)
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 def run_dtype(attention: str, compute: str, device: str) -> tuple[str, str | None]:
     """(the dtype h3direct runs a `compute` trace in with this backend, why it cannot run at all or None).
 
     Availability is probed with a tensor of that dtype on that device. A backend that runs only in bf16/fp16 runs an
-    fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run."""
-    from h3direct.dit.attention import unavailable_reason
+    fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run.
+    An approximate backend is only run at its kernel sites and in the quality check (in bf16 where it must); the
+    rest of its gate runs on the exact path in the trace's own dtype."""
+    from h3direct.dit.attention import is_exact, unavailable_reason
 
     def probe(c):
         return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[c])))
 
     reason = probe(compute)
     if reason is not None and compute == "fp32" and probe("bf16") is None:
-        return "bf16", None
+        return ("bf16" if is_exact(attention) else compute), None
     return compute, reason
+
+
+def _nvfp4_mode(case: DitCase) -> str:
+    return case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
 
 
 def _setup(case: DitCase, device: str, compute: str | None = None, fp8_linear: str = "off"):
@@ -187,92 +189,182 @@ def _setup(case: DitCase, device: str, compute: str | None = None, fp8_linear: s
 
     trace = _trace(str(case.trace))
     inputs = load_inputs(case.inputs)
-    mode = case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
-    key = (str(case.checkpoint), compute or case.compute, mode, device)
+    key = (str(case.checkpoint), compute or case.compute, _nvfp4_mode(case), device)
     # without fp8 the cache key stays the 4-tuple others use (`_model(...)` elsewhere gets the same instance)
     model = _model(*key) if fp8_linear == "off" else _model(*key, fp8_linear)
     return trace, inputs, model, conditioning_of(inputs)
 
 
+def _measure(name: str, ours: torch.Tensor, ref_trace: Trace, twin: Trace | None, low_key: bool,
+             local: torch.Tensor | None = None) -> Measured:
+    """The measurement of one exact comparison against ComfyUI's recorded tensor.
+
+    twin errors: free-running, (h3direct, ComfyUI) against ComfyUI's fp32 twin. Teacher-forced (`local`: the fp32
+    evaluation of the same layer on the same recorded inputs, by h3direct's fp32 path, which the fp32 rule holds to
+    ComfyUI's twin at every layer), against that: each side's own rounding error at this layer, without the drift
+    that the twin's different inputs carry. low_key: h3direct ran in another dtype than the trace (the twin is then
+    ComfyUI's own trace in h3direct's dtype, and the trace is the fp32 reference)."""
+    ref = ref_trace.get(name)
+    rel = metrics.rel_l2(ours, ref)
+    vs = None
+    if local is not None and local.shape == ref.shape:
+        vs = (metrics.rel_l2(ours, local), metrics.rel_l2(ref, local))
+    elif twin is not None and name in twin and twin.get(name).shape == ref.shape:
+        other = twin.get(name)
+        vs = (rel, metrics.rel_l2(other, ref)) if low_key else (metrics.rel_l2(ours, other),
+                                                                metrics.rel_l2(ref, other))
+    identical = torch.equal(ours.to(ref.dtype), ref)
+    return Measured(rel, identical=identical, twin=vs, produced=ref_trace.produced_dtype(name))
+
+
+class Gate:
+    """One case's comparisons under one budgets table: the keys every lookup shares, and the rows it appends."""
+
+    def __init__(self, case: DitCase, result: CaseResult, budgets: BudgetTable, trace: Trace, twin: Trace | None,
+                 compute_key: str, comfy_root: str | None, no_twin: bool):
+        self.case, self.result, self.budgets, self.trace, self.twin = case, result, budgets, trace, twin
+        self.compute_key, self.comfy_root, self.no_twin = compute_key, comfy_root, no_twin
+
+    def key(self, mode: str, kind: str, **over) -> dict:
+        return {"mode": mode, "kind": kind, "compute": self.compute_key, "weights": self.case.weights,
+                "attention": "exact", "twin": "yes" if self.twin is not None else "no", **over}
+
+    def exact(self, name: str, kind: str, mode: str, ours: torch.Tensor, local: torch.Tensor | None = None) -> None:
+        """Compare h3direct's exact-path tensor with ComfyUI's recorded one (part a); `local`: see `_measure`."""
+        ref = self.trace.get(name)
+        ours = ours.detach().cpu()
+        replay = replay_command(self.case.trace, name, self.comfy_root)
+        if ours.shape != ref.shape:
+            nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
+            self.result.layers.append(LayerResult(name, kind, mode, math.inf, -math.inf, nan, False,
+                                                  f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}", "",
+                                                  replay, error=math.inf, limit=0.0))
+            return
+        # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
+        b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
+        b = self.budgets.lookup(**self.key(b_mode, b_kind))
+        m = _measure(name, ours, self.trace, self.twin, self.compute_key != self.case.compute,
+                     None if local is None else local.detach().cpu())
+        n = self.budgets.roundings(kind) if b_mode == "teacher" else None
+        v = verdict(b, m, roundings=n)
+        replay += rule_flags(b, v.limit if b.rule != "fp32" else b.floor)
+        self.result.layers.append(LayerResult(name, kind, mode, m.err, metrics.sqnr_db(ours, ref),
+                                              metrics.max_abs(ours, ref), v.passed, v.text, b.provenance, replay,
+                                              m.twin, v.error, v.limit, "exact"))
+
+
 def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
-                 comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off") -> CaseResult:
+                 comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off",
+                 no_twin: bool = False) -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
 
-    fp8_linear "stream"/"resident": h3direct's block linears run as FP8 W8A8 (`dit.linear.FP8Linear`); every
-    comparison is then keyed weights = "fp8_w8a8" and only entries naming that key apply (`KeyedBudgets`).
-
-    compute: run h3direct in this dtype instead of the trace's (a bf16/fp16-only backend against an fp32 trace):
-    budgets are then looked up with compute "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own
-    trace in that dtype (when recorded) against the fp32 trace."""
+    attention: an exact backend is gated at every site against ComfyUI; an approximate one in the three parts of
+    the module docstring. fp8_linear "stream"/"resident": the FP8 block linears, an approximate mode judged the same
+    way. compute: run h3direct's exact path in this dtype instead of the trace's (a bf16-only exact backend against
+    an fp32 trace): the budget key is then "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own trace in
+    that dtype. no_twin: gate a low-precision case without ComfyUI's fp32 twin by the rounding bounds (teacher sites
+    only; what has no rounding bound is listed as not gated) instead of refusing it."""
+    from h3direct.dit.attention import attention_stats, is_exact, reset_attention_stats
     from h3direct.dit.linear import FP8_WEIGHTS_KEY
-    from h3direct.dit.tracing import Tracer
-    from h3direct.traces.evaluate import one_step
-    from h3direct.traces.replay import available_sites
 
     budgets = budgets or load_budgets()
     fp8_linear = fp8_linear or "off"
-    if fp8_linear != "off":
-        budgets = KeyedBudgets(budgets, FP8_WEIGHTS_KEY)
-    key = None
-    if compute is not None and compute != case.compute:
-        key = f"{compute}@{case.compute}"
-    base_trace, inputs, model, cond = _setup(case, device, compute, fp8_linear)
+    approx_attention = not is_exact(attention)
+    exact_backend = EXACT_REFERENCE if approx_attention else attention
+    low = compute is not None and compute != case.compute
+    compute_key = f"{compute}@{case.compute}" if low else case.compute
+    base_trace, inputs, model, cond = _setup(case, device, compute if low else None)
     trace = trace or base_trace
-    if key is None:
-        twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    if low:
+        lp = lowp_twin(case, compute)
+        twin = _trace(str(lp)) if lp else None
     else:
-        low = lowp_twin(case, compute)
-        twin = _trace(str(low)) if low else None
-    result = CaseResult(case, mode, attention, title=f"{case.id} [{mode}, h3direct {compute} vs ComfyUI "
-                        f"{case.compute}, {case.weights}, {attention}]" if key else "", compute=key)
-    if fp8_linear != "off":
-        result.weights = FP8_WEIGHTS_KEY
-        result.title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, "
-                        f"{case.weights} as {FP8_WEIGHTS_KEY} ({fp8_linear}), {attention}]")
-    from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats, reset_fp8_linear_stats
-    from h3direct.dit.attention import attention_stats, reset_attention_stats
-
+        twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    if compute_key != "fp32" and twin is None and not no_twin:
+        what = f"ComfyUI's {compute} trace of this case" if low else "ComfyUI's fp32 twin of this case"
+        raise NoTwin(f"{case.id}: {compute_key} is gated by the ratio rule, which needs {what}; record it "
+                     f"(`python -m oracle record` records the twin by default) or pass --no-twin to gate by rounding "
+                     f"bounds only")
+    approx = approx_attention or fp8_linear != "off"
+    title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, {case.weights}"
+             + (f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else "") + f", {attention}]")
+    result = CaseResult(case, mode, attention, title=title if (low or approx) else "",
+                        compute=compute_key if low else None,
+                        weights=FP8_WEIGHTS_KEY if fp8_linear != "off" else None)
+    gate = Gate(case, result, budgets, trace, twin, compute_key, comfy_root, no_twin)
+    if twin is None and compute_key != "fp32":
+        result.notes.append("no fp32 twin (--no-twin): teacher sites by rounding bounds; free runs and whole blocks "
+                            "are not gated")
     reset_attention_stats()
-    reset_fp8_linear_stats()
     with torch.no_grad():
         if mode == "teacher":
-            sites = available_sites(model, trace, cond, inputs["text_states"], backend=attention, device=device,
-                                    dtypes_from=twin if key else None,
-                                    compute_dtype=model.compute_dtype if key else None)
-            _gate_sites(result, sites, trace, budgets, case, attention, twin, comfy_root, key)
+            _teacher(gate, model, inputs, cond, device, exact_backend, attention if approx_attention else None,
+                     fp8_linear, low)
         elif mode == "free":
-            with Tracer(model) as tracer:
-                one_step(model, inputs, backend=attention, device=device)
-            _gate_free(result, tracer.tensors, trace, budgets, case, attention, twin, comfy_root, key)
+            _free(gate, model, inputs, device, exact_backend, attention, fp8_linear, approx)
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
     result.attention_calls = attention_stats() or None
     if fp8_linear != "off":
+        from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats
+
         result.fp8_linear_calls = fp8_linear_stats()
     return result
 
 
-def _gate_sites(result: CaseResult, sites, trace: Trace, budgets: BudgetTable, case: DitCase, attention: str,
-                twin: Trace | None, comfy_root: str | None, key: str | None = None) -> None:
-    """Run every teacher-forced site (`replay.Site`) and compare it with `trace`, into `result`."""
+def _teacher(gate: Gate, model, inputs, cond, device, exact_backend, approx_backend, fp8_linear, low) -> None:
+    from h3direct.traces.replay import available_sites
+    from parity_tests import kernels
+
+    case, text = gate.case, inputs["text_states"]
+    sites = available_sites(model, gate.trace, cond, text, backend=exact_backend, device=device,
+                            dtypes_from=gate.twin if low else None, compute_dtype=model.compute_dtype if low else None)
+    local = {}
+    if gate.twin is not None and gate.compute_key in ("bf16", "fp16"):  # each layer's fp32 evaluation, same inputs
+        ref32 = _model(str(case.checkpoint), "fp32", _nvfp4_mode(case), device)
+        local = {s.name: s for s in available_sites(ref32, gate.trace, cond, text, backend=EXACT_REFERENCE,
+                                                    device=device, widen=True)}
+    fp8_model = None
+    if fp8_linear != "off":
+        fp8_model = _model(str(case.checkpoint), _compute_name(model), _nvfp4_mode(case), device, fp8_linear)
+    no_bound = []
     for s in sites:
-        result.layers.append(_compare(s.name, s.kind, "teacher", s.run(), trace, budgets, case, attention, twin,
-                                      comfy_root, key))
+        if gate.twin is None and gate.compute_key != "fp32" and gate.budgets.roundings(s.kind) is None:
+            no_bound.append(s.name)
+        else:
+            gate.exact(s.name, s.kind, "teacher", s.run(), local[s.name].run() if s.name in local else None)
+        if approx_backend is not None and s.operands is not None:
+            kernels.attention_site(gate, s, approx_backend, device)
+        if fp8_model is not None and s.name.removesuffix(".out") in kernels.fp8_linear_names(fp8_model):
+            kernels.fp8_linear_site(gate, s, model, fp8_model)
+    if no_bound:
+        gate.result.notes.append(f"{len(no_bound)} sites without a rounding bound not gated (first: {no_bound[0]})")
 
 
-def _gate_free(result: CaseResult, ours: dict[str, torch.Tensor], trace: Trace, budgets: BudgetTable,
-               case: DitCase, attention: str, twin: Trace | None, comfy_root: str | None,
-               key: str | None = None) -> CaseResult:
-    """Compare `ours` with `trace` at every tensor the trace records (free-running mode), into `result`."""
-    for name in trace.names_in_order():
-        if name not in ours:
-            result.skipped.append(name)
-            continue
-        kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
-        result.layers.append(_compare(name, kind, "free", ours[name], trace, budgets, case, attention, twin,
-                                      comfy_root, key))
-    return result
+def _compute_name(model) -> str:
+    return {v: k for k, v in DTYPES.items()}[str(model.compute_dtype).removeprefix("torch.")]
+
+
+def _free(gate: Gate, model, inputs, device, exact_backend, attention, fp8_linear, approx) -> None:
+    from h3direct.dit.tracing import Tracer
+    from h3direct.traces.evaluate import one_step
+
+    with Tracer(model) as tracer:
+        exact_out = one_step(model, inputs, backend=exact_backend, device=device)
+    if gate.twin is None and gate.compute_key != "fp32":
+        gate.result.notes.append("free run not gated: no fp32 twin (a free run has no rounding bound)")
+    else:
+        for name in gate.trace.names_in_order():
+            if name not in tracer.tensors:
+                gate.result.skipped.append(name)
+                continue
+            kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
+            gate.exact(name, kind, "free", tracer.tensors[name])
+    if approx:
+        from parity_tests import kernels
+
+        kernels.quality_x0(gate, model, inputs, device, exact_backend, attention, fp8_linear, exact_out)
 
 
 def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Trace | None = None,
@@ -282,8 +374,14 @@ def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Tra
     against `reference` (default: the case's ComfyUI trace), at every tensor the reference records."""
     trace = reference or _trace(str(case.trace))
     twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
-    return _gate_free(CaseResult(case, "free", attention, title=title), ours, trace, budgets or load_budgets(), case,
-                      attention, twin, comfy_root)
+    result = CaseResult(case, "free", attention, title=title)
+    gate = Gate(case, result, budgets or load_budgets(), trace, twin, case.compute, comfy_root, False)
+    for name in trace.names_in_order():
+        if name not in ours:
+            result.skipped.append(name)
+            continue
+        gate.exact(name, "output" if name.startswith(OUTPUT_PREFIXES) else "*", "free", ours[name])
+    return result
 
 
 def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: str = "cpu",
@@ -295,8 +393,10 @@ def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: s
     budgets = budgets or load_budgets()
     trace, inputs, model, cond = _setup(case, device)
     sp.attach(model)
+    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
     result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
+    gate = Gate(case, result, budgets, trace, twin, case.compute, None, False)
     with torch.no_grad():
-        _gate_sites(result, available_sharded_sites(model, trace, cond, sp, backend=attention, device=device), trace,
-                    budgets, case, attention, None, None)
+        for s in available_sharded_sites(model, trace, cond, sp, backend=attention, device=device):
+            gate.exact(s.name, s.kind, "teacher", s.run())
     return result

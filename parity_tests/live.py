@@ -72,7 +72,7 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
     """Re-record every pairable trace of `roots` with ComfyUI at `comfy_root`; returns the folder of new traces."""
     import warnings
 
-    from h3direct.traces.discovery import find_dit_cases, find_generate_cases, find_vae_cases
+    from parity_tests.discovery import find_dit_cases, find_generate_cases, find_vae_cases
 
     drift = source_drift(roots, comfy_root)
     if drift:

@@ -15,6 +15,9 @@ Parity options (the merge gate, `pytest -m parity`):
   --vae-dtype D       VAE dtype(s) to gate: fp32, fp16 or all (default all)
   --device DEV        cpu (default) or cuda
   --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
+  --no-twin           gate bf16/fp16 traces that have no fp32 twin by rounding bounds (teacher sites only) instead
+                      of refusing them
+  --parity-report DIR where the report goes (default ./parity-report, in the folder pytest was started from)
   --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident); comparisons
                       are keyed weights = "fp8_w8a8" and need entries calibrated under that key
   --e2e-path NAME     approximate path of the e2e frames gate (default: --attention): an attention backend or
@@ -32,12 +35,13 @@ from pathlib import Path
 
 import pytest
 
-REPORT_DIR = Path(__file__).resolve().parents[1] / "parity-report"  # beside the checkout's parity_tests/
+REPORT_DIR = "parity-report"  # relative to the folder pytest was started in
 
 MARKERS = {
     "parity": "compares h3direct with ComfyUI traces (the merge gate)",
     "comfy": "needs a ComfyUI checkout (--comfy-root or H3_COMFY_ROOT)",
     "gpu": "needs a CUDA GPU",
+    "planted": "the gate lane's one planted-failure check (proves this run's gate can fail)",
     "slow": "slow tier (opt-in: -m slow)",
 }
 
@@ -55,7 +59,10 @@ def pytest_addoption(parser):
                 help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
     g.addoption("--e2e-path", default=None, help="approximate path of the e2e frames gate (default: --attention)")
     g.addoption("--e2e-model", default=None, metavar="DIR", help="model folder of the e2e frames gate")
-    g.addoption("--parity-report", default=str(REPORT_DIR), help="where the parity report is written")
+    g.addoption("--no-twin", action="store_true",
+                help="gate low-precision traces without ComfyUI's fp32 twin by rounding bounds instead of refusing")
+    g.addoption("--parity-report", default=REPORT_DIR,
+                help="where the parity report is written (relative paths: from where pytest was started)")
 
 
 def given_trace_dirs(config) -> list[Path] | None:
@@ -84,7 +91,7 @@ def trace_roots(config) -> list[Path]:
     given = given_trace_dirs(config)
     if given is not None:
         return given
-    from h3direct.traces.discovery import default_roots
+    from parity_tests.discovery import default_roots
 
     return default_roots()
 
@@ -95,6 +102,11 @@ def pytest_configure(config):
     missing = [str(p) for p in given_trace_dirs(config) or [] if not p.is_dir()]
     if missing:  # one line from pytest, before any collection
         raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
+
+
+def report_dir(config) -> Path:
+    """--parity-report as an absolute path (a relative one against the folder pytest was started in)."""
+    return Path(os.path.abspath(Path(config.invocation_params.dir) / config.getoption("--parity-report")))
 
 
 def comfy_root_of(config) -> str | None:

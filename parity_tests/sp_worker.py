@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from h3direct.dit import parallel
-    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.discovery import find_dit_cases
     from parity_tests.gate import run_sharded_teacher
 
     wanted = {Path(t).resolve() for t in args.traces}

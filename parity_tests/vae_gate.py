@@ -1,10 +1,9 @@
 """The VAE part of the gate: h3direct's public VAE path (`h3direct trace-vae`) against one ComfyUI VAE trace.
 
 Every key the ComfyUI trace recorded (`<case>.<module path>[#k].in|out`, `<case>.vae_decode.out`, ...) is compared
-under the budgets table (mode "vae", compute = the VAE dtype, weights "vae"; fp16 uses the ratio rule against the
-fp32 twin trace). Decoded video is also judged per frame (PSNR and SSIM, mean and min over frames) and decoded
-audio by its waveform SNR; those floors are `[[budget]]` entries of kind "frames" / "waveform" and
-frames entries (PSNR and SSIM floors) of the same table.
+under the budgets table (mode "vae", compute = the VAE dtype, weights "vae"): fp32 by the fp32 rule, fp16 by the
+ratio rule against ComfyUI's fp32 twin trace. Decoded video also reports its per-frame PSNR and SSIM and decoded
+audio its waveform SNR (what the rule on the decoded tensor means for a viewer or a listener).
 
 Plain Python, like gate.py:
 
@@ -25,24 +24,16 @@ from pathlib import Path
 import torch
 
 from h3direct.traces import metrics
-from h3direct.traces.budgets import BudgetTable, load_budgets, verdict
-from h3direct.traces.discovery import VaeCase
 from h3direct.traces.format import Trace, load_trace
-from parity_tests.gate import CaseResult, LayerResult
+from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
+from parity_tests.discovery import VaeCase
+from parity_tests.gate import CaseResult, LayerResult, replay_command, rule_flags
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
 
 
 def VaeCaseResult(case: VaeCase, attention: str) -> CaseResult:  # noqa: N802 (a CaseResult for a VAE trace)
-    return CaseResult(case, "vae", attention, title=f"{case.id} [vae {case.kind}, {case.dtype}]", unit="key",
-                      action="reproduce")
-
-
-def reproduce_command(case: VaeCase) -> str:
-    op = case.kind.split("_")[1]
-    return (f"h3direct trace-vae --weights {case.weights} --config {case.config} --inputs {case.inputs} "
-            f"--dtype {case.dtype} --only {op} --out /tmp/h3_vae.safetensors && "
-            f"python -m oracle diff /tmp/h3_vae.safetensors {case.trace}")
+    return CaseResult(case, "vae", attention, title=f"{case.id} [vae {case.kind}, {case.dtype}]", unit="key")
 
 
 @lru_cache(maxsize=16)
@@ -79,52 +70,36 @@ def frame_metrics(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
             "ssim_min": min(ssim), "frames": len(psnr)}
 
 
+def _info(case: VaeCase, name: str, ours: torch.Tensor, ref: torch.Tensor) -> str:
+    if case.kind == "video_decode" and name.endswith(".vae_decode.out"):
+        fm = frame_metrics(ours, ref)
+        return (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.1f} / min {fm['psnr_min']:.1f} dB, "
+                f"SSIM mean {fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}")
+    if case.kind == "audio_decode" and name.endswith(".vae_decode.out"):
+        return f"waveform SNR {metrics.sqnr_db(ours, ref):.1f} dB"
+    return ""
+
+
 def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
     kind = "output" if name.endswith(FINAL_SUFFIXES) else "module"
-    replay = reproduce_command(case)
+    replay = replay_command(case.trace, name)
     if ours is None or ours.shape != ref.shape:
         what = ("not produced by h3direct" if ours is None
                 else f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}")
         nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
-        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay)
-    b = budgets.lookup(mode="vae", kind=kind, compute=case.dtype, weights="vae", attention=attention)
-    rel, sq = metrics.rel_l2(ours, ref), metrics.sqnr_db(ours, ref)
+        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay, error=math.inf,
+                           limit=0.0)
+    b = budgets.lookup(mode="vae", kind=kind, compute=case.dtype, weights="vae", attention="exact",
+                       twin="yes" if twin is not None else "no")
+    rel = metrics.rel_l2(ours, ref)
     vs = None
-    if twin is not None and b.k is not None and name in twin and twin.get(name).shape == ref.shape:
+    if twin is not None and name in twin and twin.get(name).shape == ref.shape:
         base = twin.get(name)
         vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
-    ok, rule = verdict(b, rel=rel, sqnr=sq, identical=torch.equal(ours, ref), ours_vs_fp32=vs[0] if vs else None,
-                       comfy_vs_fp32=vs[1] if vs else None)
-    return LayerResult(name, kind, "vae", rel, sq, metrics.max_abs(ours, ref), ok, rule, b.provenance, replay, vs)
-
-
-def _frames_result(name, ours, ref, budgets, case, attention) -> LayerResult:
-    fm = frame_metrics(ours, ref)
-    b = budgets.lookup(mode="vae", kind="frames", compute=case.dtype, weights="vae", attention=attention)
-    fails = []
-    if b.psnr_db is not None and not fm["psnr_mean"] >= b.psnr_db:
-        fails.append(f"PSNR mean {fm['psnr_mean']:.1f} dB < {b.psnr_db:g}")
-    if b.psnr_min_db is not None and not fm["psnr_min"] >= b.psnr_min_db:
-        fails.append(f"PSNR min {fm['psnr_min']:.1f} dB < {b.psnr_min_db:g}")
-    if b.ssim_mean is not None and not fm["ssim_mean"] >= b.ssim_mean:
-        fails.append(f"SSIM mean {fm['ssim_mean']:.6f} < {b.ssim_mean:g}")
-    if b.ssim_min is not None and not fm["ssim_min"] >= b.ssim_min:
-        fails.append(f"SSIM min {fm['ssim_min']:.6f} < {b.ssim_min:g}")
-    summary = (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.1f} / min {fm['psnr_min']:.1f} dB, "
-               f"SSIM mean {fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}")
-    prov = b.provenance
-    return LayerResult(f"{name}#frames", "frames", "vae", metrics.rel_l2(ours, ref), metrics.sqnr_db(ours, ref),
-                       metrics.max_abs(ours, ref), not fails, "; ".join(fails) or summary, prov,
-                       reproduce_command(case))
-
-
-def _waveform_result(name, ours, ref, budgets, case, attention) -> LayerResult:
-    b = budgets.lookup(mode="vae", kind="waveform", compute=case.dtype, weights="vae", attention=attention)
-    snr = metrics.sqnr_db(ours, ref)  # waveform SNR: signal = ComfyUI's waveform, noise = the difference
-    ok = b.sqnr_db is None or snr >= b.sqnr_db
-    rule = f"waveform SNR {snr:.1f} dB " + (">=" if ok else "<") + f" {b.sqnr_db:g} dB"
-    return LayerResult(f"{name}#waveform", "waveform", "vae", metrics.rel_l2(ours, ref), snr,
-                       metrics.max_abs(ours, ref), ok, rule, b.provenance, reproduce_command(case))
+    v = verdict(b, Measured(rel, identical=torch.equal(ours, ref), twin=vs))
+    return LayerResult(name, kind, "vae", rel, metrics.sqnr_db(ours, ref), metrics.max_abs(ours, ref), v.passed,
+                       v.text, b.provenance, replay + rule_flags(b, v.limit), vs, v.error, v.limit, "exact",
+                       _info(case, name, ours, ref))
 
 
 def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable | None = None,
@@ -141,10 +116,4 @@ def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable
         ref = ref_trace.get(name)
         mine = ours.get(name) if name in ours else None
         result.layers.append(_key_result(name, mine, ref, twin, budgets, case, attention))
-        if mine is None or mine.shape != ref.shape:
-            continue
-        if case.kind == "video_decode" and name.endswith(".vae_decode.out"):
-            result.layers.append(_frames_result(name, mine, ref, budgets, case, attention))
-        elif case.kind == "audio_decode" and name.endswith(".vae_decode.out"):
-            result.layers.append(_waveform_result(name, mine, ref, budgets, case, attention))
     return result

@@ -19,9 +19,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 def test_sol_defaults_map_onto_kernel_arguments():
     kw = sol_options({}).kernel_kwargs(prefix_rows=1180)
-    # 1,180 conditioning rows (text 256 + reference 510 + audio 414) -> key blocks [0, 19) are sinks
-    assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19]}
-    assert "sink_blocks" not in sol_options({}).kernel_kwargs(prefix_rows=None)
+    # 1,180 conditioning rows (text 256 + reference 510 + audio 414) -> key blocks [0, 19) are sinks, and their
+    # query blocks attend every key exactly
+    assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19],
+                  "sink_q": [0, 19]}
+    none = sol_options({}).kernel_kwargs(prefix_rows=None)
+    assert "sink_blocks" not in none and "sink_q" not in none
 
 
 @pytest.mark.parametrize("env, key, want", [
@@ -31,7 +34,8 @@ def test_sol_defaults_map_onto_kernel_arguments():
     ({"H3_SOL_TAIL": "0"}, "tail", False),
     ({"H3_SOL_TOKEN_AUG": "128"}, "token_aug", 128),
     ({"H3_SOL_SINKS": "none"}, "sink_blocks", None),
-], ids=["tau", "topk", "topk-needs-type", "tail", "token_aug", "no-sinks"])
+    ({"H3_SOL_EXACT_ROWS": "0"}, "sink_q", None),
+], ids=["tau", "topk", "topk-needs-type", "tail", "token_aug", "no-sinks", "routed-rows"])
 def test_sol_env_mapping(env, key, want):
     assert sol_options(env).kernel_kwargs(prefix_rows=100).get(key) == want
 
@@ -75,6 +79,24 @@ def test_sol_kwargs_match_comfy_kitchen_signature():
     assert err(with_sinks) < err(no_sinks) < 1.0
 
 
+def test_sol_rows_before_the_video_attend_exactly():
+    """With the default options the query rows before the target video (text, references, audio) attend every key
+    exactly: on attention without locality (random q, k) they equal dense attention, while routed rows do not."""
+    ck = pytest.importorskip("comfy_kitchen")
+    if not hasattr(ck, "sol_attn"):
+        pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 640, 2, 128, generator=g) for _ in range(3))
+    dense = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    prefix = 150  # rows [0, 150) precede the video: query blocks [0, 3) are exact
+    out = ck.sol_attn(q, k, v, **sol_options({}).kernel_kwargs(prefix_rows=prefix))
+    routed = ck.sol_attn(q, k, v, **sol_options({"H3_SOL_EXACT_ROWS": "0"}).kernel_kwargs(prefix_rows=prefix))
+    err = lambda x, rows: float((x[:, rows] - dense[:, rows]).norm() / dense[:, rows].norm())  # noqa: E731
+    head, tail = slice(0, 192), slice(192, 640)
+    assert err(out, head) < 1e-5 < err(routed, head)
+    assert err(out, tail) > 1e-2  # the video rows stay sparse
+
+
 def test_sol_without_kernel_is_unavailable_not_substituted(monkeypatch):
     monkeypatch.setenv("H3_SOL_FALLBACK", "sdpa")
     like = torch.empty(0, dtype=torch.bfloat16)
@@ -104,7 +126,8 @@ def test_sol_documented_fallback_is_counted_and_strict_refuses(monkeypatch):
     long = torch.randn(1, 2, 320, 128, dtype=torch.bfloat16)
     with A.sequence_hints(70):
         out = A.sol_call(long, long, long, ck.sol_attn)
-    want = ck.sol_attn(*(x.transpose(1, 2) for x in (long, long, long)), tau=1.3, sink_blocks=[0, 2]).transpose(1, 2)
+    want = ck.sol_attn(*(x.transpose(1, 2) for x in (long, long, long)), tau=1.3, sink_blocks=[0, 2],
+                       sink_q=[0, 2]).transpose(1, 2)
     assert torch.equal(out, want) and A.attention_stats()["sol_attn"]["kernel"] == 1
     monkeypatch.setenv("H3_SOL_STRICT", "1")
     with pytest.raises(BackendUnavailable, match="H3_SOL_STRICT=1 forbids it"):
@@ -157,8 +180,8 @@ def test_sage1_is_not_sage2(monkeypatch, tmp_path):
 def test_half_only_backend_runs_fp32_traces_in_bf16():
     """A backend that runs only bf16/fp16 is gated on fp32 traces in bf16 (budget compute key bf16@fp32, ratio rule
     against ComfyUI's bf16 twin when recorded) and never receives fp32 tensors."""
-    from h3direct.traces.budgets import load_budgets
-    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.budgets import load_budgets
+    from parity_tests.discovery import find_dit_cases
     from parity_tests.gate import run_dit_case, run_dtype
 
     seen = set()
@@ -186,7 +209,7 @@ def test_half_only_backend_runs_fp32_traces_in_bf16():
 
 
 def test_gate_report_lists_counted_attention_calls(tmp_path):
-    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.discovery import find_dit_cases
     from parity_tests.gate import CaseResult
     from parity_tests.report import ReportCollector
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from h3direct.app.cli import main as cli_main
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import attention_structure as AS  # noqa: E402
+from parity_tests import attention_structure as AS
 
 # Ref2VA: video 6 x 16 x 20 tokens (1,920 rows) + a 320-row image reference + 200 audio rows + 32 text tokens
 VIDEO, REF, AUDIO, TEXT = (1, 24, 6, 32, 40), (1, 24, 1, 32, 40), (1, 32, 2, 100), 32

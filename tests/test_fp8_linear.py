@@ -210,13 +210,13 @@ def _table(tmp_path, weights):
     p = tmp_path / "b.toml"
     p.write_text(f'[[budget]]\nmode = "*"\nkind = "*"\ncompute = "fp32"\nweights = "{weights}"\nattention = "*"\n'
                  f'rel_l2 = 1e-3\nprovenance = "test"\n')
-    from h3direct.traces.budgets import load_budgets
+    from parity_tests.budgets import load_budgets
 
     return load_budgets(p)
 
 
 def test_gate_refuses_non_fp8_entries(tmp_path):
-    from h3direct.traces.budgets import load_budgets
+    from parity_tests.budgets import load_budgets
     from parity_tests.gate import KeyedBudgets
 
     key = dict(mode="teacher", kind="linear", compute="fp32", weights="bf16", attention="fa3")
@@ -256,7 +256,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
 
 def _fx_case(name):
-    from h3direct.traces.discovery import find_dit_cases
+    from parity_tests.discovery import find_dit_cases
 
     cases, _ = find_dit_cases([FIX])
     return next(c for c in cases if c.trace.name == name)

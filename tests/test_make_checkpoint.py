@@ -343,7 +343,7 @@ def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln, ndarr
     g = torch.Generator().manual_seed(0)
     text = (torch.randn(1, 24, 3, 6, 8, generator=g), torch.randn(1, 32, 2, 10, generator=g),
             torch.randn(1, 12, cfg.text_dim, generator=g))[2]
-    from h3direct.traces.budgets import load_budgets
+    from parity_tests.budgets import load_budgets
 
     rel = load_budgets().lookup(mode="free", kind="output", compute="fp32",
                                 weights="nvfp4_w4a16" if quant == "nvfp4" else "bf16", attention="sdpa").rel_l2
@@ -364,8 +364,8 @@ def test_made_checkpoint_as_comfyui_loads_it_golden(tmp_path, quant, adaln):
     from h3direct.checkpoint.synthetic import resolve_config
     from h3direct.dit.loader import load_dit
     from h3direct.dit.model import Conditioning
-    from h3direct.traces.budgets import load_budgets
     from h3direct.traces.metrics import rel_l2
+    from parity_tests.budgets import load_budgets
 
     want = yaml.safe_load((goldens.GOLDENS / f"made_checkpoint_{adaln}_{quant}.yml").read_text())
     ref = goldens.load(f"made_checkpoint_{adaln}_{quant}")

@@ -66,8 +66,8 @@ def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path) -> None
 
 
 def test_replay_report_fails_on_injected_error() -> None:
-    from h3direct.traces.budgets import Budget
     from h3direct.traces.format import Trace
+    from parity_tests.budgets import Budget
 
     ref = torch.randn(8, 4)
     trace = Trace(Path("x.safetensors"), {"x.out": ref}, {})

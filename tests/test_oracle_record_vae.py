@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from h3direct.traces.budgets import load_budgets
 from h3direct.traces.format import load_trace
 from oracle.compare import diff_traces
 from oracle.record_vae import constructor_args
+from parity_tests.budgets import load_budgets
 
 SHARED = Path("/work/shared/oracle")
 

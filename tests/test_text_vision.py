@@ -282,7 +282,7 @@ def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regres
 
     for prompt, items in CASES.values():
         hte.build_presentation(prompt, items(inputs), recording)
-    from h3direct.traces.budgets import load_budgets
+    from parity_tests.budgets import load_budgets
 
     rel = load_budgets().lookup(mode="free", kind="output", compute="fp32", weights="bf16", attention="sdpa").rel_l2
     goldens.record(ndarrays_regression, "text_encoder", {**want, **{f"input.{k}": v for k, v in inputs.items()}},

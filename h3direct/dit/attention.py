@@ -288,6 +288,11 @@ def _slice_settings():
     return os.environ.get("H3_HEAD_SLICE_BACKEND", "sage2"), int(os.environ.get("H3_HEAD_SLICE_SIZE", "8"))
 
 
+def slice_backend() -> str:
+    """The inner backend kj_head_sliced hands its head slices to."""
+    return _slice_settings()[0]
+
+
 def _head_sliced(q, k, v):
     inner, size = _slice_settings()
     fn = _REGISTRY[inner].fn

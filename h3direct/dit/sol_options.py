@@ -13,6 +13,9 @@ term, so all keys stay in the softmax denominator. Its arithmetic is fixed (INT8
 | `H3_SOL_SINKS`        | prefix  | `sink_blocks`: `prefix` = the key blocks holding the rows before the target video |
 |                       |         | (text, references, keyframes, target audio) when the DiT says where they end;     |
 |                       |         | `none` = no sinks                                                                 |
+| `H3_SOL_EXACT_ROWS`   | 1       | `sink_q`: 1 = the query blocks of the rows before the target video attend every   |
+|                       |         | key exactly (the sparse routing assumes video locality, which text, reference and |
+|                       |         | audio queries lack); 0 = every query block is routed                             |
 | `H3_SOL_TAIL`         | 1       | `tail` (0 drops the pooled term of unrouted blocks)                              |
 | `H3_SOL_TOKEN_AUG`    | 0       | `token_aug` (0 or a multiple of 64 up to 256)                                    |
 | `H3_SOL_MIN_TOKENS`   | 4096    | below this sequence length the call runs `H3_SOL_FALLBACK` (documented fallback) |
@@ -40,6 +43,7 @@ class SolOptions:
     thresh_type: str = "diag"
     topk_ratio: float = 0.1
     sinks: str = "prefix"
+    exact_rows: bool = True
     tail: bool = True
     token_aug: int = 0
     min_tokens: int = 4096
@@ -54,6 +58,8 @@ class SolOptions:
               "topk_ratio": self.topk_ratio if self.thresh_type == "topk" else 0.0}
         if self.sinks == "prefix" and prefix_rows:
             kw["sink_blocks"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
+        if self.exact_rows and prefix_rows:
+            kw["sink_q"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
         return kw
 
 
@@ -91,6 +97,7 @@ def sol_options(env=None) -> SolOptions:
         topk_ratio=_get(env, "H3_SOL_TOPK_RATIO", d.topk_ratio, float, lambda v: 0.0 < v < 1.0,
                         "a fraction in (0, 1)"),
         sinks=_get(env, "H3_SOL_SINKS", d.sinks, str, lambda v: v in ("prefix", "none"), "prefix or none"),
+        exact_rows=_get(env, "H3_SOL_EXACT_ROWS", d.exact_rows, _bool, lambda v: True, "0 or 1"),
         tail=_get(env, "H3_SOL_TAIL", d.tail, _bool, lambda v: True, "0 or 1"),
         token_aug=_get(env, "H3_SOL_TOKEN_AUG", d.token_aug, int, lambda v: 0 <= v <= 256 and v % 64 == 0,
                        "0 or a multiple of 64 up to 256"),

@@ -75,3 +75,50 @@ def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str = DEFAULT_BACKEND, 
     record("sample_out.video", out["sample_out.video"])
     record("sample_out.audio", out["sample_out.audio"])
     return out
+
+
+def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend: str = DEFAULT_BACKEND,
+                     device="cpu") -> dict[str, torch.Tensor]:
+    """The generation a `kind: generate` trace records (`python -m oracle record-generate`), run by h3direct's
+    sampler and denoiser on the same inputs, sampler, scheduler, shift, steps and step cache: {name: tensor} under
+    the trace's names (`sampler.sigmas`, `sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`,
+    `cache.evaluated`)."""
+    from h3direct.sampling.sampler import sample
+    from h3direct.sampling.schedules import sigmas_for
+
+    m = manifest
+    scale = audio_scale_of(model)
+    shift = float(m.get("sampling", {}).get("shift", 12.0))
+    sigmas = sigmas_for(int(m["steps"]), str(m.get("scheduler", "simple")), shift=shift).to(device)
+    ours: dict[str, torch.Tensor] = {"sampler.sigmas": sigmas}
+
+    def on_step(s) -> None:
+        ours.update({f"sampler.step{s.index}.x.video": s.x_video, f"sampler.step{s.index}.x.audio": s.x_audio,
+                     f"sampler.step{s.index}.denoised.video": s.x0_video,
+                     f"sampler.step{s.index}.denoised.audio": s.x0_audio})
+
+    lat_v, lat_a = inputs["video_latent"].float().to(device), inputs["audio_latent"].float().to(device)
+    masks = {}
+    if inputs.denoise_mask:
+        masks = {"mask_video": expand_mask(inputs.denoise_mask["video"].to(device), tuple(lat_v.shape)),
+                 "mask_audio": expand_mask(inputs.denoise_mask["audio"].to(device), tuple(lat_a.shape))}
+    with torch.no_grad():
+        context = model.preprocess_text(inputs["text_states"].to(device), backend=backend)
+        denoiser = Denoiser(model, context, conditioning_of(inputs), scale, backend=backend)
+        step_cache = None
+        if m.get("cache"):  # ComfyUI ran with its EasyCache node: h3direct's cache with the same settings
+            from h3direct.sampling.caches import CacheSettings, with_cache
+
+            c = m["cache"]
+            settings = CacheSettings(mode=c["mode"], threshold=float(c["threshold"]),
+                                     start_percent=float(c["start_percent"]), end_percent=float(c["end_percent"]),
+                                     subsample_factor=int(c.get("subsample_factor", 8)))
+            denoiser, _, step_cache = with_cache(denoiser, settings, shift)
+        noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
+        out = sample(denoiser, noise_v, noise_a, sigmas, latent_video=lat_v, latent_audio=lat_a,
+                     sampler=str(m.get("sampler", "euler")), audio_scale=scale, callback=on_step, **masks)
+    ours["sample_out.video"], ours["sample_out.audio"] = out.video, out.audio
+    if step_cache is not None:
+        reused = set(step_cache.reused_steps(sigmas.cpu()))
+        ours["cache.evaluated"] = torch.tensor([int(i not in reused) for i in range(len(sigmas) - 1)])
+    return ours

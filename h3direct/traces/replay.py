@@ -11,16 +11,15 @@ Recorded tensors are stored widened to float32; they are narrowed back to the dt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from h3direct.dit.attention import DEFAULT_BACKEND, attention
+from h3direct.dit.attention import DEFAULT_BACKEND, attention, sequence_hints
 from h3direct.dit.blocks import gated_residual_, modulate_
-from h3direct.dit.embed import condition_rows, pack_audio, patchify_video
+from h3direct.dit.embed import condition_rows, pack_audio, patchify_video, sinusoid_features
 from h3direct.dit.model import Conditioning, H3DiT
 from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
 from h3direct.dit.timesteps import plan_timesteps
@@ -38,6 +37,9 @@ class Site:
     # the positional inputs of the module that produced `name` (ComfyUI's call signature), derived like `run`'s;
     # None in the list = a non-tensor argument (taken from the manifest's static_inputs by the oracle)
     args: Callable[[], list] | None = None
+    # attention kernel sites: (q, k, v as the attention seam takes them [B, H, S, D], rows before the target video
+    # or None) -- what the gate hands an approximate backend and exact fp32 attention alike
+    operands: Callable[[], tuple] | None = None
 
 
 # Tensors ComfyUI keeps in float32 when it computes in bf16/fp16 (read off its bf16 traces): the sampler's latents,
@@ -55,10 +57,12 @@ class TraceView:
 
     For a model computing in another dtype than the trace (bf16 against an fp32 trace): `dtypes_from`, ComfyUI's
     own trace of the case in that dtype, gives each tensor's dtype; without one, `compute_dtype` replaces float32
-    outside ComfyUI's float32 islands."""
+    outside ComfyUI's float32 islands. `widen`: every recorded tensor in float32 instead (an fp32 model fed the
+    recorded low-precision values: the fp32 evaluation of each layer on exactly ComfyUI's inputs)."""
 
-    def __init__(self, trace, device="cpu", dtypes_from=None, compute_dtype=None):
+    def __init__(self, trace, device="cpu", dtypes_from=None, compute_dtype=None, widen=False):
         self.trace, self.device, self.dtypes_from, self.compute_dtype = trace, device, dtypes_from, compute_dtype
+        self.widen = widen  # every recorded float tensor as float32 (its recorded values): an fp32 model's inputs
         self.derivations: dict[str, tuple[Callable[[], torch.Tensor], tuple[str, ...]]] = {}
         self.cache: dict[str, torch.Tensor] = {}
 
@@ -77,6 +81,8 @@ class TraceView:
                 self.cache[name] = self.derivations[name][0]()
             return self.cache[name]
         t = self.trace.get(name)
+        if self.widen and t.is_floating_point():
+            return t.to(self.device, torch.float32)
         src = self.dtypes_from if self.dtypes_from is not None and name in self.dtypes_from else self.trace
         dtype = DTYPES.get(src.produced_dtype(name) or "", t.dtype)
         if (self.dtypes_from is None and self.compute_dtype is not None and dtype == torch.float32
@@ -123,11 +129,7 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
         te = model.time_embedder
 
         def te_features():
-            t = T("time_embedder.in.0")
-            half = te.freq_dim // 2
-            freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-            args = t.float()[:, None] * freqs[None]
-            return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+            return sinusoid_features(T("time_embedder.in.0"), te.freq_dim)
 
         yield site("time_embedder.proj_in.out", "linear", ["time_embedder.in.0"], lambda: te.proj_in(te_features()),
                    lambda: [te_features()])
@@ -200,7 +202,8 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
         else:
             attn_src = ((lambda p=p, mod=mod: mod(f"{p}.norm1.out", 0, 1)), (f"{p}.norm1.out", *ada[:2], *inner))
         yield from _attention_sites(p, blk, T, H, D, backend, rope=True, table=table, src=attn_src,
-                                        dtype=model.compute_dtype)
+                                    dtype=model.compute_dtype,
+                                    prefix=lambda: layout_and_plan()[0].segment("video").start)
 
         def after_attn(p=p, x_in=x_in, ada=ada):
             runs = layout_and_plan()[1].runs
@@ -221,8 +224,11 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
             runs = layout_and_plan()[1].runs
             return blk(T(x_in).clone(), T(temb), runs, T(table), backend=backend)
 
+        def runs():  # ComfyUI's non-tensor block input: the modulation runs as (start, stop, adaLN row)
+            return [(r.start, r.stop, r.row) for r in layout_and_plan()[1].runs]
+
         yield site(f"{p}.out", "block", [x_in, temb, table, *inner], whole,
-                   lambda x_in=x_in: [T(x_in), T(temb), None, T(table)])
+                   lambda x_in=x_in: [T(x_in), T(temb), runs(), T(table)])
         prev = f"{p}.out"
 
     # ---- final layer ----------------------------------------------------------------------------
@@ -305,8 +311,10 @@ def _packed_input(model, T, cond, layout):
 
 
 def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None = None, dtype=None,
-                     src: tuple[Callable[[], torch.Tensor], tuple[str, ...]] | None = None) -> Iterator[Site]:
-    """src: (input provider, names it reads); default the recorded norm1 output (refiner blocks)."""
+                     src: tuple[Callable[[], torch.Tensor], tuple[str, ...]] | None = None,
+                     prefix: Callable[[], int] | None = None) -> Iterator[Site]:
+    """src: (input provider, names it reads); default the recorded norm1 output (refiner blocks). prefix: the rows
+    before the target video in the packed sequence (DiT blocks; the attention seam's sequence hint)."""
     attn = blk.attn
     src_fn, src_needs = src or ((lambda: T(f"{p}.norm1.out")), (f"{p}.norm1.out",))
     qkv = f"{p}.attn.qkv_proj.out"
@@ -332,15 +340,20 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
                    lambda: [part(1).reshape(s_of(), H, D)])
         qn, kn = f"{p}.attn.q_norm.out", f"{p}.attn.k_norm.out"
 
-    def attend():
+    def operands():
         s = T(qkv).shape[0]
         q, k = T(qn), T(kn)
         v = part(2).reshape(s, H, D).clone()
         if dtype is not None and q.dtype != dtype:  # the model's attention always sees its compute dtype
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)[0]
+        return q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], prefix() if prefix else None
 
-    yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, qn, kn), attend)
+    def attend():
+        q, k, v, rows = operands()
+        with sequence_hints(rows):
+            return attention(q, k, v, backend)[0]
+
+    yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, qn, kn), attend, operands=operands)
     yield Site(f"{p}.attn.out_proj.out", "linear", (f"{p}.attn.out_proj.in",),
                lambda: attn.out_proj(T(f"{p}.attn.out_proj.in")), lambda: [T(f"{p}.attn.out_proj.in")])
     yield Site(f"{p}.attn.out", "attention", src_needs + ((table,) if rope else ()),
@@ -361,8 +374,8 @@ def _mlp_sites(p, mlp, T, src: tuple[Callable[[], torch.Tensor], tuple[str, ...]
 
 
 def available_sites(model, trace, cond, text_states=None, *, device="cpu", dtypes_from=None, compute_dtype=None,
-                    **kw) -> list[Site]:
+                    widen=False, **kw) -> list[Site]:
     """Sites whose reference the trace holds and whose every input it holds or can derive (`TraceView`)."""
-    view = TraceView(trace, device, dtypes_from, compute_dtype)
+    view = TraceView(trace, device, dtypes_from, compute_dtype, widen)
     every = list(sites(model, trace, cond, text_states, device=device, view=view, **kw))
     return [s for s in every if s.name in trace and all(n in view for n in s.needs)]

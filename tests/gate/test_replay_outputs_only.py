@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from h3direct.traces.discovery import FIXTURES, find_dit_cases
+from parity_tests.discovery import FIXTURES, find_dit_cases
 from parity_tests.gate import run_dit_case
-
-pytestmark = pytest.mark.parity
 
 STEM = "trace_fx_bf16_ref2va_fp32"
 LAYERS = ["blocks.1.mlp.fc2.out", "blocks.1.mlp", "blocks.1.attn", "blocks.1", "token_refiner.blocks.0.attn.out"]

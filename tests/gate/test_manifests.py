@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from h3direct.traces.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
 from h3direct.traces.format import load_trace, tensor_sha256, verify_trace
-
-pytestmark = pytest.mark.parity
+from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
 
 FIXTURE_TRACES = sorted(FIXTURES.glob("trace_*.safetensors"))
 STEM = "trace_fx_micro_td80_t2va_fp32"

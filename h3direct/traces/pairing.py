@@ -1,106 +1,46 @@
-"""Find ComfyUI traces and what they need (checkpoint, inputs, fp32 twin) in directories laid out like
-../shared/oracle: `trace_*.safetensors` + `.json` manifests beside the checkpoints and inputs files.
+"""Which files a ComfyUI trace was recorded from: its checkpoint, its inputs file, its compute dtype and weights.
 
-Pairing rules, most explicit first: a manifest's own `inputs` / `checkpoint` fields (relative to the
-trace's folder); otherwise the one inputs file of the folder whose `h3_inputs` variant equals the manifest's
-task and which reproduces every recorded input the trace holds (`input_mismatch`, `pair_inputs`).
+The trace vocabulary's pairing rules, shared by the gate's discovery (`parity_tests/discovery.py`) and the oracle's
+replay. Most explicit first: a manifest's own `inputs` / `checkpoint` fields (relative to the trace's folder, with
+their sha256 when recorded); otherwise the one inputs file of the folder whose `h3_inputs` variant equals the
+manifest's task and which reproduces every recorded input the trace holds (`input_mismatch`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import torch
 
-VAE_KINDS = ("video_decode", "video_encode", "audio_decode", "audio_encode")
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: h3direct/traces/ -> repo root
-FIXTURES = ROOT / "fixtures"
-SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
+# How close an inputs file's tensors, recomputed in float64 (text states through condition_proj, condition rows,
+# timestep), must come to a trace's recorded inputs to be the file it was recorded from: bf16 rounding moves them by
+# at most 2^-8 relative and the 0.999/0.001 condition-noise mix by 1e-3, while another prompt or reference differs
+# by O(1). Not a parity limit: it only decides which file a trace belongs to.
+PAIRING_LIMIT = 5e-2
 
 
-def default_roots() -> list[Path]:
-    """The gate's default trace roots: the committed fixtures/ and, when it sits beside the checkout,
-    ../shared/oracle."""
-    roots = [FIXTURES] if FIXTURES.is_dir() else []
-    if SHARED_ORACLE.is_dir():
-        roots.append(SHARED_ORACLE)
-    return roots
-
-
-@dataclass(frozen=True)
-class DitCase:
-    trace: Path
-    checkpoint: Path
-    inputs: Path
-    compute: str  # fp32 | bf16 | fp16
-    weights: str  # bf16 | nvfp4_w4a4 | nvfp4_w4a16
-    task: str
-    twin_fp32: Path | None  # ComfyUI's fp32 trace of the same checkpoint and inputs
-
-    @property
-    def id(self) -> str:
-        return f"{self.trace.parent.name}/{self.trace.stem}"
-
-
-@dataclass(frozen=True)
-class VaeCase:
-    trace: Path
-    weights: Path
-    config: Path
-    inputs: Path
-    kind: str  # video_decode | ...
-    dtype: str  # fp32 | fp16
-    twin_fp32: Path | None
-
-    @property
-    def id(self) -> str:
-        return f"{self.trace.parent.name}/{self.trace.stem}"
-
-
-def trace_dirs(roots: list[Path]) -> list[Path]:
-    """Each root, or its subfolders holding traces (a folder of such directories)."""
-    out = []
-    for root in roots:
-        if any(root.glob("trace_*.json")) or any(root.glob("*.json")) and any(root.glob("*.safetensors")):
-            out.append(root)
-        out.extend(sorted(d for d in root.iterdir() if d.is_dir() and any(d.glob("*.json"))))
-    seen, uniq = set(), []
-    for d in out:
-        if d.resolve() not in seen:
-            seen.add(d.resolve())
-            uniq.append(d)
-    return uniq
-
-
-def _manifest(path: Path) -> dict | None:
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return m if isinstance(m, dict) else None
-
-
-def _traces(folder: Path, accept) -> dict[Path, dict]:
-    """{trace .safetensors: manifest} for the manifests of `folder` that `accept` and whose tensors exist."""
-    out = {}
-    for j in sorted(folder.glob("*.json")):
-        m = _manifest(j)
-        st = j.with_suffix(".safetensors")
-        if m and accept(m) and st.is_file():
-            out[st] = m
-    return out
-
-
-def _compute(m: dict) -> str:
+def compute_of(m: dict) -> str:
+    """The compute dtype a manifest was recorded in: fp32 | bf16 | fp16."""
     req = str(m.get("compute_dtype_requested") or m.get("compute_dtype") or "")
     if req in ("fp32", "bf16", "fp16"):
         return req
     dt = str(m.get("inference_dtype") or m.get("model_dtype") or "")
     return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(dt, "fp32")
+
+
+def weights_of(checkpoint: Path, m: dict) -> str:
+    """bf16 | nvfp4_w4a16 | nvfp4_w4a4: the checkpoint's weights as the recording ran them."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), "pt") as f:
+        quant = any(k.endswith(".comfy_quant") for k in f.keys())
+    if not quant:
+        return "bf16"
+    # ComfyUI runs NVFP4 as W4A4 only on CUDA devices of compute capability >= 10; CPU traces are W4A16
+    return f"nvfp4_{m.get('nvfp4_mode', 'w4a16')}"
 
 
 def _inputs_meta(path: Path) -> dict:
@@ -131,14 +71,6 @@ def _sha256_of(path: str, mtime_ns: int, size: int) -> str:  # cached per file v
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _pairing_limit() -> float:
-    """rel-L2 under which a candidate's recomputed input counts as the recorded one (budgets.toml, mode pairing)."""
-    from h3direct.traces.budgets import load_budgets
-
-    b = load_budgets().lookup(mode="pairing", kind="*", compute="*", weights="*", attention="*")
-    return float(b.rel_l2)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,7 +117,7 @@ def input_mismatch(inputs: Path, trace, checkpoint: Path | None) -> str | None:
         inp = load_inputs(inputs)
     except Exception as exc:  # noqa: BLE001 (any unreadable candidate is simply not the one)
         return f"unreadable ({exc})"
-    limit = _pairing_limit()
+    limit = PAIRING_LIMIT
     text = inp.text_states.float()
     if "condition_proj.in.0" in trace:
         ref = trace.get("condition_proj.in.0")
@@ -339,132 +271,43 @@ def checkpoint_problem(trace_path: Path, m: dict, ckpt: Path) -> str | None:
     return None
 
 
-def _weights_label(checkpoint: Path, m: dict) -> str:
+def vae_weights_in(folder: Path) -> dict[str, Path]:
+    """{"video" | "audio": the folder's VAE weights file of that modality}, by their keys."""
     from safetensors import safe_open
 
-    with safe_open(str(checkpoint), "pt") as f:
-        quant = any(k.endswith(".comfy_quant") for k in f.keys())
-    if not quant:
-        return "bf16"
-    # ComfyUI runs NVFP4 as W4A4 only on CUDA devices of compute capability >= 10; CPU traces are W4A16
-    return f"nvfp4_{m.get('nvfp4_mode', 'w4a16')}"
-
-
-def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
-    """(cases, problems): problems are traces that could not be paired, as one-line reasons."""
-    cases, problems = [], []
-    for folder in trace_dirs(roots):
-        metas = _traces(folder, lambda m: "unet_config_detected" in m and "checkpoint" in m)
-        paired = {}
-        for st, m in metas.items():
-            ckpt = folder / Path(m["checkpoint"]).name
-            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
-            if problem is None:
-                inputs, problem = pair_inputs(folder, m, st, ckpt)
-            if problem:
-                problems.append(problem)
-                continue
-            paired[st] = (ckpt, inputs)
-        for st, (ckpt, inputs) in paired.items():
-            m = metas[st]
-            twin = None
-            for other, om in metas.items():
-                if (other != st and om.get("checkpoint") == m.get("checkpoint") and _compute(om) == "fp32"
-                        and (om.get("variant") or om.get("task")) == (m.get("variant") or m.get("task"))
-                        and om.get("set") == m.get("set") and paired.get(other, (None, None))[1] == inputs):
-                    twin = other
-            cases.append(DitCase(st, ckpt, inputs, _compute(m), _weights_label(ckpt, m),
-                                 str(m.get("variant") or m.get("task")), twin if _compute(m) != "fp32" else None))
-    return cases, problems
-
-
-def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
-    from safetensors import safe_open
-
-    cases, problems = [], []
-    for folder in trace_dirs(roots):
-        metas = _traces(folder, lambda m: m.get("kind") in VAE_KINDS)
-        if not metas:
+    found: dict[str, Path] = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(p), "pt") as f:
+                keys = set(f.keys())
+        except Exception:  # noqa: BLE001 (not a weights file)
             continue
-        weights = {}
-        for p in sorted(folder.glob("*.safetensors")):
-            try:
-                with safe_open(str(p), "pt") as f:
-                    keys = set(f.keys())
-            except Exception:
-                continue
-            if any(k.startswith("decoder.x_embedder") or k.startswith("post_quant_conv") for k in keys):
-                weights.setdefault("video", p)
-            elif "dec_in_proj.weight" in keys or any(k.startswith("dec_in_proj") for k in keys):
-                weights.setdefault("audio", p)
-        for st, m in metas.items():
-            modality = m["kind"].split("_")[0]
-            s = m.get("set", "public")
-            config = folder / (m.get("config") or f"vae_config_{s}.json")
-            inputs = folder / (m.get("inputs") or f"vae_inputs_{s}.safetensors")
-            w = folder / m["weights"] if m.get("weights") else weights.get(modality)
-            missing = [str(p) for p in (w, config, inputs) if p is None or not Path(p).is_file()]
-            if missing:
-                problems.append(f"{st}: missing {', '.join(missing) or modality + ' weights'}")
-                continue
-            files = ((w, "weights_sha256"), (config, "config_sha256"), (inputs, "inputs_sha256"))
-            bad = [Path(p).name for p, key in files if m.get(key) and file_sha256(Path(p)) != m[key]]
-            if bad:
-                problems.append(f"{st}: {', '.join(bad)} do(es) not match the manifest's sha256 (edited or replaced)")
-                continue
-            problem = digest_problem(st)
-            if problem:
-                problems.append(problem)
-                continue
-            dtype = str(m.get("compute_dtype", "fp32"))
-            twin = None
-            if dtype != "fp32":
-                def same_source(om, m=m):
-                    explicit = [k for k in ("weights", "config", "inputs") if m.get(k) or om.get(k)]
-                    if explicit:
-                        return all(Path(str(m.get(k))).name == Path(str(om.get(k))).name for k in explicit)
-                    return om.get("set", "public") == m.get("set", "public")
-
-                twin = next((o for o, om in metas.items() if om.get("kind") == m["kind"]
-                             and str(om.get("compute_dtype", "fp32")) == "fp32" and same_source(om)), None)
-            cases.append(VaeCase(st, Path(w), config, inputs, m["kind"], dtype, twin))
-    return cases, problems
+        if any(k.startswith("decoder.x_embedder") or k.startswith("post_quant_conv") for k in keys):
+            found.setdefault("video", p)
+        elif any(k.startswith("dec_in_proj") for k in keys):
+            found.setdefault("audio", p)
+    return found
 
 
-@dataclass(frozen=True)
-class GenerateCase:
-    trace: Path
-    checkpoint: Path
-    inputs: Path
-    manifest: dict = field(hash=False, compare=False)
-
-    @property
-    def id(self) -> str:
-        return f"{self.trace.parent.name}/{self.trace.stem}"
-
-    @property
-    def compute(self) -> str:
-        return str(self.manifest.get("compute_dtype_requested", "fp32"))
-
-    @property
-    def weights(self) -> str:
-        return _weights_label(self.checkpoint, self.manifest)
-
-
-def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
-    cases, problems = [], []
-    for folder in trace_dirs(roots):
-        for st, m in _traces(folder, lambda m: m.get("kind") == "generate").items():
-            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
-            missing = [p.name for p in (ckpt, inputs) if not p.is_file()]
-            if missing:
-                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
-                continue
-            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
-            if problem is None and m.get("inputs_sha256") and file_sha256(inputs) != m["inputs_sha256"]:
-                problem = f"{st}: {inputs.name} does not match the manifest's inputs_sha256 (edited or replaced)"
-            if problem:
-                problems.append(problem)
-                continue
-            cases.append(GenerateCase(st, ckpt, inputs, m))
-    return cases, problems
+def vae_files(trace_path: Path, m: dict, weights: dict[str, Path] | None = None) -> tuple[tuple[Path, Path, Path]
+                                                                                        | None, str | None]:
+    """((weights, config, inputs), None) of a VAE trace, or (None, one-line problem): the manifest's names, else the
+    folder's weights of the trace's modality and `vae_config_<set>.json` / `vae_inputs_<set>.safetensors`; recorded
+    sha256 must match."""
+    folder = Path(trace_path).parent
+    modality = str(m["kind"]).split("_")[0]
+    s = m.get("set", "public")
+    config = folder / (m.get("config") or f"vae_config_{s}.json")
+    inputs = folder / (m.get("inputs") or f"vae_inputs_{s}.safetensors")
+    if m.get("weights"):
+        w = folder / m["weights"]
+    else:
+        w = (weights if weights is not None else vae_weights_in(folder)).get(modality)
+    missing = [str(p) for p in (w, config, inputs) if p is None or not Path(p).is_file()]
+    if missing:
+        return None, f"{trace_path}: missing {', '.join(missing) or modality + ' weights'}"
+    files = ((w, "weights_sha256"), (config, "config_sha256"), (inputs, "inputs_sha256"))
+    bad = [Path(p).name for p, key in files if m.get(key) and file_sha256(Path(p)) != m[key]]
+    if bad:
+        return None, f"{trace_path}: {', '.join(bad)} do(es) not match the manifest's sha256 (edited or replaced)"
+    return (Path(w), config, inputs), None

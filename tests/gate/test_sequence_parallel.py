@@ -19,12 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3direct.traces.discovery import FIXTURES, SHARED_ORACLE, DitCase, find_dit_cases
+from parity_tests.discovery import FIXTURES, SHARED_ORACLE, DitCase, find_dit_cases
 from parity_tests.gate import gate_tensors
 
-pytestmark = pytest.mark.parity
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # t2va + ref2va, bf16 + NVFP4 checkpoints, fp32 compute: the shared set when it sits beside the checkout (plus
 # a curve-adaLN case with seven interleaved segments, so modulation runs straddle the slice boundary), else the
 # committed fixtures (bf16 ref2va, curve NVFP4 ref2va, curve t2va with a denoise mask). The teacher-forced run

@@ -1,6 +1,6 @@
 """How local a DiT trace's attention is, and what a sparse method loses on it (CPU, no kernel needed).
 
-    python benchmarks/attention_structure.py --trace T.safetensors [--window 1,3,3] [--sol] [--out stats.json]
+    python -m parity_tests.attention_structure --trace T.safetensors [--window 1,3,3] [--sol] [--out stats.json]
 
 For every DiT block and head of a trace recorded with `blocks.N.attn.rope_q/rope_k` (h3direct `trace`, or
 `oracle record` at full detail), over the target video's query rows: the exact softmax(q·kᵀ/√D) and
@@ -13,7 +13,8 @@ For every DiT block and head of a trace recorded with `blocks.N.attn.rope_q/rope
   passes them) vs exact fp32 attention, rel-L2, per tau in `--taus`.
 
 The video rows are the trace's last T·H·W rows in (t, h, w) order; the grid comes from the trace's manifest
-(`layout` segments, else the inputs file it names). Used by tests/test_attention_structure.py and gpu_gt2.sh.
+(`layout` segments, else the inputs file it names).
+Used by tests/test_attention_structure.py and the validation set (parity_tests/validation.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import json
 import math
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SOL_BLOCK = 64
 

@@ -14,10 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3direct.traces.discovery import FIXTURES, find_dit_cases
+from parity_tests.discovery import FIXTURES, find_dit_cases
 from parity_tests.gate import run_dit_case
-
-pytestmark = pytest.mark.parity
 
 MICRO = "trace_fx_micro_td80_t2va_fp32"  # text_dim 80, inputs_fx_td80_t2va
 WIDE = "trace_fx_curve_bf16_t2va_mask_fp32"  # text_dim 96, inputs_fx_t2va_mask (same noise/latents)
@@ -54,8 +52,8 @@ def mixed(tmp_path) -> Path:
 
 
 def test_two_models_same_seed_pair_by_every_recorded_input(mixed):
-    from h3direct.traces.discovery import input_mismatch
     from h3direct.traces.format import load_trace
+    from h3direct.traces.pairing import input_mismatch
 
     cases, problems = find_dit_cases([mixed])
     assert not problems, problems

@@ -11,16 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3direct.traces.discovery import find_dit_cases
 from h3direct.traces.format import Trace, tensor_sha256, tensor_stats
+from parity_tests.discovery import find_dit_cases
 from parity_tests.gate import run_dit_case
-
-pytestmark = pytest.mark.parity
 
 
 @pytest.fixture(scope="module")
 def fp32_case(request):
-    from h3direct.traces.discovery import FIXTURES
+    from parity_tests.discovery import FIXTURES
 
     cases, _ = find_dit_cases([FIXTURES])  # the gate's own proof uses the committed fixtures, whatever the roots
     full = [c for c in cases if c.compute == "fp32" and c.weights == "bf16"

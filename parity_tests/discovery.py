@@ -1,0 +1,196 @@
+"""The gate's cases: ComfyUI traces and what they need (checkpoint, inputs, fp32 twin) in folders laid out like
+../shared/oracle (`trace_*.safetensors` + `.json` manifests beside the checkpoints and inputs files), or in a folder
+of such folders. Which inputs file and checkpoint a trace belongs to is the trace vocabulary's
+(`h3direct.traces.pairing`); this module finds the cases and their twins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3direct.traces.pairing import (
+    checkpoint_problem,
+    compute_of,
+    digest_problem,
+    file_sha256,
+    pair_inputs,
+    vae_files,
+    vae_weights_in,
+    weights_of,
+)
+
+VAE_KINDS = ("video_decode", "video_encode", "audio_decode", "audio_encode")
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: parity_tests/ -> repo root
+FIXTURES = ROOT / "fixtures"
+SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
+
+
+def default_roots() -> list[Path]:
+    """The gate's default trace roots: the committed fixtures/ and, when it sits beside the checkout,
+    ../shared/oracle."""
+    roots = [FIXTURES] if FIXTURES.is_dir() else []
+    if SHARED_ORACLE.is_dir():
+        roots.append(SHARED_ORACLE)
+    return roots
+
+
+@dataclass(frozen=True)
+class DitCase:
+    trace: Path
+    checkpoint: Path
+    inputs: Path
+    compute: str  # fp32 | bf16 | fp16
+    weights: str  # bf16 | nvfp4_w4a4 | nvfp4_w4a16
+    task: str
+    twin_fp32: Path | None  # ComfyUI's fp32 trace of the same checkpoint and inputs
+
+    @property
+    def id(self) -> str:
+        return f"{self.trace.parent.name}/{self.trace.stem}"
+
+
+@dataclass(frozen=True)
+class VaeCase:
+    trace: Path
+    weights: Path
+    config: Path
+    inputs: Path
+    kind: str  # video_decode | ...
+    dtype: str  # fp32 | fp16
+    twin_fp32: Path | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.trace.parent.name}/{self.trace.stem}"
+
+
+def trace_dirs(roots: list[Path]) -> list[Path]:
+    """Each root, or its subfolders holding traces (a folder of such directories)."""
+    out = []
+    for root in roots:
+        if any(root.glob("trace_*.json")) or any(root.glob("*.json")) and any(root.glob("*.safetensors")):
+            out.append(root)
+        out.extend(sorted(d for d in root.iterdir() if d.is_dir() and any(d.glob("*.json"))))
+    seen, uniq = set(), []
+    for d in out:
+        if d.resolve() not in seen:
+            seen.add(d.resolve())
+            uniq.append(d)
+    return uniq
+
+
+def _manifest(path: Path) -> dict | None:
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) else None
+
+
+def _traces(folder: Path, accept) -> dict[Path, dict]:
+    """{trace .safetensors: manifest} for the manifests of `folder` that `accept` and whose tensors exist."""
+    out = {}
+    for j in sorted(folder.glob("*.json")):
+        m = _manifest(j)
+        st = j.with_suffix(".safetensors")
+        if m and accept(m) and st.is_file():
+            out[st] = m
+    return out
+
+
+def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
+    """(cases, problems): problems are traces that could not be paired, as one-line reasons."""
+    cases, problems = [], []
+    for folder in trace_dirs(roots):
+        metas = _traces(folder, lambda m: "unet_config_detected" in m and "checkpoint" in m)
+        paired = {}
+        for st, m in metas.items():
+            ckpt = folder / Path(m["checkpoint"]).name
+            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
+            if problem is None:
+                inputs, problem = pair_inputs(folder, m, st, ckpt)
+            if problem:
+                problems.append(problem)
+                continue
+            paired[st] = (ckpt, inputs)
+        for st, (ckpt, inputs) in paired.items():
+            m = metas[st]
+            twin = None
+            for other, om in metas.items():
+                if (other != st and om.get("checkpoint") == m.get("checkpoint") and compute_of(om) == "fp32"
+                        and (om.get("variant") or om.get("task")) == (m.get("variant") or m.get("task"))
+                        and om.get("set") == m.get("set") and paired.get(other, (None, None))[1] == inputs):
+                    twin = other
+            cases.append(DitCase(st, ckpt, inputs, compute_of(m), weights_of(ckpt, m),
+                                 str(m.get("variant") or m.get("task")), twin if compute_of(m) != "fp32" else None))
+    return cases, problems
+
+
+def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
+    cases, problems = [], []
+    for folder in trace_dirs(roots):
+        metas = _traces(folder, lambda m: m.get("kind") in VAE_KINDS)
+        if not metas:
+            continue
+        weights = vae_weights_in(folder)
+        for st, m in metas.items():
+            files, problem = vae_files(st, m, weights)
+            problem = problem or digest_problem(st)
+            if problem:
+                problems.append(problem)
+                continue
+            w, config, inputs = files
+            dtype = str(m.get("compute_dtype", "fp32"))
+            twin = None
+            if dtype != "fp32":
+                def same_source(om, m=m):
+                    explicit = [k for k in ("weights", "config", "inputs") if m.get(k) or om.get(k)]
+                    if explicit:
+                        return all(Path(str(m.get(k))).name == Path(str(om.get(k))).name for k in explicit)
+                    return om.get("set", "public") == m.get("set", "public")
+
+                twin = next((o for o, om in metas.items() if om.get("kind") == m["kind"]
+                             and str(om.get("compute_dtype", "fp32")) == "fp32" and same_source(om)), None)
+            cases.append(VaeCase(st, w, config, inputs, m["kind"], dtype, twin))
+    return cases, problems
+
+
+@dataclass(frozen=True)
+class GenerateCase:
+    trace: Path
+    checkpoint: Path
+    inputs: Path
+    manifest: dict = field(hash=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.trace.parent.name}/{self.trace.stem}"
+
+    @property
+    def compute(self) -> str:
+        return str(self.manifest.get("compute_dtype_requested", "fp32"))
+
+    @property
+    def weights(self) -> str:
+        return weights_of(self.checkpoint, self.manifest)
+
+
+def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str]]:
+    cases, problems = [], []
+    for folder in trace_dirs(roots):
+        for st, m in _traces(folder, lambda m: m.get("kind") == "generate").items():
+            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
+            missing = [p.name for p in (ckpt, inputs) if not p.is_file()]
+            if missing:
+                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
+                continue
+            problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
+            if problem is None and m.get("inputs_sha256") and file_sha256(inputs) != m["inputs_sha256"]:
+                problem = f"{st}: {inputs.name} does not match the manifest's inputs_sha256 (edited or replaced)"
+            if problem:
+                problems.append(problem)
+                continue
+            cases.append(GenerateCase(st, ckpt, inputs, m))
+    return cases, problems

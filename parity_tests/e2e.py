@@ -1,0 +1,70 @@
+"""End-to-end parity: h3direct's sampler + denoiser over a short generation against ComfyUI's, step by step.
+
+A generation trace is what `python -m oracle record-generate` writes (manifest `kind: generate`); its checkpoint and
+inputs file lie beside it. h3direct runs the same generation (`h3direct.traces.evaluate.short_generation`: same
+inputs, sampler, scheduler, shift, steps, step cache) and every recorded tensor (`sampler.sigmas`,
+`sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`, `cache.evaluated`) is compared under the
+budgets table's mode "e2e" (fp32: the fp32 rule; bf16: the ratio rule against the fp32 twin generation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from h3direct.traces import metrics
+from parity_tests.budgets import Measured, verdict
+from parity_tests.discovery import GenerateCase
+from parity_tests.gate import CaseResult, LayerResult, rule_flags
+
+
+def twin_of(case: GenerateCase) -> GenerateCase | None:
+    """ComfyUI's fp32 recording of the same generation (checkpoint, inputs, sampler, steps), for a bf16 case."""
+    from parity_tests.discovery import find_generate_cases
+
+    if case.compute == "fp32":
+        return None
+    same = ("checkpoint", "inputs", "sampler", "scheduler", "steps", "cache")
+    cases, _ = find_generate_cases([case.trace.parent])
+    return next((c for c in cases if c.compute == "fp32" and all(c.manifest.get(k) == case.manifest.get(k)
+                                                                 for k in same)), None)
+
+
+def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> CaseResult:
+    """`trace`: an in-memory ComfyUI trace to compare with instead of the file (sensitivity tests)."""
+    from h3direct.traces.evaluate import short_generation
+    from h3direct.traces.format import load_trace
+    from h3direct.traces.inputs import load_inputs
+    from parity_tests.gate import _model, attention_key
+
+    trace = trace or load_trace(case.trace)
+    model = _model(str(case.checkpoint), case.compute, case.weights.split("_")[-1] if "nvfp4" in case.weights
+                   else "w4a16", device)
+    ours = short_generation(model, load_inputs(case.inputs), case.manifest, backend=attention, device=device)
+    twin_case = twin_of(case)
+    twin = load_trace(twin_case.trace) if twin_case else None
+    result = CaseResult(case, "e2e", attention, title=f"{case.id} [e2e, {case.compute}, {case.weights}, {attention}]",
+                        unit="tensor")
+    b = budgets.lookup(mode="e2e", kind="*", compute=case.compute, weights=case.weights,
+                       attention=attention_key(attention), twin="yes" if twin is not None else "no")
+    for name in trace.names_in_order():
+        ref = trace.get(name)
+        mine = ours.get(name)
+        redo = f"python -m oracle replay --trace {case.trace} --layer {name} --direct"
+        if mine is None or tuple(mine.shape) != tuple(ref.shape):
+            nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
+            why = "not produced by h3direct" if mine is None else f"shape {tuple(mine.shape)} != {tuple(ref.shape)}"
+            result.layers.append(LayerResult(name, "step", "e2e", math.inf, -math.inf, nan, False, why, "", redo,
+                                             error=math.inf, limit=0.0))
+            continue
+        mine = mine.detach().float().cpu()
+        rel = metrics.rel_l2(mine, ref)
+        vs = None
+        if twin is not None and name in twin:
+            vs = (metrics.rel_l2(mine, twin.get(name)), metrics.rel_l2(ref, twin.get(name)))
+        v = verdict(b, Measured(rel, identical=torch.equal(mine, ref.float()), twin=vs))
+        result.layers.append(LayerResult(name, "step", "e2e", rel, metrics.sqnr_db(mine, ref),
+                                         metrics.max_abs(mine, ref), v.passed, v.text, b.provenance,
+                                         redo + rule_flags(b, v.limit), vs, v.error, v.limit))
+    return result

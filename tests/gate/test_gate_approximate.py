@@ -1,0 +1,145 @@
+"""An approximate backend is judged in three parts (parity_tests/gate.py), and each can fail on its own.
+
+No approximate kernel runs on a CPU, so each backend's registry entry is replaced for the test by a CPU stand-in of
+the same kind: exact attention plus a seeded relative error of a chosen size (sage2, ck_int8: held against exact
+attention), h3direct's torch emulation of FA3's FP8 scaling plus an error (fa3_fp8: held against that emulation),
+comfy-kitchen's eager Sol-Attn plus an error (sol_attn: held against its algorithm). Then:
+
+- (a) a linear of h3direct scaled by 1.01 fails the gate at that linear under every approximate backend;
+- (b) the stand-in degraded beyond its backend's contract fails at the first attention site, as a kernel row;
+- (c) free-running, a stand-in far off moves x0 past the declared quality and fails there;
+and the stand-ins within their contracts pass everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3direct.dit import attention as A
+from parity_tests.discovery import FIXTURES, find_dit_cases
+
+BACKENDS = ["sage2", "ck_int8", "fa3_fp8", "sol_attn"]
+SMALL, LARGE = 2e-4, 0.2  # relative error of the stand-in: well inside every contract / far outside
+
+
+def _noise(out: torch.Tensor, eps: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(out.numel())
+    n = torch.randn(out.shape, generator=g, dtype=torch.float32)
+    return (out.float() + eps * n * (out.float().norm() / n.norm())).to(out.dtype)
+
+
+def stand_in(backend: str, eps: float):
+    """[B, H, S, D] -> [B, H, S, D]: what the gate's reference for `backend` computes, plus a relative error eps."""
+    def exact(q, k, v):
+        return _noise(F.scaled_dot_product_attention(q, k, v), eps)
+
+    def fp8(q, k, v):
+        from h3direct.dit.fp8_attention import fp8_attention_reference
+
+        return _noise(fp8_attention_reference(q, k, v).to(q.dtype), eps)
+
+    def sol(q, k, v):
+        from parity_tests.kernels import sol_algorithm
+
+        prefix = A._PREFIX_ROWS.get()
+        out = sol_algorithm(q, k, v, prefix).reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        return _noise(out.transpose(1, 2).to(q.dtype), eps)
+
+    return {"fa3_fp8": fp8, "sol_attn": sol}.get(backend, exact)
+
+
+@pytest.fixture
+def approximate(monkeypatch):
+    """install(backend, eps): the backend's registry entry runs the CPU stand-in (available on the CPU, any dtype)."""
+    def install(backend: str, eps: float):
+        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, stand_in(backend, eps), A._always, exact=False))
+    return install
+
+
+@pytest.fixture(scope="module")
+def case():
+    cases, problems = find_dit_cases([FIXTURES])
+    assert not problems
+    return next(c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None)
+
+
+def _run(case, backend, mode="teacher"):
+    from parity_tests.gate import run_dit_case
+
+    return run_dit_case(case, mode=mode, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_within_contract_passes_all_three_parts(case, approximate, backend):
+    approximate(backend, SMALL)
+    teacher = _run(case, backend)
+    assert teacher.passed, teacher.report()
+    kernel = [r for r in teacher.layers if r.part == "kernel"]
+    assert kernel and all(r.name.endswith(".attn.out_proj.in") for r in kernel)
+    assert {r.part for r in teacher.layers} == {"exact", "kernel"}
+    free = _run(case, backend, "free")
+    assert free.passed, free.report()
+    assert {r.name for r in free.layers if r.part == "quality"} == {"quality.x0.video", "quality.x0.audio"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_broken_linear_fails_under_every_approximate_backend(case, approximate, backend):
+    """(a): blocks.1.mlp.fc1 scaled by 1.01 in h3direct: the gate fails there, not at an attention site."""
+    from parity_tests.gate import _model
+
+    approximate(backend, SMALL)
+    module = _model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule("blocks.1.mlp.fc1")
+    handle = module.register_forward_hook(lambda m, a, out: out * 1.01)
+    try:
+        result = _run(case, backend)
+    finally:
+        handle.remove()
+    first = result.first_failure
+    assert first is not None and first.name == "blocks.1.mlp.fc1.out" and first.part == "exact", result.report()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_degraded_kernel_fails_at_the_attention_site(case, approximate, backend):
+    """(b): the stand-in's error beyond the contract fails at the first attention site, as a kernel row, while every
+    exact comparison still passes."""
+    approximate(backend, LARGE)
+    result = _run(case, backend)
+    first = result.first_failure
+    assert first is not None and first.part == "kernel", result.report()
+    assert first.name == "token_refiner.blocks.0.attn.out_proj.in", result.report()
+    assert all(r.passed for r in result.layers if r.part == "exact")
+    assert "--attention " + backend in first.replay and "--budget" in first.replay
+
+
+@pytest.mark.parametrize("backend", ["sage2", "sol_attn"])
+def test_a_far_off_backend_fails_the_declared_quality(case, approximate, backend):
+    """(c): free-running, x0 of a stand-in far off its contract is judged against h3direct's exact path."""
+    approximate(backend, 0.8)
+    result = _run(case, backend, "free")
+    bad = [r for r in result.layers if not r.passed]
+    assert bad and all(r.part == "quality" for r in bad), result.report()
+    assert all(r.passed for r in result.layers if r.part == "exact")  # the exact run is unchanged
+
+
+def test_fp8_linears_are_held_to_the_e4m3_rounding_bound():
+    """FP8 block linears (CPU emulation): each FP8 product is a kernel row within the e4m3 rounding bound; an FP8
+    linear whose output is off by 10 % fails there."""
+    from parity_tests.gate import _model, run_dit_case
+
+    cases, _ = find_dit_cases([FIXTURES])
+    case = next(c for c in cases if c.weights.startswith("nvfp4") and c.compute == "fp32")
+    result = run_dit_case(case, mode="teacher", fp8_linear="stream")
+    assert result.passed, result.report()
+    rows = [r for r in result.layers if r.part == "kernel"]
+    assert {r.name for r in rows} >= {"blocks.1.mlp.fc1.out", "blocks.1.mlp.fc2.out"}
+    assert all(0 < r.error < r.limit for r in rows)
+    fp8 = _model(str(case.checkpoint), case.compute, "w4a16", "cpu", "stream")
+    handle = fp8.get_submodule("blocks.1.mlp.fc1").register_forward_hook(lambda m, a, out: out * 1.1)
+    try:
+        bad = run_dit_case(case, mode="teacher", fp8_linear="stream")
+    finally:
+        handle.remove()
+    first = bad.first_failure
+    assert first is not None and first.name == "blocks.1.mlp.fc1.out" and first.part == "kernel", bad.report()
