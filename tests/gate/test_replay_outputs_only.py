@@ -60,7 +60,7 @@ def test_gate_teacher_forces_an_outputs_only_trace(outputs_only):
 def test_replay_direct_on_outputs_only_trace(outputs_only, layer, capsys):
     from oracle.__main__ import main
 
-    rc = main(["replay", "--trace", str(outputs_only), "--layer", layer, "--direct", "--no-comfy"])
+    rc = main(["replay", "--trace", str(outputs_only), "--layer", layer, "--direct", "--no-comfy", "--budget", "1e-5"])
     out = capsys.readouterr()
     assert rc == 0, out.out + out.err
     assert "[h3direct]" in out.out and "ok (" in out.out and "all within budget" in out.out, out.out
@@ -76,9 +76,12 @@ def test_replay_direct_reports_a_perturbed_layer(outputs_only, tmp_path, capsys)
     tensors = load_file(str(path))
     tensors["blocks.1.out"] = tensors["blocks.1.out"] * 1.01
     save_file(tensors, str(path))
-    rc = main(["replay", "--trace", str(path), "--layer", "blocks.1", "--direct", "--no-comfy"])
+    rc = main(["replay", "--trace", str(path), "--layer", "blocks.1", "--direct", "--no-comfy", "--budget", "1e-5"])
     out = capsys.readouterr().out
     assert rc == 1 and "OVER BUDGET" in out and "blocks.1.out" in out, out
+    rc = main(["replay", "--trace", str(path), "--layer", "blocks.1", "--direct", "--no-comfy"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "no rule given" in out, out  # without a rule: reported, not judged
 
 
 def test_replay_needs_something_to_run(outputs_only, capsys, monkeypatch):
@@ -94,7 +97,8 @@ def test_replay_needs_something_to_run(outputs_only, capsys, monkeypatch):
 def test_replay_comfy_on_outputs_only_trace(outputs_only, layer, comfy_root):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "oracle", "replay", "--trace", str(outputs_only), "--layer", layer,
-                        "--comfy-root", comfy_root, "--direct"], capture_output=True, text=True, env=env, timeout=600)
+                        "--comfy-root", comfy_root, "--direct", "--budget", "1e-5"], capture_output=True, text=True,
+                       env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert "[comfy]" in r.stdout and "[h3direct]" in r.stdout and "all within budget" in r.stdout, r.stdout
 
@@ -110,3 +114,55 @@ def test_recorded_inputs_of_a_fully_recorded_module():
     assert args[0].shape == trace.get("blocks.1.in.0").shape and isinstance(args[2], list)
     args, kwargs = recorded_inputs(trace, "blocks.1.attn")
     assert len(args) == 1 and kwargs["rope_freqs"].shape == trace.get("blocks.0.in.3").shape
+
+
+def test_the_gates_printed_command_replays_a_low_precision_layer_by_its_rule(capsys):
+    """A bf16 trace: the gate prints `--ratio 1.5 --floor 1e-05`; replay measures both sides against the layer's fp32
+    evaluation on the same inputs and passes; an h3direct layer off by 5 % fails it."""
+    from oracle.__main__ import main
+    from parity_tests.gate import _model
+
+    cases, _ = find_dit_cases([FIXTURES])
+    case = next(c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None)
+    result = run_dit_case(case, mode="teacher")
+    row = next(r for r in result.layers if r.name == "blocks.1.mlp.fc2.out")
+    assert row.replay.endswith("--ratio 1.5 --floor 1e-05"), row.replay
+    argv = row.replay.split()[3:]  # after "python -m oracle"
+    assert main(argv + ["--no-comfy"]) == 0
+    out = capsys.readouterr().out
+    assert "vs fp32: ours" in out and "all within budget" in out, out
+    from oracle import replay as R
+
+    real = R.DerivedInputs.__init__
+
+    def bent(self, *a, **k):  # h3direct's bf16 model (not the fp32 reference) with a 5 % error at fc2
+        real(self, *a, **k)
+        if not k.get("widen"):
+            self.model.get_submodule("blocks.1.mlp.fc2").register_forward_hook(lambda m, i, out: out * 1.05)
+
+    R.DerivedInputs.__init__ = bent
+    try:
+        assert main(argv + ["--no-comfy"]) == 1
+    finally:
+        R.DerivedInputs.__init__ = real
+    assert "OVER BUDGET" in capsys.readouterr().out
+    _model.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["vae", "generate"])
+def test_replay_takes_vae_and_generation_traces(kind, capsys):
+    """Every trace the gate takes: a VAE key and a generation step re-run whole by h3direct (--direct)."""
+    from oracle.__main__ import main
+    from parity_tests.discovery import find_generate_cases, find_vae_cases
+
+    if kind == "vae":
+        case = next(c for c in find_vae_cases([FIXTURES])[0] if c.dtype == "fp32")
+        from h3direct.traces.format import load_trace
+
+        layer = next(n for n in load_trace(case.trace).names_in_order() if n.endswith(".out"))
+    else:
+        case = find_generate_cases([FIXTURES])[0][0]
+        layer = "sampler.step1.denoised.video"
+    rc = main(["replay", "--trace", str(case.trace), "--layer", layer, "--direct", "--no-comfy", "--budget", "1e-5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"[h3direct] {layer}" in out and "all within budget" in out, out

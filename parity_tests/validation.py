@@ -1,0 +1,169 @@
+"""The gate's validation set: cases its rules were not tuned on, recorded with ComfyUI on a GPU.
+
+Each case is a synthetic checkpoint in ComfyUI's format and one Ref2VA / t2va inputs file, made here from a seed
+(`build`), then recorded by ComfyUI in bf16 and in fp32 (the twin) with `python -m oracle record --device cuda`
+(`record`). The folder then holds one sub-folder per case, laid out like ../shared/oracle, so the gate runs on it
+as on any trace folder:
+
+    python -m parity_tests.validation build --out DIR [--device cuda] [--only NAME ...]
+    python -m parity_tests.validation record --out DIR --comfy-root R [--jobs 8]
+    pytest -m parity --trace-dir DIR --device cuda --attention B
+
+The cases span random and structured (`make-checkpoint --attention-structure local`) attention, eight seeds, four
+sizes from ~200 to ~5,000 tokens (the largest above sol_attn's minimum, so its kernel runs), bf16 and NVFP4
+weights, curve and full adaLN, and one case at full model size (50 blocks, hidden 5,376, NVFP4) with a small S.
+What each case is and what the gate measured on it: fixtures/validation/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    preset: str
+    adaln: str  # curve | full
+    quant: str  # none | nvfp4
+    structure: str  # random | local
+    seed: int
+    task: str  # t2va | ref2va
+    video: tuple[int, int, int]  # latent T, H, W (24 channels)
+    audio_t: int
+    text_len: int
+    ref: tuple[int, int] | None = None  # image reference latent H, W (ref2va)
+
+    @property
+    def checkpoint(self) -> str:
+        return f"h3_{self.name}.safetensors"
+
+    @property
+    def inputs(self) -> str:
+        return f"inputs_{self.name}.safetensors"
+
+    def detail(self) -> str:
+        return "reduced" if self.preset.startswith("full") else "full"
+
+
+CASES = [
+    Case("v1_random_bf16_s260", "small", "curve", "none", "random", 101, "t2va", (4, 8, 16), 50, 32),
+    Case("v2_random_nvfp4_s1144", "small", "full", "nvfp4", "random", 102, "ref2va", (6, 16, 32), 100, 48, (16, 32)),
+    Case("v3_local_bf16_s2044", "small", "curve", "none", "local", 103, "ref2va", (6, 24, 40), 150, 64, (24, 40)),
+    Case("v4_local_nvfp4_s5072", "small", "curve", "nvfp4", "local", 104, "ref2va", (8, 32, 64), 200, 64, (32, 64)),
+    Case("v5_local_bf16_s5584", "small", "full", "none", "local", 105, "t2va", (10, 32, 64), 200, 64),
+    Case("v6_random_bf16_s2044", "small", "full", "none", "random", 106, "ref2va", (6, 24, 40), 150, 64, (24, 40)),
+    Case("v7_local_nvfp4_s260", "small", "curve", "nvfp4", "local", 107, "t2va", (4, 8, 16), 50, 32),
+    Case("v8_full_random_nvfp4_s360", "full", "curve", "nvfp4", "random", 108, "ref2va", (3, 12, 16), 40, 112, (8, 12)),
+]
+
+
+def seq_len(case: Case) -> int:
+    """The packed sequence length of a case (h3direct's layout, as ComfyUI packs it)."""
+    from h3direct.dit.layout import build_layout
+
+    t, h, w = case.video
+    refs = [{"kind": "image", "latent": torch.zeros(1, 24, 1, *case.ref), "latent_h": case.ref[0],
+             "latent_w": case.ref[1]}] if case.ref else []
+    return build_layout(case.text_len, t, h, w, case.audio_t, refs=refs).seq_len
+
+
+def write_inputs(case: Case, path: Path, text_dim: int) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(case.seed)
+    video, audio = (1, 24, *case.video), (1, 32, 2, case.audio_t)
+    t = {"video_noise": torch.randn(video, generator=g), "audio_noise": torch.randn(audio, generator=g),
+         "video_latent": torch.randn(video, generator=g), "audio_latent": torch.randn(audio, generator=g),
+         "text_states": torch.randn(1, case.text_len, text_dim, generator=g), "sigma": torch.tensor([0.8])}
+    tags = torch.ones(case.text_len, dtype=torch.int64)
+    desc = {"schema": "h3-oracle-inputs/1", "sigma": 0.800000011920929, "sampler_seed": case.seed, "task": case.task,
+            "variant": case.name, "text_states": "text_states", "token_tags": "token_tags"}
+    if case.ref:
+        t["ref_image_latent"] = torch.randn(1, 24, 1, *case.ref, generator=g)
+        tags[3:3 + min(4, case.text_len - 4)] = 0  # the reference's vision pads inside the prompt
+        desc["refs"] = [{"kind": "image", "latent": "ref_image_latent", "latent_h": case.ref[0],
+                         "latent_w": case.ref[1]}]
+    t["token_tags"] = tags
+    save_file(t, str(path), metadata={"h3_inputs": json.dumps(desc, sort_keys=True)})
+
+
+def build(out: Path, *, device: str = "cpu", only: list[str] | None = None) -> list[Case]:
+    from h3direct.checkpoint.synthetic import resolve_config
+
+    cases = [c for c in CASES if not only or c.name in only]
+    for c in cases:
+        folder = out / c.name
+        folder.mkdir(parents=True, exist_ok=True)
+        ckpt = folder / c.checkpoint
+        if not ckpt.is_file():
+            cmd = [sys.executable, "-m", "h3direct", "make-checkpoint", "--preset", c.preset, "--adaln", c.adaln,
+                   "--quant", c.quant, "--seed", str(c.seed), "--attention-structure", c.structure, "--device",
+                   device, "--output", str(ckpt)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"validation build {c.name}: {(r.stderr or r.stdout).strip()[-400:]}")
+        cfg = resolve_config(c.preset, None, c.adaln)
+        write_inputs(c, folder / c.inputs, cfg.text_dim)
+        print(f"{c.name}: S = {seq_len(c)}, {c.preset}/{c.adaln}, {c.quant}, {c.structure}, seed {c.seed}")
+    return cases
+
+
+def record(out: Path, comfy_root: str, *, device: str = "cuda", jobs: int = 8,
+           only: list[str] | None = None) -> int:
+    """ComfyUI's bf16 trace and its fp32 twin of every case (one process each, `jobs` at a time)."""
+    runs = []
+    for c in [c for c in CASES if not only or c.name in only]:
+        folder = out / c.name
+        for dtype in ("bf16", "fp32"):
+            trace = folder / f"trace_{c.name}_{dtype}.safetensors"
+            if not trace.is_file():
+                runs.append([sys.executable, "-m", "oracle", "record", "--comfy-root", comfy_root, "--device", device,
+                             "--checkpoint", str(folder / c.checkpoint), "--inputs", str(folder / c.inputs),
+                             "--compute-dtype", dtype, "--detail", c.detail(), "--out", str(trace)])
+
+    def one(cmd):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"{Path(cmd[-1]).name}: exit {r.returncode} {(r.stdout or r.stderr).strip().splitlines()[-1:]}",
+              flush=True)
+        return r.returncode
+
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(one, runs))
+    return max(codes, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m parity_tests.validation", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="write every case's checkpoint and inputs file")
+    r = sub.add_parser("record", help="record ComfyUI's bf16 trace and fp32 twin of every case")
+    sub.add_parser("list", help="the cases and their sequence lengths")
+    for q in (b, r):
+        q.add_argument("--out", required=True, type=Path)
+        q.add_argument("--only", action="append", help="a case name (repeatable)")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where make-checkpoint draws tensors")
+    r.add_argument("--comfy-root", required=True)
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    r.add_argument("--jobs", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        for c in CASES:
+            print(f"{c.name}: S = {seq_len(c)}")
+        return 0
+    if args.cmd == "build":
+        build(args.out, device=args.device, only=args.only)
+        return 0
+    return record(args.out, args.comfy_root, device=args.device, jobs=args.jobs, only=args.only)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
