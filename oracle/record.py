@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="full: inputs of every module (teacher forcing of any layer); reduced: the shared set",
     )
     parser.add_argument("--out", required=True, help="output trace .safetensors (manifest written beside it)")
+    parser.add_argument("--no-twin", action="store_true",
+                        help="bf16: do not record the fp32 twin (the gate's ratio rule needs it; without it only "
+                             "`pytest -m parity --no-twin` gates this trace, by rounding bounds)")
 
 
 def file_sha256(path: str | Path) -> str:
@@ -168,6 +171,36 @@ def open_run(args: argparse.Namespace):
     return checkpoint, inputs, env, common
 
 
+def twin_path(out: str | Path) -> Path:
+    """Where the fp32 twin of a low-precision trace goes: its name with the dtype replaced (else `_fp32` added)."""
+    out = Path(out)
+    stem = out.stem
+    for low in ("bf16", "fp16"):
+        i = stem.rfind(low)
+        if i >= 0:
+            return out.with_name(stem[:i] + "fp32" + stem[i + len(low):] + out.suffix)
+    return out.with_name(f"{stem}_fp32{out.suffix}")
+
+
+def record_twin(args: argparse.Namespace) -> Path:
+    """The fp32 twin of a low-precision recording, in its own process (ComfyUI reads its switches once)."""
+    import subprocess
+    import sys
+
+    twin = twin_path(args.out)
+    cmd = [sys.executable, "-m", "oracle", "record", "--checkpoint", str(args.checkpoint), "--inputs",
+           str(args.inputs), "--compute-dtype", "fp32", "--attention", args.attention, "--device", args.device,
+           "--detail", args.detail, "--no-twin", "--out", str(twin)]
+    if args.comfy_root:
+        cmd += ["--comfy-root", args.comfy_root]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise H3Error(f"the fp32 twin failed: {tail[0]} (pass --no-twin to record without it)")
+    print(r.stdout.strip())
+    return twin
+
+
 def run(args: argparse.Namespace) -> int:
     from h3direct.traces.format import save_trace
 
@@ -187,4 +220,6 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {out} ({len(tensors)} tensors, attention {fields['attention']}, "
         f"inference dtype {fields['inference_dtype']})"
     )
+    if args.compute_dtype != "fp32" and not args.no_twin:
+        record_twin(args)
     return 0

@@ -80,6 +80,8 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
         if config is not None:
             config._h3_live_warning = drift
 
+    device = config.getoption("--device") if config is not None else "cpu"
+    device = "cuda" if str(device).startswith("cuda") else "cpu"
     out = Path(tempfile.mkdtemp(prefix="h3_live_traces_"))
     log = out / "record.log"
     dit, _ = find_dit_cases(roots)
@@ -99,7 +101,8 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
         ckpt, inputs = _place(c.checkpoint, d), _place(c.inputs, d)
         detail = str(_manifest(c.trace).get("trace_detail", "full"))
         _oracle(["record", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--compute-dtype", c.compute,
-                 "--detail", detail, "--out", str(d / c.trace.name)], comfy_root, log)
+                 "--detail", detail, "--device", device, "--no-twin", "--out", str(d / c.trace.name)], comfy_root,
+                log)
     for c in vae:
         d = folder_for(c.trace)
         weights, cfg, inputs = _place(c.weights, d), _place(c.config, d), _place(c.inputs, d)

@@ -18,8 +18,8 @@ Parity options (the merge gate, `pytest -m parity`):
   --no-twin           gate bf16/fp16 traces that have no fp32 twin by rounding bounds (teacher sites only) instead
                       of refusing them
   --parity-report DIR where the report goes (default ./parity-report, in the folder pytest was started from)
-  --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident); comparisons
-                      are keyed weights = "fp8_w8a8" and need entries calibrated under that key
+  --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident), an approximate
+                      mode: its linears against the e4m3 rounding bound, the rest exact, x0 against the exact path
   --e2e-path NAME     approximate path of the e2e frames gate (default: --attention): an attention backend or
                       fp8_linear (parity_tests/e2e_frames.py); an exact one generates no e2e frames item
   --e2e-model DIR     model folder of the e2e frames gate (benchmarks/e2e_frames.py build; default: the bundled

@@ -123,12 +123,11 @@ def record(out: Path, comfy_root: str, *, device: str = "cuda", jobs: int = 8,
     runs = []
     for c in [c for c in CASES if not only or c.name in only]:
         folder = out / c.name
-        for dtype in ("bf16", "fp32"):
-            trace = folder / f"trace_{c.name}_{dtype}.safetensors"
-            if not trace.is_file():
-                runs.append([sys.executable, "-m", "oracle", "record", "--comfy-root", comfy_root, "--device", device,
-                             "--checkpoint", str(folder / c.checkpoint), "--inputs", str(folder / c.inputs),
-                             "--compute-dtype", dtype, "--detail", c.detail(), "--out", str(trace)])
+        trace = folder / f"trace_{c.name}_bf16.safetensors"  # `oracle record` writes the fp32 twin beside it
+        if not trace.is_file():
+            runs.append([sys.executable, "-m", "oracle", "record", "--comfy-root", comfy_root, "--device", device,
+                         "--checkpoint", str(folder / c.checkpoint), "--inputs", str(folder / c.inputs),
+                         "--compute-dtype", "bf16", "--detail", c.detail(), "--out", str(trace)])
 
     def one(cmd):
         r = subprocess.run(cmd, capture_output=True, text=True)
