@@ -1,7 +1,7 @@
 """The `fa3_fp8` attention backend on the CPU: its smoothing algebra, its per-head scales, the numerical emulation of
 the whole backend against fp64 attention, the Triton quantizer (TRITON_INTERPRET=1) against the torch math, and the
-backend's availability / fallback rules. The FA3 kernel itself runs only on an sm_90 GPU
-(benchmarks/gpu_fa3fp8.sh compares it with `fp8_attention_reference`)."""
+backend's availability / fallback rules. The FA3 kernel itself runs only on an sm_90 GPU (the `gpu` tests at the end
+compare it with `fp8_attention_reference`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from h3direct.dit import attention as A
 from h3direct.dit import fp8_attention as F8
+from h3direct.dit.attention_inputs import positions, structured_qkv
 from h3direct.errors import BackendUnavailable
 
 
@@ -24,9 +25,7 @@ def _rel(a, b) -> float:
 
 
 def _structured(heads: int = 4, rows: slice = slice(6000, 6768)):
-    from benchmarks.attention_kernels import positions, structured_qkv
-
-    pos, _ = positions(None)
+    pos, _ = positions()
     return structured_qkv(pos[rows], heads, 128, "cpu")
 
 

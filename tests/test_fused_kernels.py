@@ -437,26 +437,6 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     assert torch.equal(ours, two)
 
 
-def test_elem_sweep_smoke(tmp_path):
-    """benchmarks/elem_sweep.py end to end in the interpreter on tiny shapes (the GPU script's first step): every
-    config runs, the bits agree across configs, and the old-vs-new / per-step part runs (no timings on the CPU)."""
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import elem_sweep
-
-    out = tmp_path / "sweep.json"
-    assert elem_sweep.main(["--device", "cpu", "--rows", "9", "--hidden", "64", "--ffn", "64", "--heads", "2",
-                            "--head-dim", "32", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert set(res["kernels"]) == set(fused.SWEEP) and res["residual_norm_bitwise"] and res["ok"]
-    assert all(k["bitwise_across_configs"] for k in res["kernels"].values())
-    assert set(res["new_ms"]) == set(fused.SWEEP) and "step_ms_old" in res
-    assert elem_sweep.main(["--device", "cpu", "--kernels", "nope"]) == 2
-
-
 def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast warnings
     """A row with an inf: NaN there and 0 elsewhere (inf·0); a row with a NaN: all NaN — as an fp32 sum gives."""
     x, w, shift, scale, _ = _inputs(70, 64, seed=19)

@@ -197,19 +197,3 @@ def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
         ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
         got = nvfp4_triton.dequantize_nvfp4_triton(*(t.cuda() for t in q), out_dtype)
         assert_same_bits(got.cpu(), ref, f"cuda {shape}")
-
-
-def test_check_dequant_smoke(tmp_path):
-    """`benchmarks/check_dequant.py --small` on the CPU: every comparison runs and agrees; the JSON has its fields."""
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import check_dequant
-
-    out = tmp_path / "dequant.json"
-    assert check_dequant.main(["--device", "cpu", "--small", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["mismatches"] == [] and all(s["bitwise"] for s in res["shapes"].values())
-    assert set(res["per_step_ms"]) == {"torch", "triton 256x4", "copy"}
