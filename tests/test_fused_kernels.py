@@ -437,6 +437,32 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     assert torch.equal(ours, two)
 
 
+def test_tune_kernels_smoke(tmp_path):
+    """tools/tune_kernels.py in the interpreter on tiny shapes: every candidate runs and gives the current config's
+    bits, the best is reported per kernel; a bad flag is a one-line error, exit 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tune.json"
+    cmd = [sys.executable, str(root / "tools" / "tune_kernels.py"), "--device", "cpu", "--small", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([*cmd, "--kernels", "gated_residual,nvfp4_dequant"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["kernels"]) == {"gated_residual", "nvfp4_dequant"}
+    for r in res["kernels"].values():
+        assert r["ok"] and all(c["bits"] == "same" for c in r["configs"]) and r["best"] in [c["config"]
+                                                                                             for c in r["configs"]]
+    assert len(res["kernels"]["gated_residual"]["configs"]) >= len(fused.SWEEP["gated_residual"])
+    bad = subprocess.run([*cmd, "--kernels", "nope"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
+
+
 def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast warnings
     """A row with an inf: NaN there and 0 elsewhere (inf·0); a row with a NaN: all NaN — as an fp32 sum gives."""
     x, w, shift, scale, _ = _inputs(70, 64, seed=19)
