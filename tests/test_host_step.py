@@ -232,3 +232,89 @@ def test_sampler_loop_reads_back_once_and_tags_sigmas(monkeypatch, sampler):
         counts.append(len(spy.calls))
     assert counts[0] == counts[1], counts
     assert seen and all(v is not None and v == float(t.reshape(-1)[0]) for v, t in seen)
+
+
+# ---- on a GPU (`pytest -m gpu`): the real synchronizations, the device's own float32 rounding ----------------------
+
+def _cuda_syncs(fn) -> list[str]:
+    """The synchronizing CUDA calls torch reports (sync debug mode) while fn() runs, each with the h3direct line
+    that made it."""
+    import warnings
+
+    found: list[str] = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        site = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-1])
+                     if "/h3direct/" in f.filename), "outside h3direct")
+        found.append(f"{str(message).splitlines()[0][:90]} ({site})")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return found
+
+
+@pytest.fixture(scope="module")
+def cuda_setup():
+    """The fixture model in bf16 on the GPU with its inputs there, the text tags on the device as the app hands
+    them over."""
+    model = load_dit(FIX / "h3_fx_bf16.safetensors", compute_dtype="bf16", device="cuda")
+    inp = load_inputs(FIX / "inputs_fx_ref2va.safetensors")
+    cond = conditioning_of(inp)
+    cond = replace(cond, text_token_tags=torch.tensor([1, 1, 0, 0, 0, 1, 1, 1], device="cuda"),
+                   refs=[{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in cond.refs])
+    with torch.no_grad():
+        ctx = model.preprocess_text(inp["text_states"].cuda())
+    return model, ctx, cond, inp["video_noise"].cuda(), inp["audio_noise"].cuda()
+
+
+@pytest.mark.gpu
+def test_host_times_mirror_the_gpu_float32_ops():
+    """The host mirror of σ -> (t_video, t_audio) for CUDA equals the GPU's own float32 ops, batched and per call."""
+    sigmas = _sigma_cases()
+    s = torch.tensor(sigmas, dtype=torch.float32, device="cuda")
+    sv = ((s * 1000.0).float() / 1000.0).float().clamp(min=1e-6)
+    tv, ta = (1.0 - sv).cpu().tolist(), (1.0 - audio_sigma(sv, 12.0, 3.0)).cpu().tolist()
+    bad = [x for x, a, b in zip(sigmas, tv, ta, strict=True)
+           if host_stream_times(x, shift_video=12.0, shift_audio=3.0, device_type="cuda") != (a, b)]
+    assert not bad, f"{len(bad)} of {len(sigmas)} sigmas differ, e.g. {bad[:5]}"
+    for x in sigmas[::97]:  # the per-call path (0-dim ops)
+        v = sigma_from_timestep((torch.tensor([x], device="cuda").float() * 1000.0).float())
+        want = (float(1.0 - v), float(1.0 - audio_sigma(v, 12.0, 3.0)))
+        assert host_stream_times(x, shift_video=12.0, shift_audio=3.0, device_type="cuda") == want, x
+
+
+@pytest.mark.gpu
+def test_warm_step_on_cuda_makes_no_synchronizing_call(cuda_setup):
+    model, ctx, cond, xv, xa = cuda_setup
+    assert _cuda_syncs(lambda: torch.ones(1, device="cuda").item()), "the sync detector sees nothing"
+    den = Denoiser(model, ctx, cond, SCALE)
+    sigma = torch.tensor([0.8], device="cuda")
+    with torch.no_grad():
+        den(xv, xa, sigma)  # warm-up: reads σ once (remembered on the tensor), builds the invariants
+        tagged = host_sigma.tag(torch.tensor([0.3]).cuda(), 0.3)
+        torch.cuda.synchronize()
+        warm = _cuda_syncs(lambda: (den(xv, xa, sigma), den(xv, xa, tagged)))
+        uncached = _cuda_syncs(lambda: _uncached_x0(model, ctx, cond, xv, xa, torch.tensor([0.5], device="cuda")))
+    assert warm == [], warm
+    assert uncached, "the uncached path reads σ and the tags back: the detector must see it"
+
+
+@pytest.mark.gpu
+def test_cached_steps_on_cuda_bitwise_equal_uncached(cuda_setup):
+    from h3direct.traces.metrics import bit_mismatch
+
+    model, ctx, cond, xv, xa = cuda_setup
+    den = Denoiser(model, ctx, cond, SCALE)
+    with torch.no_grad():
+        for s in (0.8, 0.3):
+            got = den(xv, xa, host_sigma.tag(torch.tensor([s]).cuda(), s))
+            want = _uncached_x0(model, ctx, cond, xv, xa, torch.tensor([s], device="cuda"))
+            for g, w in zip(got, want, strict=True):
+                assert (diff := bit_mismatch(g, w)) is None, f"sigma {s}: {diff}"
