@@ -197,11 +197,12 @@ def test_contract_workload_is_the_performance_workload(tmp_path):
 def _run_contract(tmp_path, *extra: str, contract: Path | None = None) -> subprocess.CompletedProcess:
     if contract is None:
         c = json.loads(CONTRACT.read_text())
-        c["paths"] = {"exact": {"class": "exact", "attention": "sdpa"},
+        c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"H3_FUSED": "0"}},
                       "approximate": {"class": "approximate", "attention": "fa3"}}
         contract = tmp_path / "c.json"
         contract.write_text(json.dumps(c))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("H3_") or k == "H3_COMFY_COMMIT"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--contract", str(contract), "--out",
                            str(tmp_path / "r.json"), "--smoke", "--steps", "1", "--device", "cpu", "--no-vae",
                            "--floor-seconds", "0.1", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -215,6 +216,9 @@ def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
     exact = r["paths"]["exact"]
     assert exact["status"] == "ok" and exact["s_per_step"] > 0 and len(exact["step_s"]) == 1
     assert exact["settings"]["attention"] == "sdpa" and exact["settings"]["fp8_linear"] == "off"
+    # the path's options are set while it runs and recorded (and nothing of another path's leaks into it)
+    assert exact["settings"]["attention_options"] == exact["settings"]["environment"] == {"H3_FUSED": "0"}
+    assert r["paths"]["approximate"]["settings"]["environment"] == {}
     assert {"fused_kernels", "nvfp4_mode", "nvfp4_dequant", "compute_dtype"} <= set(exact["settings"])
     assert r["paths"]["approximate"]["status"].startswith("unavailable:")  # fa3 needs a Hopper GPU
     assert r["hot_floor"]["status"] == "ok" and r["hot_floor"]["s_per_step"] > 0
