@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import time_calls  # noqa: E402
 from h3direct.checkpoint.quant import nvfp4, nvfp4_triton  # noqa: E402
 from h3direct.dit import fused  # noqa: E402
 from h3direct.dit.rope import rope_angles, rotation_table  # noqa: E402
@@ -102,20 +102,8 @@ def fused_cases(shape: dict, dev) -> dict:
 # ---- timing and the sweep ---------------------------------------------------------------------------------------
 
 def median_ms(fn, dev, iters: int) -> float:
-    """CUDA-event median of `iters` calls after one warm-up; NaN off the GPU (nothing to time there)."""
-    fn()
-    if dev.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of `iters` calls after one warm-up (CUDA events on the GPU; one interpreted call on the CPU)."""
+    return 1e3 * time_calls(fn, dev, warmup=1, iters=iters if dev.type == "cuda" else 1)["median_s"]
 
 
 def sweep(name: str, candidates: list, run, make, nbytes: int, dev, iters: int) -> dict:
@@ -131,7 +119,7 @@ def sweep(name: str, candidates: list, run, make, nbytes: int, dev, iters: int) 
             rows.append({"config": cfg, "ms": ms, "gbps": nbytes / ms / 1e6, "bits": diff or "same"})
         except Exception as exc:  # a config that does not compile or launch is a row, not the end of the sweep
             rows.append({"config": cfg, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"})
-    timed = [r for r in rows if "ms" in r and r["ms"] == r["ms"]]
+    timed = [r for r in rows if "ms" in r]
     best = min(timed, key=lambda r: r["ms"]) if timed else rows[0]
     print(f"\n== {name}: {len(rows)} configs, {nbytes / 1e9:.3f} GB per call")
     for r in rows:
