@@ -229,11 +229,27 @@ def hot_floor(config, seq_len: int, attention: str, dev, seconds: float, seed: i
         calls[name]()
     C.sync(dev)
     times: dict[str, list[float]] = {n: [] for n in order}
+    cuda = C.is_cuda(dev)
+
+    def cycle():  # one block's calls back to back (CUDA events, one wait per cycle), as the step runs them
+        marks = []
+        for name in order:
+            a = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                a.record()
+            calls[name]()
+            b = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                b.record()
+            marks.append((name, a, b))
+        C.sync(dev)
+        for name, a, b in marks:
+            times[name].append(a.elapsed_time(b) / 1e3 if cuda else b - a)
+
     end = time.perf_counter() + seconds
     with C.GpuSampler(dev, period_ms=200) as gpu:
         while time.perf_counter() < end or not times["fc2"]:
-            for name in order:
-                times[name].append(C.time_calls(calls[name], dev, warmup=0, iters=1)["times_s"][0])
+            cycle()
     ms = {n: 1e3 * statistics.fmean(t[len(t) // 2:]) for n, t in times.items()}
     return {"attention": attention, "status": "ok", "seconds": seconds, "calls": len(times["fc2"]), "ms": ms,
             "s_per_step": config.num_layers * sum(ms.values()) / 1e3, "gpu_clock_power": gpu.summary}
