@@ -3,11 +3,9 @@
     python3 benchmarks/attention_kernels.py --device cuda --out attn.json            # S = 20,050, 56 heads x 128
     python3 benchmarks/attention_kernels.py --device cpu --seq 256 --heads 2         # smoke (sdpa only runs)
 
-Two input sets, both [1, H, S, 128] bf16:
-- `random`: i.i.d. normal q, k, v (no locality: pessimistic for quantized and meaningless for sparse methods);
-- `structured`: what a video DiT's attention looks like: per-head shared directions plus a smooth random field over
-  the packed sequence's real (t, h, w) positions (the workload's layout: text, reference image, audio, video), then
-  per-head RMSNorm and H3's 3-axis rope (96 of 128 dims), so scores fall off with distance in time and space.
+Two input sets, both [1, H, S, 128] bf16 (`h3direct.dit.attention_inputs`): `structured` (attention local in time
+and space, at the workload's real (t, h, w) positions) and `random` (i.i.d.: no locality, pessimistic for quantized
+and meaningless for sparse methods).
 Error: rel-L2 vs fp32 SDPA on the same inputs. Kernel names: the CUDA kernels one call launched (torch profiler).
 """
 
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -34,59 +31,6 @@ def parse_args(argv=None):
     ap.add_argument("--sol-taus", default="1.0,1.3,2.0", help="extra sol_attn runs at these H3_SOL_TAU values")
     ap.add_argument("--out", default=None, help="write the JSON here")
     return ap.parse_args(argv)
-
-
-def positions(seq: int | None):
-    """([S, 3] float64 positions, prefix rows before the target video) of the benchmark layout (or a cut of it)."""
-    from benchmarks._common import workload
-    from h3direct.dit.layout import build_layout
-
-    wl = workload(960, 544, 124, 256)
-    _, _, t, h, w = wl["video_latent"]
-    ref = {"kind": "image", "latent_t": 1, "latent_h": h + h % 2, "latent_w": w + w % 2}
-    lay = build_layout(wl["text_len"], t, h + h % 2, w + w % 2, wl["audio_latent"][-1], refs=[ref])
-    pos = lay.position_ids
-    prefix = lay.segment("video").start
-    if seq is not None and seq < pos.shape[0]:
-        pos = pos[:seq]
-        prefix = min(prefix, seq)
-    return pos, prefix
-
-
-def structured_qkv(pos, heads: int, dim: int, device, seed: int = 0):
-    import torch
-
-    from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    s = pos.shape[0]
-    p = pos.to(torch.float32)
-
-    def field(scale):  # smooth random field over positions: 16 random plane waves per (head, channel group)
-        freqs = torch.randn(16, 3, generator=g) * torch.tensor([0.15, 0.3, 0.3])
-        phase = torch.rand(16, generator=g) * 2 * math.pi
-        waves = torch.cos(p @ freqs.T + phase)  # [S, 16]
-        mix = torch.randn(16, heads * dim, generator=g) / 4.0
-        return (waves @ mix).reshape(s, heads, dim) * scale
-
-    def one(shared_scale, field_scale, noise_scale):
-        base = torch.randn(1, heads, dim, generator=g) * shared_scale
-        return base + field(field_scale) + torch.randn(s, heads, dim, generator=g) * noise_scale
-
-    q, k, v = one(1.0, 1.0, 0.3), one(1.0, 1.0, 0.3), one(0.5, 1.0, 0.5)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(16, dtype=torch.float32) / 16))
-    table = rotation_table(rope_angles(pos, inv_freq), torch.float32)
-    ones = torch.ones(dim)
-    q = rms_norm_rope(q[None], ones, table, 1e-6)[0]
-    k = rms_norm_rope(k[None], ones, table, 1e-6)[0]
-    return [x.transpose(0, 1)[None].to(device=device, dtype=torch.bfloat16) for x in (q, k, v)]
-
-
-def random_qkv(seq: int, heads: int, dim: int, device, seed: int = 1):
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(1, heads, seq, dim, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(3)]
 
 
 def reference(q, k, v):
@@ -136,6 +80,7 @@ def main(argv=None) -> int:
         reset_attention_stats,
         unavailable_reason,
     )
+    from h3direct.dit.attention_inputs import positions, random_qkv, structured_qkv
 
     args = parse_args(argv)
     device = torch.device(args.device)

@@ -5,9 +5,9 @@ reference image encode (resize + video VAE encode, through `h3direct.sampling.co
 (random [1, 256, text_dim] like a `--text-embeds` file; no text encoder on the GPU) -> token refiner ->
 initial noise -> sampler (`h3direct.sampling.sampler.sample` + `Denoiser`, Euler, cfg 1) -> video decode (fp16, tiled)
 -> audio decode (fp32). Building the synthetic models is timed separately and is not part of end-to-end.
-Two drivers: `pipeline` (default when `h3direct.app.pipeline` exists: `H3Pipeline(...).generate` on the built models,
-what a user runs) and `pieces` (the same calls driven here; the fallback if the pipeline fails). The DiT stays
-resident during the decodes (as a warm server; `--free-dit` frees it, pieces driver only).
+Two drivers: `pipeline` (default: `H3Pipeline(...).generate` on the built models, what a user runs) and `pieces`
+(the same calls driven here, stage by stage). The DiT stays resident during the decodes (as a warm server;
+`--free-dit` frees it, pieces driver only).
 
     python3 benchmarks/bench_generate.py --preset full --device cuda --steps 2
     python3 benchmarks/bench_generate.py --preset tiny --device cpu
@@ -44,10 +44,9 @@ def parse_args(argv=None):
     ap.add_argument("--sampler", default="euler")
     ap.add_argument("--scheduler", default="simple")
     ap.add_argument("--vae-dtype", choices=("fp16", "fp32"), default="fp16")
-    ap.add_argument("--driver", choices=("auto", "pipeline", "pieces"), default="auto",
+    ap.add_argument("--driver", choices=("pipeline", "pieces"), default="pipeline",
                     help="pipeline: h3direct.app.pipeline.H3Pipeline.generate on the built models (what users run); "
-                         "pieces: conditioning/sampler/VAE calls driven here; auto: pipeline when importable, "
-                         "falling back to pieces if it fails")
+                         "pieces: conditioning/sampler/VAE calls driven here")
     ap.add_argument("--free-dit", action="store_true", help="pieces driver: free the DiT before the decodes")
     return ap.parse_args(argv)
 
@@ -132,14 +131,6 @@ def main(argv=None) -> int:
     wl = C.workload(args.width, args.height, args.frames, args.text_len)
     flops = C.step_flops(config, wl["seq_len"])
     driver = args.driver
-    if driver in ("auto", "pipeline"):
-        reason = _pipeline_importable()
-        if reason is True:
-            driver = "pipeline"
-        elif args.driver == "pipeline":
-            raise SystemExit(f"--driver pipeline: h3direct.app.pipeline is not importable ({reason})")
-        else:
-            driver = "pieces"
     run.data.update(env=C.env_info(dev), config=config.comfy_dict(), workload=wl, flops_per_step=flops,
                     anchor=C.ANCHOR, builds={}, driver=driver, outputs={})
     C.log(f"Ref2VA {wl['width']}x{wl['height']}x{wl['frames']}, {args.steps} steps, {args.weights} weights, "
@@ -171,18 +162,8 @@ def main(argv=None) -> int:
         if run.over_budget(args.steps * (5.0 if C.is_cuda(dev) else 0.0)):
             raise TimeoutError(f"budget {run.budget:.0f} s spent before generating")
         if driver == "pipeline":
-            try:
-                _drive_pipeline(run, args, wl, models, text, tags)
-            except Exception as exc:  # noqa: BLE001
-                run.error("pipeline driver (falling back to pieces)", exc)
-                if args.driver == "pipeline":
-                    raise
-                driver = run.data["driver"] = "pieces (pipeline failed)"
-                for name in list(run.data["stages"]):
-                    if name != "text_states":
-                        del run.data["stages"][name]
-                C.free_memory(dev)
-        if driver != "pipeline":
+            _drive_pipeline(run, args, wl, models, text, tags)
+        else:
             _drive_pieces(run, args, wl, models, text, tags, stage)
     except Exception as exc:  # noqa: BLE001
         run.error("generate", exc)
@@ -191,7 +172,7 @@ def main(argv=None) -> int:
         C.free_memory(dev)
 
     st = run.data["stages"]
-    names = E2E_STAGES["pipeline" if driver == "pipeline" else "pieces"]
+    names = E2E_STAGES[driver]
     done = [s for s in names if st.get(s, {}).get("status") == "ok"]
     run.data["e2e_stages"] = list(names)
     run.data["end_to_end_s"] = sum(st[s]["s"] for s in done)
@@ -201,15 +182,6 @@ def main(argv=None) -> int:
     run.save()
     report(run)
     return 0
-
-
-def _pipeline_importable():
-    """True, or why `h3direct.app.pipeline.H3Pipeline` cannot be imported."""
-    try:
-        from h3direct.app.pipeline import H3Pipeline  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return True
 
 
 def _text_states(args, config):

@@ -7,7 +7,7 @@ all-to-all time and bytes per step, full-size synthetic weights (`synthetic_gpu.
 Per geometry: N-rank steps first (every rank in lockstep), then one step with the collectives synchronized to
 time the all-to-alls (`CommStats.timed`), then the same step on rank 0 alone (the model detached from the
 group; the other ranks wait at a barrier), and the rel-L2 of the sharded x0 against the single-GPU one.
-Bytes are what leaves one rank (as many arrive): the input of the link model in results/sp-*.md.
+Bytes are what leaves one rank (as many arrive): the input of the link model in results/LOG.md.
 Rank 0 writes the JSON (`--out`, or $OUT/bench_sp.json).
 """
 

@@ -1,17 +1,23 @@
-"""Check a benchmark result against its contract: one line per (path, metric), pass or MISS; exit 1 on any miss.
+"""Check a benchmark result against its contract: first that the result ran the contract, then its targets.
 
     python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result R.json
 
-Targets (contract["targets"][path][metric]) are {"max": x} or {"min": x}. `x_comfyui` is ComfyUI's s/step measured
-in the same run divided by the path's s/step; a result without a same-run ComfyUI measurement cannot meet a ratio
-target (it is reported as a miss, never divided by a stored constant). A metric the result lacks is a miss.
-Exit codes: 0 every target met, 1 a miss, 2 bad input (unreadable file, wrong contract).
+Rules (one line each, FAIL when broken): the result is not a --smoke run; it ran on the contract's device class;
+its workload (canvas, frames, text tokens, S), weights and timed-step count are the contract's; every path ran with
+the contract's settings (attention backend and options, FP8 linears); every ComfyUI configuration ran with the
+contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
+`x_comfyui_default` is ComfyUI's default configuration's s/step measured in the same run over the path's;
+`x_comfyui_best` the same with the fastest ComfyUI configuration of the path's class (exact or approximate);
+`floor_ratio` the path's s/step over the hot floor measured in the same run. A figure the result lacks, or one
+that is not a finite number (inf, NaN, a string, true/false), is a miss. Exit codes: 0 every rule holds and every
+target is met, 1 otherwise, 2 bad input (unreadable file, another contract).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,51 +39,145 @@ def _bad(msg: str) -> int:
     return 2
 
 
-def value_of(result: dict, path: str, metric: str) -> tuple[float | None, str]:
-    """(value, note) of one metric of one path; None when the result cannot provide it."""
+def number(x) -> float | None:
+    """x as a float when it is a finite JSON number (not a bool, a string, inf or NaN), else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
+def _ok(entry) -> bool:
+    return isinstance(entry, dict) and entry.get("status", "ok") == "ok"
+
+
+# ---------------------------------------------------------------- did the result run the contract?
+
+def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
+    """(rule, None when it holds else why not) for every rule of the module docstring."""
+    out = [("not a smoke run", "the result is a --smoke run (tiny sizes): not a measurement" if result.get("smoke")
+            is not False else None)]
+    want_dev, got_dev = contract.get("device"), result.get("device")
+    out.append(("device", None if not want_dev or want_dev in str(got_dev) else
+                f"the contract is for {want_dev!r}, the result ran on {got_dev!r}"))
+    w, r = contract["workload"], result.get("workload") or {}
+    pairs = {"width": "width", "height": "height", "frames": "frames", "text_tokens": "text_len", "seq_len": "seq_len"}
+    diff = [f"{k} {r.get(rk)!r} (contract {w[k]!r})" for k, rk in pairs.items() if k in w and r.get(rk) != w[k]]
+    out.append(("workload", "; ".join(diff) or None))
+    weights = result.get("weights") or {}
+    diff = [f"{k} {weights.get(k)!r} (contract {v!r})" for k, v in contract["weights"].items() if weights.get(k) != v]
+    out.append(("weights", "; ".join(diff) or None))
+    want = contract["steps"]
+    got = result.get("steps") or {}
+    diff = [f"{k} {got.get(k)!r} (contract {want[k]!r})" for k in ("warmup", "timed") if got.get(k) != want[k]]
+    for name, p in (result.get("paths") or {}).items():
+        if _ok(p) and len(p.get("step_s") or []) != want["timed"]:
+            diff.append(f"{name} timed {len(p.get('step_s') or [])} steps")
+    out.append(("timed steps", "; ".join(diff) or None))
+    for name, spec in contract["paths"].items():
+        p = (result.get("paths") or {}).get(name)
+        if not isinstance(p, dict):
+            out.append((f"path {name}", "not in the result"))
+            continue
+        s = p.get("settings") or {}
+        expect = {"attention": spec["attention"], "attention_options": spec.get("options", {}),
+                  "fp8_linear": spec.get("fp8_linear", "off")}
+        diff = [f"{k} {s.get(k)!r} (contract {v!r})" for k, v in expect.items() if s.get(k) != v]
+        out.append((f"path {name} settings", "; ".join(diff) or None))
+    comfy = result.get("comfyui")
+    for name, spec in (contract.get("comfyui") or {}).items():
+        c = (comfy or {}).get("configs", {}).get(name) if isinstance(comfy, dict) else None
+        if c is None:
+            continue  # no same-run ComfyUI: the ratio targets miss, with the reason
+        diff = [f"{k} {c.get(k)!r} (contract {spec[k]!r})" for k in ("settings", "attention", "class")
+                if c.get(k) != spec[k]]
+        out.append((f"ComfyUI {name} settings", "; ".join(diff) or None))
+    return out
+
+
+# ---------------------------------------------------------------- the figures
+
+def ratios(contract: dict, result: dict) -> dict[str, dict[str, float]]:
+    """Per path of the result: x_comfyui_default, x_comfyui_best and floor_ratio where the same-run figures exist."""
+    configs = (result.get("comfyui") or {}).get("configs") or {}
+    comfy = {n: number(c.get("s_per_step")) for n, c in configs.items() if _ok(c)}
+    floor = result.get("hot_floor")
+    floor_s = number(floor.get("s_per_step")) if _ok(floor) else None
+    out = {}
+    for name, p in (result.get("paths") or {}).items():
+        ours = number(p.get("s_per_step")) if _ok(p) else None
+        if not ours:
+            continue
+        cls = (contract["paths"].get(name) or {}).get("class")
+        same = [s for n, s in comfy.items() if s and (contract.get("comfyui") or {}).get(n, {}).get("class") == cls]
+        values = {}
+        if comfy.get("default"):
+            values["x_comfyui_default"] = comfy["default"] / ours
+        if same:
+            values["x_comfyui_best"] = min(same) / ours
+        if floor_s:
+            values["floor_ratio"] = ours / floor_s
+        out[name] = values
+    return out
+
+
+def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[float | None, str]:
+    """(value, note) of one metric of one path; None when the result cannot provide it as a finite number."""
     p = (result.get("paths") or {}).get(path)
     if not isinstance(p, dict):
         return None, f"path {path!r} not in the result"
-    if p.get("status", "ok") != "ok":
+    if not _ok(p):
         return None, f"path {path!r}: {p.get('status')}"
-    if metric == "x_comfyui":
-        comfy = result.get("comfyui")
-        if not isinstance(comfy, dict) or not comfy.get("s_per_step"):
-            return None, result.get("comfyui_note") or "no same-run ComfyUI"
-        ours = p.get("s_per_step")
-        if not ours:
-            return None, "no s_per_step"
-        return comfy["s_per_step"] / ours, f"ComfyUI {comfy['s_per_step']:.3f} s/step in the same run"
-    v = p.get(metric)
-    if not isinstance(v, int | float):
-        return None, f"{metric} not measured"
-    return float(v), ""
+    if metric in ("x_comfyui_default", "x_comfyui_best", "floor_ratio"):
+        if number(p.get("s_per_step")) is None:
+            return None, f"s_per_step {p.get('s_per_step')!r} is not a finite number"
+        v = ratios(contract, result).get(path, {}).get(metric)
+        if v is not None:
+            return v, ""
+        if metric == "floor_ratio":
+            floor = result.get("hot_floor")
+            return None, f"no hot floor ({floor.get('status') if isinstance(floor, dict) else 'not measured'})"
+        return None, result.get("comfyui_note") or "no same-run ComfyUI of that class"
+    v = number(p.get(metric))
+    return v, "" if v is not None else f"{metric} {p.get(metric)!r} is not a finite number"
 
 
 def compare(contract: dict, result: dict) -> list[dict]:
     rows = []
     for path, targets in contract["targets"].items():
-        if not isinstance(targets, dict):
-            continue  # "device"
         for metric, bound in targets.items():
-            v, note = value_of(result, path, metric)
-            if "max" in bound:
-                op, limit = "<=", bound["max"]
-                ok = v is not None and v <= limit
-            else:
-                op, limit = ">=", bound["min"]
-                ok = v is not None and v >= limit
+            v, note = value_of(contract, result, path, metric)
+            op, limit = ("<=", bound["max"]) if "max" in bound else (">=", bound["min"])
+            ok = v is not None and (v <= limit if op == "<=" else v >= limit)
             rows.append({"path": path, "metric": metric, "value": v, "op": op, "limit": limit, "passed": ok,
                          "note": note})
     return rows
 
 
-def gpu_conditions(result: dict) -> list[tuple[str, dict]]:
-    """(path or "comfyui", clocks/power summary) for every timed run the result sampled (run_contract's
-    `gpu_clock_power`): a step held at the board's power cap runs below the clock its kernels reach alone."""
-    found = [(name, p.get("gpu_clock_power")) for name, p in (result.get("paths") or {}).items()]
-    found.append(("comfyui", (result.get("comfyui") or {}).get("gpu_clock_power")))
-    return [(n, g) for n, g in found if isinstance(g, dict) and "sm_clock_mhz_median" in g]
+def info_lines(contract: dict, result: dict) -> list[str]:
+    """The same-run ComfyUI configurations, every path's ratios, and the clocks and power of each timed run."""
+    lines = []
+    comfy = result.get("comfyui") if isinstance(result.get("comfyui"), dict) else {}
+    if not comfy:
+        lines.append(result.get("comfyui_note") or "no same-run ComfyUI")
+    else:
+        lines.append(f"ComfyUI {comfy.get('version')} (commit {comfy.get('commit')}), comfy-kitchen "
+                     f"{comfy.get('comfy_kitchen')}, SageAttention {comfy.get('sageattention')}")
+    for name, c in (comfy.get("configs") or {}).items():
+        s = number(c.get("s_per_step"))
+        what = f"{s:.3f} s/step ({c.get('chosen')})" if _ok(c) and s else c.get("status")
+        lines.append(f"ComfyUI {name:13s} {c.get('class')}, {c.get('settings')} settings: {what}")
+    for name, values in ratios(contract, result).items():
+        if values:
+            lines.append(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in values.items()))
+    runs = [(name, p.get("gpu_clock_power")) for name, p in (result.get("paths") or {}).items()]
+    runs.append(("hot floor", (result.get("hot_floor") or {}).get("gpu_clock_power")))
+    for name, gp in runs:
+        if isinstance(gp, dict) and "sm_clock_mhz_median" in gp:
+            lines.append(f"{name:12s} SM clock median {gp['sm_clock_mhz_median']:.0f} MHz (max seen "
+                         f"{gp['sm_clock_mhz_max']:.0f}), power median {gp['power_w_median']:.0f} of "
+                         f"{gp['power_limit_w']:.0f} W, at the power cap in {100 * gp['power_capped_share']:.0f} % "
+                         "of samples")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -90,27 +190,28 @@ def main(argv=None) -> int:
         result = _load(args.result, "result")
     except SystemExit as exc:
         return int(exc.code)
-    if not isinstance(contract.get("targets"), dict):
-        return _bad(f"--contract {args.contract}: no 'targets' object")
+    for key in ("targets", "workload", "weights", "steps", "paths"):
+        if not isinstance(contract.get(key), dict):
+            return _bad(f"--contract {args.contract}: no {key!r} object")
     if result.get("contract") != contract.get("contract"):
         return _bad(f"--result {args.result} is for contract {result.get('contract')!r}, "
                     f"not {contract.get('contract')!r}")
-    want_dev, got_dev = contract["targets"].get("device"), result.get("device")
-    if want_dev and got_dev and want_dev not in str(got_dev):
-        print(f"note: targets are for {want_dev}; this result ran on {got_dev}")
+    broken = 0
+    for rule, why in rules(contract, result):
+        broken += why is not None
+        print(f"{'ok  ' if why is None else 'FAIL'} rule   {rule}" + (f": {why}" if why else ""))
     rows = compare(contract, result)
     for r in rows:
         v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
-        status = "pass" if r["passed"] else "MISS"
         extra = f"  ({r['note']})" if r["note"] else ""
-        print(f"{status:4s} {r['path']:12s} {r['metric']:14s} {v:>8s} {r['op']} {r['limit']:g}{extra}")
-    for name, gp in gpu_conditions(result):
-        print(f"info {name:12s} SM clock median {gp['sm_clock_mhz_median']:.0f} MHz (max seen "
-              f"{gp['sm_clock_mhz_max']:.0f}), power median {gp['power_w_median']:.0f} of {gp['power_limit_w']:.0f} W, "
-              f"at the power cap in {100 * gp['power_capped_share']:.0f} % of samples")
+        print(f"{'pass' if r['passed'] else 'MISS'} {r['path']:12s} {r['metric']:17s} {v:>8s} {r['op']} "
+              f"{r['limit']:g}{extra}")
+    for line in info_lines(contract, result):
+        print(f"info {line}")
     missed = sum(not r["passed"] for r in rows)
-    print(f"{len(rows) - missed} of {len(rows)} targets met" + (f", {missed} missed" if missed else ""))
-    return 1 if missed else 0
+    print(f"{len(rows) - missed} of {len(rows)} targets met" + (f", {missed} missed" if missed else "")
+          + (f"; {broken} rule(s) broken: the result did not run the contract" if broken else ""))
+    return 1 if missed or broken else 0
 
 
 if __name__ == "__main__":

@@ -3,20 +3,30 @@
     python -m benchmarks.run_contract --contract benchmarks/ref2va-960x544-124f.json --out R.json [--comfy-root R]
     python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result R.json
 
-Per path of the contract (exact, approximate: an attention backend plus H3_* options): s/step (median of the timed
-Denoiser calls after the warm-up), the sum of the timed steps, text refine, VAE decode (fp16 video + fp32 audio),
-end to end, peak GPU memory. Weights: the contract's synthetic full-size checkpoint built on the GPU.
-With --comfy-root, ComfyUI (its own loader, CFGGuider at cfg 1, its default attention) steps the same weights and
-workload in the same process, once before and once after h3direct, so `x_comfyui` is a same-run ratio; without it the result says
-"no same-run ComfyUI". --smoke: tiny sizes (CPU check of the plumbing; not a measurement).
+h3direct, per path of the contract (an attention backend with its options, FP8 linears or not): s/step (median of
+the timed Denoiser calls after the warm-up, CUDA events), the sum of the timed steps, text refine, peak GPU memory,
+the path's recorded settings; then the hot floor (the four block GEMMs and the exact path's attention at the
+contract's shapes, cycled for --floor-seconds as a DiT block does: GEMMs + attention sustained, x num_layers); then
+the VAE decode (fp16 video + fp32 audio) and end to end. Weights: the contract's synthetic full-size checkpoint built
+on the GPU.
+
+With --comfy-root, ComfyUI in every configuration of the contract's "comfyui" table (its default as the oracle opens
+it; --use-sage-attention and its fastest exact setting as main.py starts it), each in its own process (ComfyUI
+reads its flags once per process), its own loader and CFGGuider at cfg 1, the same weights and workload, once before
+h3direct and once after (--comfy-rounds): x_comfyui_default and x_comfyui_best are same-run ratios. Without it the
+result says "no same-run ComfyUI". --smoke: tiny sizes (a CPU check of the plumbing; compare refuses it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +35,10 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from compare import ratios  # noqa: E402
+
+# ComfyUI attention names (oracle.comfy_env.ATTENTION_FLAGS) -> the package the flag needs, when not ComfyUI's own
+ATTENTION_PACKAGES = {"sage": "sageattention", "flash": "flash_attn"}
 
 
 def parse_args(argv=None):
@@ -33,67 +47,117 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="result JSON")
     ap.add_argument("--paths", default=None, help="comma list of the contract's paths (default all)")
     ap.add_argument("--comfy-root", default=None, help="ComfyUI checkout: time it in the same run")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the contract's)")
+    ap.add_argument("--comfy-rounds", type=int, choices=(1, 2), default=2,
+                    help="ComfyUI before h3direct only (1) or before and after (2, default)")
+    ap.add_argument("--comfy-timeout", type=float, default=600.0, help="seconds for one ComfyUI configuration")
+    ap.add_argument("--comfy-only", default=None, metavar="CONFIG:ATTENTION",
+                    help="time one ComfyUI configuration of the contract with one of its attention settings in this "
+                         "process and write its JSON to --out (what the run does in a subprocess per configuration)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the contract's; compare refuses "
+                                                            "another count)")
+    ap.add_argument("--floor-seconds", type=float, default=None,
+                    help="length of the hot-floor loop (default: the contract's; 0 skips it)")
     ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check)")
-    ap.add_argument("--fp8-linear", nargs="?", const="stream", default=None, choices=("off", "stream", "resident"),
-                    help="FP8 W8A8 block linears for every path (default: each path's \"fp8_linear\", else off)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check, not a result)")
     return ap.parse_args(argv)
+
+
+def _fail(msg: str):
+    print(f"run_contract: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _contract(path: str) -> dict:
     try:
         c = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"run_contract: error: --contract {path}: {exc}") from None
+        _fail(f"--contract {path}: {exc}")
     for key in ("contract", "workload", "weights", "steps", "paths"):
-        if key not in c:
-            raise SystemExit(f"run_contract: error: --contract {path}: missing {key!r}")
+        if not isinstance(c, dict) or key not in c:
+            _fail(f"--contract {path}: missing {key!r}")
     return c
 
 
-def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dict]:
+def _check_args(args, contract: dict) -> list[str]:
+    """The paths to run; every bad flag is a one-line error here, before anything is built."""
+    names = args.paths.split(",") if args.paths else list(contract["paths"])
+    unknown = [n for n in names if n not in contract["paths"]]
+    if unknown:
+        _fail(f"--paths: {', '.join(unknown)} not a path of the contract ({', '.join(contract['paths'])})")
+    modes = {contract["paths"][n].get("fp8_linear", "off") for n in names} - {"off"}
+    if len(modes) > 1:
+        _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
+    if args.comfy_root:
+        from h3direct.errors import H3Error
+        from oracle.comfy_env import resolve_root
+
+        try:
+            resolve_root(args.comfy_root)
+        except H3Error as exc:
+            _fail(f"--comfy-root: {exc}")
+    if args.steps is not None and args.steps < 1:
+        _fail(f"--steps {args.steps}: at least 1")
+    return names
+
+
+def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
+    preset = C.PRESETS["tiny" if smoke else "full"]
+    if smoke:
+        return C.workload(preset.width, preset.height, preset.frames, preset.text_len), preset
+    w = contract["workload"]
+    wl = C.workload(w["width"], w["height"], w["frames"], w["text_tokens"])
+    if wl["seq_len"] != w.get("seq_len", wl["seq_len"]):
+        _fail(f"--contract: its workload gives S = {wl['seq_len']}, it says {w['seq_len']}")
+    return wl, preset
+
+
+# ---------------------------------------------------------------- h3direct
+
+def path_settings(model, spec: dict, fp8_linear: str, build: dict, like) -> dict:
+    """Everything of one path that changes its numbers, as the runtime spells it today (the one place to switch to
+    typed attention / kernel options): the attention backend and its options, FP8 linears, the fused Triton
+    kernels, the NVFP4 compute mode and dequantization path, the compute dtype, and any H3_* variable set."""
+    from h3direct.checkpoint.quant.nvfp4 import dequant_backend
+    from h3direct.dit import fused
+    from h3direct.dit.attention import is_exact
+
+    return {"attention": spec["attention"], "attention_options": dict(spec.get("options", {})),
+            "attention_exact": is_exact(spec["attention"]), "fp8_linear": fp8_linear,
+            "fused_kernels": fused.enabled(like, whole_rows=False), "nvfp4_mode": build.get("nvfp4_mode"),
+            "nvfp4_dequant": dequant_backend(like.device.type) if build.get("weights") == "nvfp4" else None,
+            "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("H3_")}}
+
+
+def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) -> tuple[dict, dict, dict | None]:
     import torch
     from bench_dit import make_inputs
-    from synthetic_gpu import build_audio_vae, build_dit, build_video_vae
+    from synthetic_gpu import build_dit
 
     from h3direct.config import H3Config
     from h3direct.dit.attention import attention_stats, reset_attention_stats, unavailable_reason
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
+    from h3direct.dit.linear import apply_fp8_linears
 
     w = contract["weights"]
     config = H3Config.from_name(preset.dit_config)
-    resident_before = C.allocated_gib(dev) or 0.0  # not ours (e.g. what ComfyUI's round left): kept out of our peak
     model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
     video, audio, text, cond = make_inputs(config, wl, dev, w.get("seed", 0))
     sigma = torch.tensor([0.8], dtype=torch.float32, device=dev)
     warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
     like = torch.empty(0, device=dev, dtype=model.compute_dtype)
+    fp8_of = {n: contract["paths"][n].get("fp8_linear", "off") for n in names}
     paths = {}
-    names = args.paths.split(",") if args.paths else list(contract["paths"])
-    for name in names:
-        if name not in contract["paths"]:
-            raise SystemExit(f"run_contract: error: --paths: {name!r} is not a path of the contract")
-
-    def fp8_of(name):
-        return args.fp8_linear or contract["paths"][name].get("fp8_linear", "off")
-
-    modes = {fp8_of(n) for n in names} - {"off"}
-    if len(modes) > 1 or not modes <= {"stream", "resident"}:
-        raise SystemExit(f"run_contract: error: fp8_linear: one of stream, resident per run, got {sorted(modes)}")
-    # the exact paths first, then the model's block linears become FP8 once for the fp8 paths (in place)
-    names = [n for n in names if fp8_of(n) == "off"] + [n for n in names if fp8_of(n) != "off"]
-    for name in names:
+    # the exact paths first; then the block linears become FP8 once, in place, for the FP8 paths
+    for name in sorted(names, key=lambda n: fp8_of[n] != "off"):
         spec = contract["paths"][name]
-        if fp8_of(name) != "off" and getattr(model, "fp8_linear", "off") == "off":
-            from h3direct.dit.linear import apply_fp8_linears
-
-            apply_fp8_linears(model, fp8_of(name))
+        if fp8_of[name] != "off" and getattr(model, "fp8_linear", "off") == "off":
+            apply_fp8_linears(model, fp8_of[name])
             C.free_memory(dev)
         attn = spec["attention"]
-        res = {"attention": attn, "options": spec.get("options", {}), "fp8_linear": fp8_of(name)}
         with C.env_options(spec.get("options", {})):
+            res = {"class": spec.get("class"), "settings": path_settings(model, spec, fp8_of[name], build, like)}
             reason = unavailable_reason(attn, like)
             if reason is not None:
                 paths[name] = {**res, "status": f"unavailable: {reason}"}
@@ -109,82 +173,143 @@ def run_h3direct(contract: dict, args, wl: dict, preset, dev) -> tuple[dict, dic
                 den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=attn)
                 C.reset_peak(dev)
                 with C.GpuSampler(dev) as gpu:
-                    r = C.time_calls(lambda den=den: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
+                    r = C.time_calls(lambda den=den, v=video, a=audio: den(v, a, sigma), dev, warmup=warmup,
+                                     iters=timed)
             res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
-                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=_minus(C.peak_gib(dev), resident_before),
+                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
                        attention_calls=attention_stats() or None, gpu_clock_power=gpu.summary)
         paths[name] = res
         C.log(f"{name} ({attn}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
-    info = {"build": build, "seq_len": wl["seq_len"], "resident_before_gib": resident_before}
-    del model
+    del model, video, audio, text, cond
     C.free_memory(dev)
+    floor = None
+    seconds = contract.get("floor", {}).get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
+    exact = contract["paths"].get(contract.get("floor", {}).get("path", "exact"))
+    if seconds > 0 and exact is not None:
+        with C.env_options(exact.get("options", {})):
+            floor = hot_floor(config, wl["seq_len"], exact["attention"], dev, seconds, w.get("seed", 0))
+        C.log(f"hot floor ({exact['attention']}): {floor.get('s_per_step', floor.get('status'))}")
     if not args.no_vae:
-        from h3direct.vae import decode_audio, decode_video
-
-        vdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[contract.get("vae_dtype",
-                                                                                                    "fp16")]
-        vae, _ = build_video_vae(preset.vae_preset, dev, dtype=vdtype)
-        avae, _ = build_audio_vae(preset.vae_preset, dev)
-        g = torch.Generator(device="cpu").manual_seed(1)
-        z = torch.randn(wl["video_latent"], generator=g).to(dev)
-        za = torch.randn(wl["audio_latent"], generator=g).to(dev)
-        with torch.inference_mode():
-            decode_video(vae, z[:, :, :2, :4, :4].contiguous(), contract.get("vae_dtype", "fp16"))  # warm-up
-            C.sync(dev)
-            t = time.perf_counter()
-            decode_video(vae, z, contract.get("vae_dtype", "fp16"))
-            decode_audio(avae, za)
-            C.sync(dev)
-            vae_s = time.perf_counter() - t
-        del vae, avae
-        C.free_memory(dev)
+        vae_s = vae_decode(contract, preset, wl, dev)
         for res in paths.values():
             if res.get("status") == "ok":
                 res["vae_decode_s"] = vae_s
                 res["end_to_end_s"] = res["text_refine_s"] + res["denoise_total_s"] + vae_s
-    return paths, info
+    return paths, {"build": build, "seq_len": wl["seq_len"]}, floor
 
 
-def _minus(a: float | None, b: float) -> float | None:
-    return None if a is None else a - b
-
-
-def run_comfyui(root: str, contract: dict, args, wl: dict, preset, dev) -> dict:
-    """One round of ComfyUI's own loader and sampler on the same synthetic weights and workload: s/step of its
-    model calls. Its model is unloaded afterwards and torch's process-wide switches are put back."""
-    from oracle.comfy_env import open_comfy
-
-    cuda = C.is_cuda(dev)
-    switches = _torch_switches()
-    env = open_comfy(root, device="cuda" if cuda else "cpu", compute_dtype="bf16" if cuda else "fp32")
-    try:
-        return _comfy_round(env, contract, args, wl, preset, dev)
-    finally:
-        mm = env.model_management
-        for name in ("unload_all_models", "soft_empty_cache"):
-            if hasattr(mm, name):
-                getattr(mm, name)()
-        C.free_memory(dev)
-        _torch_switches(switches)  # h3direct's steps run with torch's defaults, not the oracle's deterministic mode
-
-
-def _torch_switches(saved: dict | None = None) -> dict:
-    """Read (or, given `saved`, restore) the process-wide torch switches that opening ComfyUI changes."""
+def hot_floor(config, seq_len: int, attention: str, dev, seconds: float, seed: int) -> dict:
+    """GEMMs + attention, sustained: the four block GEMMs (bf16 activations times NVFP4-rounded weights, what W4A16
+    multiplies by) and one call of `attention` at [1, heads, S, head_dim], cycled in a block's order (qkv, attention,
+    out, fc1, fc2) for `seconds`; per call the mean of the loop's second half (steady clocks and power); the floor
+    is num_layers x their sum. What the exact path cannot beat at the clocks this GPU holds under that load."""
     import torch
+    import torch.nn.functional as F
 
-    now = {"deterministic": (torch.are_deterministic_algorithms_enabled(),
-                             torch.is_deterministic_algorithms_warn_only_enabled()),
-           "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-           "matmul_tf32": torch.backends.cuda.matmul.allow_tf32}
-    if saved is not None:
-        torch.use_deterministic_algorithms(saved["deterministic"][0], warn_only=saved["deterministic"][1])
-        torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
-        torch.backends.cudnn.allow_tf32 = saved["cudnn_tf32"]
-        torch.backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
-    return now
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    from h3direct.dit.attention import attention as attend
+    from h3direct.dit.attention import unavailable_reason
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    dtype = torch.bfloat16
+    shapes = C.block_gemm_shapes(config, seq_len)
+    xs = {n: torch.randn(m, k, device=dev, generator=g, dtype=dtype) for n, m, _, k in shapes}
+    ws = {}
+    for n, _, out, k in shapes:
+        q4 = quantize_nvfp4((0.02 * torch.randn(out, k, device=dev, generator=g)).to(dtype))
+        ws[n] = dequantize_nvfp4(q4.packed, q4.block_scale, q4.global_scale, dtype, (out, k))
+    h, d = config.num_attention_heads, config.attention_head_dim
+    q, k, v = (torch.randn(1, h, seq_len, d, device=dev, generator=g, dtype=dtype) for _ in range(3))
+    reason = unavailable_reason(attention, q)
+    if reason is not None:
+        return {"attention": attention, "status": f"unavailable: {reason}"}
+    calls = {n: (lambda n=n: F.linear(xs[n], ws[n])) for n in xs} | {"attention": lambda: attend(q, k, v, attention)}
+    order = ["qkv_proj", "attention", "out_proj", "fc1", "fc2"]
+    for name in order:  # warm-up: kernel choice and compilation
+        calls[name]()
+    C.sync(dev)
+    times: dict[str, list[float]] = {n: [] for n in order}
+    cuda = C.is_cuda(dev)
+
+    def cycle():  # one block's calls back to back (CUDA events, one wait per cycle), as the step runs them
+        marks = []
+        for name in order:
+            a = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                a.record()
+            calls[name]()
+            b = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                b.record()
+            marks.append((name, a, b))
+        C.sync(dev)
+        for name, a, b in marks:
+            times[name].append(a.elapsed_time(b) / 1e3 if cuda else b - a)
+
+    end = time.perf_counter() + seconds
+    with C.GpuSampler(dev, period_ms=200) as gpu:
+        while time.perf_counter() < end or not times["fc2"]:
+            cycle()
+    ms = {n: 1e3 * statistics.fmean(t[len(t) // 2:]) for n, t in times.items()}
+    return {"attention": attention, "status": "ok", "seconds": seconds, "calls": len(times["fc2"]), "ms": ms,
+            "s_per_step": config.num_layers * sum(ms.values()) / 1e3, "gpu_clock_power": gpu.summary}
 
 
-def _comfy_round(env, contract: dict, args, wl: dict, preset, dev) -> dict:
+def vae_decode(contract: dict, preset, wl: dict, dev) -> float:
+    import torch
+    from synthetic_gpu import build_audio_vae, build_video_vae
+
+    from h3direct.vae import decode_audio, decode_video
+
+    name = contract.get("vae_dtype", "fp16")
+    vae, _ = build_video_vae(preset.vae_preset, dev, dtype={"fp16": torch.float16, "bf16": torch.bfloat16,
+                                                            "fp32": torch.float32}[name])
+    avae, _ = build_audio_vae(preset.vae_preset, dev)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    z = torch.randn(wl["video_latent"], generator=g).to(dev)
+    za = torch.randn(wl["audio_latent"], generator=g).to(dev)
+    with torch.inference_mode():
+        decode_video(vae, z[:, :, :2, :4, :4].contiguous(), name)  # warm-up
+        C.sync(dev)
+        t = time.perf_counter()
+        decode_video(vae, z, name)
+        decode_audio(avae, za)
+        C.sync(dev)
+        seconds = time.perf_counter() - t
+    del vae, avae
+    C.free_memory(dev)
+    return seconds
+
+
+# ---------------------------------------------------------------- ComfyUI, one configuration per process
+
+def comfy_worker(args, contract: dict) -> int:
+    """--comfy-only CONFIG:ATTENTION: open ComfyUI with that configuration's settings, step the contract's weights
+    and workload through its own loader and sampler, write the timing JSON to --out."""
+    config_name, _, attention = args.comfy_only.partition(":")
+    spec = (contract.get("comfyui") or {}).get(config_name)
+    if spec is None or attention not in spec["attention"]:
+        _fail(f"--comfy-only {args.comfy_only!r}: not a configuration of the contract")
+    device = args.device or "cpu"
+    if spec["settings"] == "user" and device == "cuda":
+        from oracle.comfy_env import prepare_user_process
+
+        prepare_user_process(args.comfy_root)  # before torch: ComfyUI's CUDA allocator choice
+    from oracle.comfy_env import comfy_version, open_comfy
+
+    cuda = device == "cuda"
+    env = open_comfy(args.comfy_root, device=device, compute_dtype="bf16" if cuda else "fp32", attention=attention,
+                     settings=spec["settings"])
+    wl, preset = _workload(contract, args.smoke)
+    res = _comfy_steps(env, contract, args, wl, preset, device)
+    res.update(config=config_name, attention=attention, settings=spec["settings"], commit=env.commit,
+               version=comfy_version(env.root), attention_function=env.attention_function(),
+               environment=env.describe())
+    Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def _comfy_steps(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     import torch
     from bench_dit import make_inputs
 
@@ -210,11 +335,10 @@ def _comfy_round(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     tags = torch.zeros(text.shape[1], dtype=torch.int64)
     conditioning = [[text.float(), {"minimax_token_tags": tags, "minimax_refs": refs}]]
     warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
-    n = warmup + timed
     times: list[float] = []
 
     def steps(model, x, sigmas, extra_args=None, callback=None, disable=None):
-        for i in range(n):
+        for i in range(warmup + timed):
             C.sync(dev)
             t = time.perf_counter()
             x = model(x, sigmas[i] * x.new_ones([x.shape[0]]), **(extra_args or {}))
@@ -226,81 +350,149 @@ def _comfy_round(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     guider.set_cfg(1.0)
     guider.inner_set_conds({"positive": conditioning})
     nested = env.nested_tensor
-    noise = nested.NestedTensor([torch.randn_like(video.cpu()), torch.randn_like(audio.cpu())])
-    latent = nested.NestedTensor([video.cpu(), audio.cpu()])
-    sigmas = torch.linspace(0.9, 0.1, n + 1)
+    noise = nested.NestedTensor([torch.randn_like(video), torch.randn_like(audio)])
+    latent = nested.NestedTensor([video, audio])
+    sigmas = torch.linspace(0.9, 0.1, warmup + timed + 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad(), C.GpuSampler(dev) as gpu:
         guider.sample(noise, latent, env.samplers.KSAMPLER(steps), sigmas, disable_pbar=True, seed=0)
-    per = times[warmup:]
-    res = {"s_per_step": statistics.median(per), "step_s": per, "warmup_s": times[:warmup], "load_s": load_s,
-           "attention": env.attention_function(), "comfyui_commit": env.commit,
-           "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None,
-           "gpu_clock_power": gpu.summary}
-    del guider, patcher
-    return res
+    return {"status": "ok", "s_per_step": statistics.median(times[warmup:]), "step_s": times[warmup:],
+            "warmup_s": times[:warmup], "load_s": load_s,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / C.GIB if cuda else None, "gpu_clock_power": gpu.summary}
 
 
-def merge_comfy_rounds(rounds: list[dict]) -> dict:
-    """ComfyUI timed before and after h3direct (so neither side gets the cooler GPU): s/step is the median of every
-    timed step of every round; the rounds are kept as measured."""
-    steps = [t for r in rounds for t in r["step_s"]]
-    peaks = [r["peak_gpu_gib"] for r in rounds if r.get("peak_gpu_gib") is not None]
-    return {**rounds[0], "s_per_step": statistics.median(steps), "step_s": steps,
-            "warmup_s": [t for r in rounds for t in r["warmup_s"]], "peak_gpu_gib": max(peaks) if peaks else None,
-            "rounds": rounds}
+def comfy_round(args, contract: dict, dev: str, order: list[tuple[str, str]]) -> dict:
+    """One round: each (configuration, attention) in its own `--comfy-only` process; a missing package or a failed
+    process is that entry's status."""
+    out = {}
+    for config_name, attention in order:
+        key = f"{config_name}:{attention}"
+        package = ATTENTION_PACKAGES.get(attention)
+        if package and importlib.util.find_spec(package) is None:
+            out[key] = {"status": f"unavailable: {package} is not importable here"}
+            C.log(f"ComfyUI {key}: {out[key]['status']}")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / "comfy.json"
+            cmd = [sys.executable, "-m", "benchmarks.run_contract", "--contract", args.contract, "--comfy-root",
+                   args.comfy_root, "--comfy-only", key, "--device", dev, "--out", str(target)]
+            cmd += ["--smoke"] * args.smoke + (["--steps", str(args.steps)] if args.steps else [])
+            try:
+                p = subprocess.run(cmd, cwd=C.REPO_ROOT, capture_output=True, text=True, timeout=args.comfy_timeout,
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                       [str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
+                if p.returncode == 0 and target.is_file():
+                    out[key] = json.loads(target.read_text())
+                else:
+                    last = (p.stderr.strip().splitlines() or [""])[-1][:300]
+                    out[key] = {"status": f"failed: exit {p.returncode}: {last}"}
+            except subprocess.TimeoutExpired:
+                out[key] = {"status": f"failed: over --comfy-timeout {args.comfy_timeout:g} s"}
+        C.log(f"ComfyUI {key}: " + (f"{out[key]['s_per_step']:.3f} s/step" if out[key].get("status") == "ok"
+                                    else out[key]["status"]))
+    return out
+
+
+def merge_comfy(contract: dict, rounds: list[dict]) -> dict:
+    """Per configuration: each attention setting's rounds merged (s/step = median of every timed step of every
+    round), the fastest that ran chosen."""
+    configs = {}
+    for name, spec in contract["comfyui"].items():
+        tried = {}
+        for attention in spec["attention"]:
+            runs = [r[f"{name}:{attention}"] for r in rounds if f"{name}:{attention}" in r]
+            ok = [x for x in runs if x.get("status") == "ok"]
+            if not ok:
+                tried[attention] = {"status": runs[0]["status"] if runs else "not run"}
+                continue
+            steps = [t for x in ok for t in x["step_s"]]
+            peaks = [x["peak_gpu_gib"] for x in ok if x.get("peak_gpu_gib") is not None]
+            tried[attention] = {**ok[0], "s_per_step": statistics.median(steps), "step_s": steps,
+                                "peak_gpu_gib": max(peaks) if peaks else None, "rounds": runs}
+        ran = {a: t for a, t in tried.items() if t.get("status") == "ok"}
+        best = min(ran, key=lambda a: ran[a]["s_per_step"]) if ran else None
+        configs[name] = {"class": spec["class"], "settings": spec["settings"], "attention": spec["attention"],
+                         "chosen": best, "tried": tried,
+                         **({"status": "ok", "s_per_step": ran[best]["s_per_step"],
+                             "peak_gpu_gib": ran[best]["peak_gpu_gib"]} if best else
+                            {"status": "; ".join(f"{a}: {t['status']}" for a, t in tried.items())})}
+    return configs
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "triton", "comfy-kitchen", "sageattention", "fa3-fwd", "flash-attn"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit() -> str:
+    try:
+        p = subprocess.run(["git", "-C", str(C.REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        dirty = subprocess.run(["git", "-C", str(C.REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return p.stdout.strip() + ("+changes" if dirty else "") if p.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    contract = _contract(args.contract)
+    if args.comfy_only:
+        if not args.comfy_root:
+            _fail("--comfy-only needs --comfy-root")
+        from h3direct.errors import H3Error
+
+        try:
+            return comfy_worker(args, contract)
+        except H3Error as exc:  # a missing package, a checkout without H3: one line for the result's status
+            print(f"run_contract: error: {exc}", file=sys.stderr)
+            return 2
+    names = _check_args(args, contract)
+    wl, preset = _workload(contract, args.smoke)
     import torch
 
-    contract = _contract(args.contract)
-    preset = C.PRESETS["tiny" if args.smoke else "full"]
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        _fail("--device cuda: no CUDA device here (use --device cpu with --smoke)")
     dev = args.device
-    wl_spec = contract["workload"]
-    if args.smoke:
-        wl = C.workload(preset.width, preset.height, preset.frames, preset.text_len)
-    else:
-        wl = C.workload(wl_spec["width"], wl_spec["height"], wl_spec["frames"], wl_spec["text_tokens"])
-        if wl["seq_len"] != wl_spec.get("seq_len", wl["seq_len"]):
-            raise SystemExit(f"run_contract: error: workload gives S = {wl['seq_len']}, contract says "
-                             f"{wl_spec['seq_len']}")
+    w = contract["weights"]
     result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
-              "env": C.env_info(dev), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "workload": wl}
-    if C.is_cuda(dev):  # cuBLAS's handle (and its workspace) made with torch's defaults, before ComfyUI's settings
-        torch.ones(8, 8, device=dev) @ torch.ones(8, 8, device=dev)
-    rounds, failed = [], None
-
-    def comfy_round():
-        nonlocal failed
-        if not args.comfy_root or failed:
-            return
-        try:
-            rounds.append(run_comfyui(args.comfy_root, contract, args, wl, preset, dev))
-            C.log(f"ComfyUI round {len(rounds)}: {rounds[-1]['s_per_step']:.3f} s/step")
-        except Exception as exc:  # noqa: BLE001 - reported in the result; compare then misses the ratios
-            failed = f"same-run ComfyUI failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-
-    comfy_round()
-    result["paths"], result["h3direct"] = run_h3direct(contract, args, wl, preset, dev)
-    comfy_round()
+              "env": {**C.env_info(dev), "packages": package_versions()}, "commit": git_commit(),
+              "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
+              "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]}}
+    order = [(n, a) for n, spec in (contract.get("comfyui") or {}).items() for a in spec["attention"]]
+    rounds = []
     if args.comfy_root:
-        result["comfyui"] = merge_comfy_rounds(rounds) if rounds and not failed else None
-        if failed:
-            result["comfyui_note"] = failed
+        rounds.append(comfy_round(args, contract, dev, order))
+    result["paths"], result["h3direct"], result["hot_floor"] = run_h3direct(contract, args, names, wl, preset, dev)
+    build = result["h3direct"]["build"]  # the weights as built
+    result["weights"] = {"source": "synthetic", "dit_preset": preset.dit_config, "dit": build["weights"],
+                         "nvfp4_mode": build["nvfp4_mode"], "seed": w.get("seed", 0)}
+    if args.comfy_root and args.comfy_rounds == 2:
+        rounds.append(comfy_round(args, contract, dev, order[::-1]))
+    if args.comfy_root:
+        configs = merge_comfy(contract, rounds)
+        first = next((x for r in rounds for x in r.values() if x.get("status") == "ok"), {})
+        result["comfyui"] = {"commit": first.get("commit"), "version": first.get("version"),
+                             "comfy_kitchen": first.get("environment", {}).get("comfy_kitchen"),
+                             "sageattention": result["env"]["packages"]["sageattention"], "configs": configs}
     else:
         result["comfyui"] = None
-        result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui)"
-    if result["comfyui"]:
-        for p in result["paths"].values():
-            if p.get("status") == "ok":
-                p["x_comfyui"] = result["comfyui"]["s_per_step"] / p["s_per_step"]
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui_*)"
+    for name, values in ratios(contract, result).items():
+        result["paths"][name].update(values)
+    Path(args.out).write_text(json.dumps(C._jsonable(result), indent=1, default=str))
     C.log(f"result: {args.out}")
     return 0
 

@@ -3,6 +3,13 @@
 ComfyUI reads its command-line flags once, when `comfy.cli_args` is imported, and picks the attention function
 when `comfy.ldm.modules.attention` is imported. `open_comfy` therefore sets the flags on ComfyUI's own `args`
 object before anything else of ComfyUI is imported, and refuses to reconfigure an already-imported ComfyUI.
+
+Two settings (`SETTINGS`): "oracle" (the default; what traces are recorded under) turns on deterministic algorithms
+(and cuBLAS's fixed workspace), turns off cudnn.benchmark, TF32, smart memory and dynamic VRAM; "user" leaves
+ComfyUI's own defaults as `main.py` starts it (nothing deterministic, torch's TF32 defaults, smart memory,
+`set_cudnn_benchmark()`), for timing ComfyUI as its users run it. Two parts of main.py's start need the process
+before torch is imported: its CUDA allocator choice (`prepare_user_process` applies it) and DynamicVRAM
+(comfy-aimdo), which an in-process import leaves off (`describe()` says so).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 from h3direct.errors import H3Error
 
 ENV_ROOT = "H3_COMFY_ROOT"
+SETTINGS = ("oracle", "user")
 ENV_COMMIT = "H3_COMFY_COMMIT"
 
 # attention name -> ComfyUI flag (attribute of comfy.cli_args.args); "default" sets none
@@ -57,6 +65,7 @@ class ComfyEnv:
     attention: str
     commit: str
     stand_ins: list[str]
+    settings: str = "oracle"
     bf16_patched: bool = False
     modules: dict[str, ModuleType] = field(default_factory=dict)
 
@@ -108,11 +117,15 @@ class ComfyEnv:
             **self.gpu_fields(),
             "torch": torch.__version__,
             "comfy_kitchen": ck_version,
-            "deterministic": True,
+            "deterministic": self.settings == "oracle",
             "stand_ins": self.stand_ins,
             "bf16_patched": self.bf16_patched,
             "num_threads": torch.get_num_threads(),
             "h3_sources_sha256": source_digest(self.root),
+            **({} if self.settings == "oracle" else {
+                "settings": self.settings,
+                "dynamic_vram": False,  # comfy-aimdo's allocator is set up by main.py before torch loads
+                "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}),
         }
 
 
@@ -157,6 +170,26 @@ def comfy_commit(root: Path) -> str:
     return os.environ.get(ENV_COMMIT, "unknown")
 
 
+def comfy_version(root: Path) -> str:
+    """ComfyUI's release (`comfyui_version.py`), else 'unknown'."""
+    p = root / "comfyui_version.py"
+    text = p.read_text() if p.is_file() else ""
+    found = [line.split("=", 1)[1].strip().strip("'\"") for line in text.splitlines() if line.startswith("__version__")]
+    return found[0] if found else "unknown"
+
+
+def prepare_user_process(root: str | Path | None = None) -> None:
+    """What ComfyUI's `main.py` sets up before torch loads, for a process that will `open_comfy(settings="user")`:
+    its CUDA allocator choice (ComfyUI's own `cuda_malloc` rule: PYTORCH_CUDA_ALLOC_CONF backend:cudaMallocAsync
+    where it applies). Must run before `import torch`."""
+    if "torch" in sys.modules:
+        raise H3Error("prepare_user_process must run before torch is imported (it picks the CUDA allocator)")
+    root = resolve_root(root)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    importlib.import_module("cuda_malloc")
+
+
 def source_digest(root: Path) -> str:
     h = hashlib.sha256()
     for rel in H3_SOURCES:
@@ -170,9 +203,11 @@ _OPENED: ComfyEnv | None = None
 
 
 def open_comfy(
-    root: str | Path | None = None, *, device: str = "cpu", compute_dtype: str = "fp32", attention: str = "pytorch"
+    root: str | Path | None = None, *, device: str = "cpu", compute_dtype: str = "fp32", attention: str = "pytorch",
+    settings: str = "oracle",
 ) -> ComfyEnv:
-    """Import ComfyUI from `root` configured for `device` (cpu|cuda), `compute_dtype` (fp32|bf16|fp16), `attention`."""
+    """Import ComfyUI from `root` configured for `device` (cpu|cuda), `compute_dtype` (fp32|bf16|fp16), `attention`,
+    under the oracle's settings or a user's (`SETTINGS`, module docstring)."""
     global _OPENED
     root = resolve_root(root)
     if device not in ("cpu", "cuda"):
@@ -181,8 +216,11 @@ def open_comfy(
         raise H3Error(f"--compute-dtype {compute_dtype!r}: expected fp32, bf16 or fp16")
     if attention not in ATTENTION_FLAGS:
         raise H3Error(f"--attention {attention!r}: expected one of {', '.join(ATTENTION_FLAGS)}")
+    if settings not in SETTINGS:
+        raise H3Error(f"ComfyUI settings {settings!r}: expected one of {', '.join(SETTINGS)}")
     if _OPENED is not None:
-        same = (_OPENED.root, _OPENED.device, _OPENED.attention) == (root, device, attention)
+        same = (_OPENED.root, _OPENED.device, _OPENED.attention, _OPENED.settings) == (root, device, attention,
+                                                                                        settings)
         if not same:
             raise H3Error("ComfyUI is already imported in this process with other settings; use a new process")
         _set_compute_dtype(_OPENED, compute_dtype)
@@ -210,8 +248,9 @@ def open_comfy(
         ) from None
     args = cli_args.args
     args.cpu = device == "cpu"
-    args.deterministic = True
-    args.disable_smart_memory = True
+    oracle = settings == "oracle"
+    args.deterministic = oracle
+    args.disable_smart_memory = oracle
     # fp32 on a GPU: ComfyUI would otherwise pick bf16/fp16 by itself
     args.force_fp32 = device == "cuda" and compute_dtype == "fp32"
     for flag in ATTENTION_FLAGS.values():
@@ -219,15 +258,16 @@ def open_comfy(
             setattr(args, flag, False)
     if ATTENTION_FLAGS[attention]:
         setattr(args, ATTENTION_FLAGS[attention], True)
-    if hasattr(args, "disable_dynamic_vram"):
+    if hasattr(args, "disable_dynamic_vram"):  # (user settings too: DynamicVRAM needs main.py's start)
         args.disable_dynamic_vram = True
-    if device == "cuda":  # cuBLAS is deterministic only with a fixed workspace (read when its handle is created)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if device == "cuda":
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    if oracle:
+        if device == "cuda":  # cuBLAS is deterministic only with a fixed workspace (read when its handle is created)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if device == "cuda":
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
 
     mods: dict[str, ModuleType] = {}
     names = {
@@ -249,6 +289,8 @@ def open_comfy(
                     f"ComfyUI needs the Python package {exc.name!r}: pip install it (see pyproject extra 'oracle')"
                 ) from None
             raise H3Error(f"ComfyUI checkout is incomplete: cannot import {name} ({exc})", path=root) from None
+    if not oracle:  # main.py's start: cudnn.benchmark as its --fast flags say (off by default)
+        mods["model_management"].set_cudnn_benchmark()
     env = ComfyEnv(
         root=root,
         device=device,
@@ -256,6 +298,7 @@ def open_comfy(
         attention=attention,
         commit=comfy_commit(root),
         stand_ins=stand_ins,
+        settings=settings,
         modules=mods,
     )
     _set_compute_dtype(env, compute_dtype)

@@ -40,7 +40,8 @@ REPORT_DIR = "parity-report"  # relative to the folder pytest was started in
 MARKERS = {
     "parity": "compares h3direct with ComfyUI traces (the merge gate)",
     "comfy": "needs a ComfyUI checkout (--comfy-root or H3_COMFY_ROOT)",
-    "gpu": "needs a CUDA GPU",
+    "gpu": "needs a CUDA GPU (deselected without one; `pytest -m gpu` is the GPU test lane)",
+    "gpu2": "needs 2 CUDA GPUs (deselected with fewer)",
     "planted": "the gate lane's one planted-failure check (proves this run's gate can fail)",
     "slow": "slow tier (opt-in: -m slow)",
 }
@@ -123,6 +124,18 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=live)
             items[:] = [it for it in items if "comfy" not in it.keywords]
             config._h3_comfy_deselected = len(live)
+    # GPU tests run where the GPUs are (`pytest -m gpu`): elsewhere they are deselected and counted, never skipped
+    gpu = [it for it in items if it.get_closest_marker("gpu") or it.get_closest_marker("gpu2")]
+    if gpu:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        drop = [it for it in gpu if n == 0 or (n < 2 and it.get_closest_marker("gpu2"))]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            dropped = set(map(id, drop))
+            items[:] = [it for it in items if id(it) not in dropped]
+            config._h3_gpu_deselected = (len(drop), n)
     # the e2e frames gate compares an approximate path with the exact one: for an exact path it has no item
     exact = [it for it in items if getattr(it, "callspec", None) is not None
              and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None]
@@ -138,6 +151,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    dropped, gpus = getattr(config, "_h3_gpu_deselected", (0, 0))
+    if dropped:
+        where = "no CUDA device here" if gpus == 0 else f"{gpus} CUDA device here, these need 2"
+        terminalreporter.write_line(f"{dropped} GPU test(s) deselected: {where}; `pytest -m gpu` (and `-m gpu2` on two "
+                                    f"GPUs) runs them on a GPU machine")
     n = getattr(config, "_h3_comfy_deselected", 0)
     if n:
         terminalreporter.write_line(

@@ -16,3 +16,16 @@ def cache_env(tmp_path_factory):
     bundled.ensure()
     yield root
     mp.undo()
+
+
+@pytest.fixture
+def lane_backend():
+    """`lane_backend(name, like)` asserts that an attention backend the GPU test lane needs runs here: on a GPU
+    machine a missing package (fa3-fwd, ...) fails the test with the backend's reason, it is never skipped."""
+    from h3direct.dit.attention import unavailable_reason
+
+    def need(name, like):
+        reason = unavailable_reason(name, like)
+        assert reason is None, f"the GPU test lane needs the {name!r} backend (README, 'GPU test lane'): {reason}"
+
+    return need

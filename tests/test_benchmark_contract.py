@@ -1,4 +1,9 @@
-"""The benchmark contract, its runner and `python -m benchmarks.compare` (CPU: tiny sizes, plumbing only)."""
+"""The benchmark contract, its runner and `python -m benchmarks.compare`, run as a user runs them (subprocesses).
+
+compare's rules each get a crafted result that breaks one of them: a result that did not run the contract (a smoke
+run, another device, another S, other path settings, another step count, other ComfyUI settings) and figures that
+are not finite numbers (inf, NaN, true) must fail, never pass. The runner is exercised on the CPU at tiny sizes.
+"""
 
 from __future__ import annotations
 
@@ -12,57 +17,138 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ROOT / "benchmarks" / "ref2va-960x544-124f.json"
+COMMITTED = ROOT / "benchmarks" / "results" / "contract-h200.json"
 
 
-def _compare(contract: Path, result: Path) -> subprocess.CompletedProcess:
+def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    if isinstance(result, dict):
+        path = tmp / "r.json"
+        path.write_text(json.dumps(result))  # inf and NaN as JSON's Infinity / NaN, as json.dumps writes them
+        result = path
     return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
                            str(result)], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
-def _result(tmp_path, **paths) -> Path:
-    r = {"contract": "ref2va-960x544-124f", "device": "NVIDIA H200", "comfyui": {"s_per_step": 3.1}, "paths": paths}
-    p = tmp_path / "r.json"
-    p.write_text(json.dumps(r))
-    return p
+def _has(out: str, needle: str) -> bool:
+    """needle is in out, whitespace runs compared as one space (compare pads its columns)."""
+    return " ".join(needle.split()) in " ".join(out.split())
 
 
-def test_contract_workload_is_the_performance_workload():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import _common as C
-
+def _passing() -> dict:
+    """A result that ran the contract and meets every target (the numbers are made up, the shape is run_contract's)."""
     c = json.loads(CONTRACT.read_text())
+    timed = c["steps"]["timed"]
+
+    def path(name, s):
+        spec = c["paths"][name]
+        return {"status": "ok", "class": spec["class"], "s_per_step": s, "step_s": [s] * timed, "peak_gpu_gib": 13.9,
+                "settings": {"attention": spec["attention"], "attention_options": spec.get("options", {}),
+                             "fp8_linear": spec.get("fp8_linear", "off")}}
+
     w = c["workload"]
-    assert C.workload(w["width"], w["height"], w["frames"], w["text_tokens"])["seq_len"] == w["seq_len"] == 20050
-    assert set(c["targets"]["exact"]) == {"s_per_step", "x_comfyui", "peak_gpu_gib"}
+    comfy = {"default": 3.0, "sage": 2.237, "exact_fastest": 2.9}
+    return {"contract": c["contract"], "smoke": False, "device": "NVIDIA H200",
+            "workload": {"width": w["width"], "height": w["height"], "frames": w["frames"], "text_len": w["text_tokens"],
+                         "seq_len": w["seq_len"]},
+            "weights": dict(c["weights"]), "steps": {"warmup": c["steps"]["warmup"], "timed": timed},
+            "paths": {"exact": path("exact", 2.0), "approximate": path("approximate", 0.95),
+                      "approximate_fp8_attention": path("approximate_fp8_attention", 1.5)},
+            "hot_floor": {"status": "ok", "s_per_step": 1.94},
+            "comfyui": {"version": "0.33.0", "configs": {
+                n: {"status": "ok", "class": spec["class"], "settings": spec["settings"], "attention": spec["attention"],
+                    "chosen": spec["attention"][0], "s_per_step": comfy[n]} for n, spec in c["comfyui"].items()}}}
 
 
-def test_compare_passes_when_every_target_is_met(tmp_path):
-    ok = {"status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 13.9}
-    p = _compare(CONTRACT, _result(tmp_path, exact=ok, approximate=ok))
+def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
+    p = _compare(_passing(), tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "6 of 6 targets met" in p.stdout
+    assert _has(p.stdout, "5 of 5 targets met") and "FAIL" not in p.stdout
+    # the same-run ratios: approximate against --use-sage-attention, exact against the fastest exact ComfyUI
+    assert _has(p.stdout, "approximate  x_comfyui_default 3.158, x_comfyui_best 2.355")
+    assert _has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_best 1.450, floor_ratio 1.031")
+    assert _has(p.stdout, "info ComfyUI sage          approximate, user settings: 2.237 s/step (sage)")
 
 
-@pytest.mark.parametrize("exact, needle", [
-    ({"status": "ok", "s_per_step": 1.96, "peak_gpu_gib": 13.0}, "MISS exact        s_per_step"),  # 0.01 s over
-    ({"status": "ok", "s_per_step": 1.9, "peak_gpu_gib": 14.01}, "MISS exact        peak_gpu_gib"),
-    ({"status": "ok", "s_per_step": 2.1, "peak_gpu_gib": 13.0}, "MISS exact        x_comfyui"),  # 3.1/2.1 < 1.55
-    ({"status": "unavailable: no fa3"}, "MISS exact        s_per_step"),
+def _break(result: dict, where: str, value) -> dict:
+    """Set result[a][b]... = value for where = "a.b..."."""
+    *keys, last = where.split(".")
+    d = result
+    for k in keys:
+        d = d[k]
+    d[last] = value
+    return result
+
+
+@pytest.mark.parametrize("where, value, needle", [
+    ("smoke", True, "FAIL rule   not a smoke run: the result is a --smoke run"),
+    ("device", "NVIDIA A100-SXM4-80GB", "FAIL rule   device: the contract is for 'NVIDIA H200'"),
+    ("workload.seq_len", 19000, "FAIL rule   workload: seq_len 19000 (contract 20050)"),
+    ("workload.width", 832, "FAIL rule   workload: width 832 (contract 960)"),
+    ("weights.dit", "bf16", "FAIL rule   weights: dit 'bf16' (contract 'nvfp4')"),
+    ("steps.timed", 2, "FAIL rule   timed steps: timed 2 (contract 5)"),
+    ("paths.exact.step_s", [2.0, 2.0], "FAIL rule   timed steps: exact timed 2 steps"),
+    ("paths.exact.settings.attention", "sdpa", "FAIL rule   path exact settings: attention 'sdpa' (contract 'fa3')"),
+    ("paths.exact.settings.fp8_linear", "stream",
+     "FAIL rule   path exact settings: fp8_linear 'stream' (contract 'off')"),
+    ("paths.approximate.settings.attention_options", {"H3_SOL_TAU": "2.0", "H3_SOL_FALLBACK": "fa3"},
+     "FAIL rule   path approximate settings: attention_options"),
+    ("comfyui.configs.sage.settings", "oracle",
+     "FAIL rule   ComfyUI sage settings: settings 'oracle' (contract 'user')"),
+], ids=["smoke", "device", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
+        "path-options", "comfy-settings"])
+def test_compare_fails_a_result_that_did_not_run_the_contract(tmp_path, where, value, needle):
+    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
+    assert _has(p.stdout, "1 rule(s) broken: the result did not run the contract")
+
+
+def test_compare_fails_a_path_the_result_lacks(tmp_path):
+    r = _passing()
+    del r["paths"]["approximate_fp8_attention"]
+    p = _compare(r, tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, "FAIL rule   path approximate_fp8_attention: not in the result")
+
+
+@pytest.mark.parametrize("where, value, needle", [
+    ("paths.approximate.s_per_step", float("-inf"), "MISS approximate  s_per_step"),  # -inf <= 1.0 must not pass
+    ("paths.exact.peak_gpu_gib", float("-inf"), "MISS exact        peak_gpu_gib"),
+    ("paths.exact.peak_gpu_gib", float("nan"), "MISS exact        peak_gpu_gib"),
+    ("paths.exact.peak_gpu_gib", "13.0", "MISS exact        peak_gpu_gib"),
+    ("paths.exact.peak_gpu_gib", True, "MISS exact        peak_gpu_gib"),  # JSON true is not 1
+    ("paths.approximate.s_per_step", True, "MISS approximate  s_per_step"),
+    ("comfyui.configs.sage.s_per_step", float("inf"), "MISS approximate  x_comfyui_best"),  # inf / s would pass
+    ("hot_floor.s_per_step", float("inf"), "MISS exact        floor_ratio"),
+    ("hot_floor.s_per_step", 0, "MISS exact        floor_ratio"),
+], ids=["s-minus-inf", "peak-minus-inf", "peak-nan", "peak-string", "peak-true", "s-true", "comfy-inf", "floor-inf",
+        "floor-zero"])
+def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, value, needle):
+    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
+
+
+@pytest.mark.parametrize("where, value, needle", [
+    ("paths.approximate.s_per_step", 1.01, "MISS approximate  s_per_step              1.010 <= 1"),
+    ("comfyui.configs.sage.s_per_step", 2.0, "MISS approximate  x_comfyui_best          2.105 >= 2.2"),
+    ("paths.exact.s_per_step", 2.07, "MISS exact        floor_ratio             1.067 <= 1.06"),
+    ("paths.exact.peak_gpu_gib", 14.01, "MISS exact        peak_gpu_gib           14.010 <= 14"),
+    ("paths.approximate.status", "unavailable: no sol_attn", "MISS approximate  s_per_step"),
 ])
-def test_compare_misses_exit_nonzero(tmp_path, exact, needle):
-    ok = {"status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 13.9}
-    p = _compare(CONTRACT, _result(tmp_path, exact=exact, approximate=ok))
-    assert p.returncode == 1 and needle in p.stdout, p.stdout
+def test_compare_misses_exit_nonzero(tmp_path, where, value, needle):
+    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
 
 
-def test_compare_without_same_run_comfyui_cannot_meet_ratios(tmp_path):
-    ok = {"status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 13.9}
-    path = _result(tmp_path, exact=ok, approximate=ok)
-    r = json.loads(path.read_text())
+def test_compare_ratios_need_the_same_run(tmp_path):
+    """No same-run ComfyUI (or none of the path's class that ran): the ratio targets miss, never a stored number."""
+    r = _passing()
     r["comfyui"], r["comfyui_note"] = None, "no same-run ComfyUI"
-    path.write_text(json.dumps(r))
-    p = _compare(CONTRACT, path)
-    assert p.returncode == 1 and "x_comfyui" in p.stdout and "no same-run ComfyUI" in p.stdout
+    p = _compare(r, tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, "MISS approximate  x_comfyui_best") and _has(p.stdout, "no same-run ComfyUI")
+    r = _passing()
+    r["comfyui"]["configs"]["sage"]["status"] = "sage: unavailable: sageattention is not importable here"
+    r["paths"]["approximate"]["x_comfyui_best"] = 9.9  # a stored ratio is not a measurement
+    p = _compare(r, tmp=tmp_path)
+    assert p.returncode == 1 and _has(p.stdout, "MISS approximate  x_comfyui_best")
 
 
 @pytest.mark.parametrize("content, needle", [(None, "cannot read"), ("{", "not JSON"),
@@ -71,81 +157,114 @@ def test_compare_bad_input_is_one_line_exit_2(tmp_path, content, needle):
     path = tmp_path / "r.json"
     if content is not None:
         path.write_text(content)
-    p = _compare(CONTRACT, path)
+    p = _compare(path)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1
-
-
-def test_runner_smoke_writes_a_result_compare_reads(tmp_path):
-    c = json.loads(CONTRACT.read_text())
-    c["paths"] = {"exact": {"attention": "sdpa"}, "approximate": {"attention": "fa3"}}
-    contract = tmp_path / "c.json"
-    contract.write_text(json.dumps(c))
-    out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--contract", str(contract), "--out",
-                        str(out), "--smoke", "--steps", "1", "--device", "cpu", "--no-vae"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    r = json.loads(out.read_text())
-    assert r["paths"]["exact"]["status"] == "ok" and r["paths"]["exact"]["s_per_step"] > 0
-    assert r["paths"]["approximate"]["status"].startswith("unavailable:")  # fa3 needs a Hopper GPU
-    assert r["comfyui"] is None and "no same-run ComfyUI" in r["comfyui_note"]
-    q = _compare(contract, out)
-    assert q.returncode == 1 and "no same-run ComfyUI" in q.stdout
-
-
-def test_gpu_samples_summary_counts_only_loaded_samples_and_the_power_cap_bit():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import _common as C
-
-    lines = [  # clocks.sm, power.draw, power.limit, temperature, throttle reasons (as nvidia-smi prints them)
-        "345, 75.10, 700.00, 38, 0x0000000000000001",  # idle: not a loaded sample
-        "1980, 450.00, 700.00, 50, 0x0000000000000000",
-        "1530, 690.00, 700.00, 66, 0x0000000000000004",
-        "1500, 688.00, 700.00, 66, 0x0000000000000005",
-        "garbage line",
-        "[N/A], [N/A], 700.00, 66, 0x0",
-    ]
-    s = C.summarize_gpu_samples(lines)
-    assert s["samples"] == 3
-    assert s["sm_clock_mhz_median"] == 1530 and s["sm_clock_mhz_max"] == 1980
-    assert s["power_w_median"] == 688 and s["power_limit_w"] == 700
-    assert s["power_capped_share"] == pytest.approx(2 / 3)
-    assert C.summarize_gpu_samples(lines[:1]) is None  # nothing under load
-    with C.GpuSampler("cpu") as g:  # no sampling off the GPU
-        pass
-    assert g.summary is None
 
 
 def test_compare_reports_clock_and_power_of_each_run(tmp_path):
     gp = {"sm_clock_mhz_median": 1530.0, "sm_clock_mhz_max": 1980.0, "power_w_median": 688.0,
           "power_limit_w": 700.0, "temperature_c_median": 66.0, "power_capped_share": 0.9, "samples": 40}
-    ok = {"status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 13.9, "gpu_clock_power": gp}
-    p = _compare(CONTRACT, _result(tmp_path, exact=ok, approximate={**ok, "gpu_clock_power": None}))
+    r = _passing()
+    r["paths"]["exact"]["gpu_clock_power"] = gp
+    r["paths"]["approximate"]["gpu_clock_power"] = None
+    p = _compare(r, tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "info exact        SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the power " \
-           "cap in 90 % of samples" in p.stdout
-    assert "info approximate" not in p.stdout
+    assert _has(p.stdout, "info exact SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the "
+                          "power cap in 90 % of samples")
+    assert not _has(p.stdout, "info approximate SM clock")
+
+
+def test_committed_result_predates_this_contract_and_compare_says_so():
+    """The committed H200 result (third session) was made before the contract's three ComfyUI configurations and
+    the hot floor: compare reads it and fails it, naming what it lacks, without a traceback."""
+    p = _compare(COMMITTED)
+    assert p.returncode == 1 and not p.stderr, p.stderr
+    assert _has(p.stdout, "FAIL rule   path exact settings") and _has(p.stdout, "MISS exact        floor_ratio")
+    assert _has(p.stdout, "pass exact        peak_gpu_gib")  # what it did measure is still read
+
+
+def test_contract_workload_is_the_performance_workload(tmp_path):
+    """The contract's S is what the benchmarks' workload geometry gives for its canvas (`bench_dit.py --dry-run`)."""
+    w = json.loads(CONTRACT.read_text())["workload"]
+    out = tmp_path / "dry.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--dry-run", "--device", "cpu", "--width",
+                        str(w["width"]), "--height", str(w["height"]), "--frames", str(w["frames"]), "--text-len",
+                        str(w["text_tokens"]), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(out.read_text())["workload"]["seq_len"] == w["seq_len"] == 20050
+
+
+def _run_contract(tmp_path, *extra: str, contract: Path | None = None) -> subprocess.CompletedProcess:
+    if contract is None:
+        c = json.loads(CONTRACT.read_text())
+        c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"H3_FUSED": "0"}},
+                      "approximate": {"class": "approximate", "attention": "fa3"}}
+        contract = tmp_path / "c.json"
+        contract.write_text(json.dumps(c))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("H3_") or k == "H3_COMFY_COMMIT"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--contract", str(contract), "--out",
+                           str(tmp_path / "r.json"), "--smoke", "--steps", "1", "--device", "cpu", "--no-vae",
+                           "--floor-seconds", "0.1", *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
+    p = _run_contract(tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    exact = r["paths"]["exact"]
+    assert exact["status"] == "ok" and exact["s_per_step"] > 0 and len(exact["step_s"]) == 1
+    assert exact["settings"]["attention"] == "sdpa" and exact["settings"]["fp8_linear"] == "off"
+    # the path's options are set while it runs and recorded (and nothing of another path's leaks into it)
+    assert exact["settings"]["attention_options"] == exact["settings"]["environment"] == {"H3_FUSED": "0"}
+    assert r["paths"]["approximate"]["settings"]["environment"] == {}
+    assert {"fused_kernels", "nvfp4_mode", "nvfp4_dequant", "compute_dtype"} <= set(exact["settings"])
+    assert r["paths"]["approximate"]["status"].startswith("unavailable:")  # fa3 needs a Hopper GPU
+    assert r["hot_floor"]["status"] == "ok" and r["hot_floor"]["s_per_step"] > 0
+    assert exact["floor_ratio"] == pytest.approx(exact["s_per_step"] / r["hot_floor"]["s_per_step"])
+    assert r["comfyui"] is None and "no same-run ComfyUI" in r["comfyui_note"]
+    assert r["smoke"] is True and r["commit"] and r["env"]["packages"]["torch"]
+    q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
+    assert q.returncode == 1 and _has(q.stdout, "FAIL rule   not a smoke run") and _has(q.stdout, "no same-run ComfyUI")
+
+
+@pytest.mark.parametrize("flags, needle", [(["--paths", "exact,nope"], "--paths: nope not a path"),
+                                           (["--comfy-root", "/"], "--comfy-root:"),
+                                           (["--steps", "0"], "--steps 0")])
+def test_runner_bad_flags_are_one_line_exit_2(tmp_path, flags, needle):
+    p = _run_contract(tmp_path, *flags)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_runner_help_names_its_options():
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0
+    for flag in ("--comfy-root", "--comfy-rounds", "--comfy-only", "--floor-seconds", "--smoke", "--paths"):
+        assert flag in p.stdout, flag
 
 
 @pytest.mark.comfy
-def test_comfy_round_unloads_and_gives_torch_its_switches_back(comfy_root):
-    # ComfyUI runs before and after h3direct in one process: opening it turns on deterministic algorithms (and on a
-    # GPU other switches); h3direct's steps between the rounds must not run under them.
-    import argparse
-
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import _common as C
-    import run_contract as R
-
-    contract = json.loads(CONTRACT.read_text())
-    preset = C.PRESETS["tiny"]
-    wl = C.workload(preset.width, preset.height, preset.frames, preset.text_len)
-    before = torch.are_deterministic_algorithms_enabled()
-    r = R.run_comfyui(comfy_root, contract, argparse.Namespace(steps=1), wl, preset, "cpu")
-    assert torch.are_deterministic_algorithms_enabled() == before
-    assert len(r["step_s"]) == 1 and r["s_per_step"] > 0
-    merged = R.merge_comfy_rounds([r, {**r, "step_s": [9.0], "warmup_s": [9.0]}])
-    assert merged["s_per_step"] == pytest.approx((r["step_s"][0] + 9.0) / 2) and len(merged["rounds"]) == 2
+def test_runner_times_every_comfyui_configuration_in_its_own_process(tmp_path, comfy_root):
+    """With a ComfyUI checkout: each configuration of the contract runs (or says why it cannot: SageAttention or
+    flash_attn missing), each path gets x_comfyui_default and x_comfyui_best from the same run, compare shows them."""
+    p = _run_contract(tmp_path, "--comfy-root", comfy_root, "--comfy-rounds", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    configs = r["comfyui"]["configs"]
+    assert set(configs) == {"default", "sage", "exact_fastest"}
+    default = configs["default"]
+    assert default["status"] == "ok" and default["settings"] == "oracle"
+    assert default["tried"]["pytorch"]["environment"]["deterministic"] is True
+    fastest = configs["exact_fastest"]
+    assert fastest["status"] == "ok" and fastest["settings"] == "user"
+    assert fastest["tried"][fastest["chosen"]]["environment"]["deterministic"] is False
+    assert configs["sage"]["status"] == "ok" or "sageattention" in configs["sage"]["status"]
+    exact = r["paths"]["exact"]
+    assert exact["x_comfyui_default"] == pytest.approx(default["s_per_step"] / exact["s_per_step"])
+    best = min(default["s_per_step"], fastest["s_per_step"])
+    assert exact["x_comfyui_best"] == pytest.approx(best / exact["s_per_step"])
+    assert r["comfyui"]["version"] and r["comfyui"]["comfy_kitchen"]
+    q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
+    assert _has(q.stdout, "info ComfyUI default       exact, oracle settings:")

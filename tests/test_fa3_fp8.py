@@ -1,7 +1,7 @@
 """The `fa3_fp8` attention backend on the CPU: its smoothing algebra, its per-head scales, the numerical emulation of
 the whole backend against fp64 attention, the Triton quantizer (TRITON_INTERPRET=1) against the torch math, and the
-backend's availability / fallback rules. The FA3 kernel itself runs only on an sm_90 GPU
-(benchmarks/gpu_fa3fp8.sh compares it with `fp8_attention_reference`)."""
+backend's availability / fallback rules. The FA3 kernel itself runs only on an sm_90 GPU (the `gpu` tests at the end
+compare it with `fp8_attention_reference`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from h3direct.dit import attention as A
 from h3direct.dit import fp8_attention as F8
+from h3direct.dit.attention_inputs import positions, structured_qkv
 from h3direct.errors import BackendUnavailable
 
 
@@ -24,9 +25,7 @@ def _rel(a, b) -> float:
 
 
 def _structured(heads: int = 4, rows: slice = slice(6000, 6768)):
-    from benchmarks.attention_kernels import positions, structured_qkv
-
-    pos, _ = positions(None)
+    pos, _ = positions()
     return structured_qkv(pos[rows], heads, 128, "cpu")
 
 
@@ -160,3 +159,54 @@ def test_head_dims_the_kernel_cannot_take_fall_back_counted_or_fail_strict(monke
     with pytest.raises(BackendUnavailable, match="H3_FP8_ATTN_STRICT=1 forbids it"):
         A._fa3_fp8(q40, q40, q40)
     A.reset_attention_stats()
+
+
+# ---- the kernels on an sm_90 GPU (`pytest -m gpu`) ------------------------------------------------------------------
+
+def _dit_layout(q, k, v):
+    """q, k, v [1, H, S, D] laid out as the DiT passes them: q, k strided views of one [S, 3·H·D] projection output,
+    v a dense copy."""
+    _, h, s, d = q.shape
+    buf = torch.empty(s, 3, h, d, dtype=q.dtype, device=q.device)
+    for i, x in enumerate((q, k, v)):
+        buf[:, i] = x[0].transpose(0, 1)
+    return buf[:, 0].transpose(0, 1)[None], buf[:, 1].transpose(0, 1)[None], buf[:, 2].contiguous().transpose(0, 1)[None]
+
+
+@pytest.mark.gpu
+def test_compiled_quantizer_is_bitwise_the_torch_math():
+    """The compiled Triton quantizer on the DiT's layout (structured inputs, S = 4,096, 8 heads x 128): bitwise
+    `quantize_torch` on the same device, for q (scaled) and k, v (smoothed)."""
+    from h3direct.traces.metrics import bit_mismatch
+
+    pos, _ = positions(4096)
+    q, k, v = _dit_layout(*structured_qkv(pos, 8, 128, "cuda"))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    for name, x, center in (("q", q, False), ("k", k, True), ("v", v, True)):
+        mean, amax = F8.channel_stats(x, center)
+        _, inverse = F8.scales(amax)
+        got, want = F8.quantize_triton(x, mean, inverse), F8.quantize_torch(x, mean, inverse)
+        assert (diff := bit_mismatch(got, want)) is None, f"{name}: {diff}"
+
+
+@pytest.mark.gpu
+def test_kernel_error_is_its_emulations(lane_backend):
+    """FA3's FP8 kernel against `fp8_attention_reference`, which the CPU gate and tests run in its place, with fp32
+    attention as the honest reference: the kernel's error is the emulation's (within 25 %: FA3 rounds the
+    probabilities against a running row maximum, the emulation against the final one), and the kernel is closer to
+    its emulation than the emulation is to exact attention (at the full shape on the H200: 1.4e-3 vs 2.68e-3). A
+    wrong descale, a lost V mean or a coarser scale is far outside both. Batch 2, the second on other scales (the
+    per-(batch, head) descales); structured inputs at S = 4,096, 8 heads x 128."""
+    pos, _ = positions(4096)
+    q, k, v = structured_qkv(pos, 8, 128, "cuda")
+    lane_backend("fa3_fp8", q)
+    q, k, v = torch.cat([q, q * 0.05]), torch.cat([k, k * 20]), torch.cat([v, v * 40 + 3])
+    exact = torch.cat([F.scaled_dot_product_attention(q[:, h:h + 1].float(), k[:, h:h + 1].float(),
+                                                      v[:, h:h + 1].float()) for h in range(q.shape[1])], dim=1)
+    kernel = F8.fa3_fp8_attention(q, k, v, smooth_v=True)
+    emulation = F8.fp8_attention_reference(q, k, v, smooth_v=True)
+    assert torch.isfinite(kernel).all()
+    for b in range(2):
+        err, emu_err = _rel(kernel[b], exact[b]), _rel(emulation[b], exact[b])
+        assert err <= 1.25 * emu_err, (b, err, emu_err)
+        assert _rel(kernel[b], emulation[b]) <= emu_err, (b, _rel(kernel[b], emulation[b]), emu_err)

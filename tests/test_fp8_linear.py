@@ -299,3 +299,67 @@ def test_bench_dit_tiny_with_fp8_linear(tmp_path):
         assert c["fp8_linear"] == "stream" and set(c["fp8_linear_calls"]) == {"emulated (cpu)"}
         assert c["fp8_linear_calls"]["emulated (cpu)"] % 8 == 0
     assert {b["fp8_linear"] for b in d["builds"]} == {"stream"}
+
+
+# ---------------------------------------------------------------- on the GPU (`pytest -m gpu`)
+
+# K -> N of the full model's four block linears; the token count M is cut (it changes neither the path nor a scale)
+BLOCK_LINEARS = {"qkv_proj": (5376, 21504), "out_proj": (7168, 5376), "fc1": (5376, 28672), "fc2": (14336, 5376)}
+
+
+def _tokens(rows: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[::97] *= 30  # outlier tokens: per-token scales keep the others
+    return x.bfloat16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BLOCK_LINEARS))
+def test_scaled_mm_path_is_its_cpu_emulation_at_the_block_shapes(name):
+    """`torch._scaled_mm` (the GPU path) and the CPU emulation compute the same W8A8 product: the exact product of
+    the same e4m3 operands, rounded once to bf16. The emulation's error against it is that one rounding; the GPU's
+    may exceed it by 10 % (fp32 accumulation in another order), and a wrong scale or layout is far outside."""
+    from h3direct.traces.metrics import rel_l2
+
+    k, n = BLOCK_LINEARS[name]
+    x = _tokens(256, k, seed=k + n)
+    w8, sw = w8a8.quantize_rows((torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.02).bfloat16())
+    w8a8.reset_fp8_linear_stats()
+    y = w8a8.linear_w8a8(x.cuda(), w8.cuda(), sw.cuda())
+    assert w8a8.fp8_linear_stats() == {"scaled_mm": 1}, w8a8.fp8_linear_stats()
+    emulated = w8a8.linear_w8a8(x, w8, sw)
+    x8, sx = w8a8.quantize_rows(x)
+    exact = (w8a8.dequantize_rows(x8, sx).double().cuda() @ w8a8.dequantize_rows(w8, sw).double().cuda().T).cpu()
+    one_rounding = rel_l2(emulated, exact)
+    assert 0 < one_rounding < 2 ** -8, one_rounding
+    assert rel_l2(y.cpu(), exact) <= 1.1 * one_rounding, (name, rel_l2(y.cpu(), exact), one_rounding)
+
+
+@pytest.mark.gpu
+def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
+    """The compiled kernels give the codes and scales of the torch reference computed on the CPU (their interpreted
+    twin: test_triton_kernels_bitwise_under_interpreter): activations with outliers, a zero row, e4m3's grid swept
+    at scale 1 (ties included); an NVFP4 block weight converted to e4m3 (the stream mode)."""
+    from h3direct.checkpoint.quant import w8a8_triton
+    from h3direct.traces.metrics import bit_mismatch
+
+    x = _tokens(2048, 5376, seed=1).float()
+    x[3] = 0.0
+    x[5, 7] = 448.0
+    sweep = torch.cat([torch.linspace(-448, 448, 40001), torch.logspace(-12, 2.65, 20001),
+                       -torch.logspace(-12, 2.65, 2001), torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, 1.0625, 1.1875])])
+    rows = -(-len(sweep) // 4095)
+    flat = torch.zeros(rows * 4095)
+    flat[:len(sweep)] = sweep
+    # a 448 in every row: each row's scale is exactly 1, so its codes are the e4m3 rounding of the values themselves
+    grid = torch.cat([torch.full((rows, 1), 448.0), flat.reshape(rows, 4095)], dim=1)
+    for t in (x, x.bfloat16(), grid):
+        q_gpu, s_gpu = w8a8_triton.quantize_rows(t.cuda())
+        q_cpu, s_cpu = w8a8.quantize_rows(t)
+        assert (diff := bit_mismatch(q_gpu.cpu(), q_cpu)) is None, f"{t.dtype} {list(t.shape)} codes: {diff}"
+        assert (diff := bit_mismatch(s_gpu.cpu(), s_cpu)) is None, f"{t.dtype} {list(t.shape)} scales: {diff}"
+    k, n = BLOCK_LINEARS["out_proj"]
+    weight = quantize_nvfp4((torch.randn(n, k, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16())
+    scales = w8a8.nvfp4_channel_scales(*weight)
+    got = w8a8_triton.nvfp4_to_e4m3(*(t.cuda() for t in weight), scales.cuda())
+    assert (diff := bit_mismatch(got.cpu(), w8a8.nvfp4_to_e4m3_reference(*weight, scales))) is None, diff

@@ -1,5 +1,7 @@
-"""The fused kernels on the GPU (the only place the DiT uses them): SwiGLU bitwise equal to eager silu·up; the
-adaLN kernels within one bf16 rounding of an fp64 reference and closer to it than eager."""
+"""The fused kernels on the GPU (the only place the DiT uses them; `pytest -m gpu`): SwiGLU bitwise equal to eager
+silu·up; the adaLN kernels within one bf16 rounding of an fp64 reference and closer to it than eager; the block's
+strided views (fc2 reading SwiGLU's output, FA3 reading v of the qkv output) bitwise equal to dense copies. The CPU
+twins (Triton's interpreter) are in test_fused_kernels.py."""
 
 import pytest
 import torch
@@ -7,11 +9,9 @@ import torch.nn.functional as F
 
 from h3direct.dit import blocks, fused
 from h3direct.dit.timesteps import ModRun
+from h3direct.traces.metrics import bit_mismatch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fused kernels run "
-                                                                       "only there)"),
-              pytest.mark.skipif(fused.triton is None, reason="needs Triton")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -20,7 +20,7 @@ def test_fused_swiglu_bitwise(dtype):
     a = (torch.randn(3001, 2 * 1536, generator=g) * 4).to("cuda", dtype)
     gate, up = a.chunk(2, dim=-1)
     want = F.silu(gate).mul(up)
-    assert torch.equal(fused.swiglu_(a.clone()), want)
+    assert (diff := bit_mismatch(fused.swiglu_(a.clone()), want)) is None, diff
 
 
 def _rel(a, ref) -> float:
@@ -102,6 +102,41 @@ def test_fused_residual_norm_is_the_two_kernels_and_config_free():
     for cfg in fused.SWEEP["residual_norm_modulate"]:
         got_x = x.clone()
         got_h = fused.residual_norm_modulate_(got_x, gate, upd, w, 1e-6, shift, scale, runs, config=cfg)
-        assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h), cfg
+        assert bit_mismatch(got_x, want_x) is None and bit_mismatch(got_h, want_h) is None, cfg
     for cfg in fused.SWEEP["norm_modulate"]:
-        assert torch.equal(fused.norm_modulate(want_x, w, 1e-6, shift, scale, runs, config=cfg), want_h), cfg
+        got = fused.norm_modulate(want_x, w, 1e-6, shift, scale, runs, config=cfg)
+        assert (diff := bit_mismatch(got, want_h)) is None, (cfg, diff)
+
+
+def test_fc2_reads_the_strided_swiglu_output_without_a_copy():
+    """The MLP hands fc2 SwiGLU's output as a [S, F] view with row stride 2F: the same bits as a dense input, and no
+    hidden copy of it (the call's peak is its output plus cuBLAS's workspace, far below the input's size)."""
+    g = torch.Generator(device="cpu").manual_seed(4)
+    s, d, f = 8192, 1024, 7168  # a copy of the view would be 112 MiB, well above any cuBLAS workspace
+    a = torch.randn(s, 2 * f, generator=g).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(d, f, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    view = a[:, :f]
+    dense = F.linear(view.contiguous(), w2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    strided = F.linear(view, w2)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - strided.numel() * strided.element_size()
+    assert (diff := bit_mismatch(strided, dense)) is None, diff
+    assert extra < view.numel() * view.element_size() / 2, f"{extra / 2**20:.1f} MiB beyond the output"
+
+
+def test_fa3_reads_a_strided_v(lane_backend):
+    """The block passes FA3 q, k, v as strided views of the qkv projection output (v no longer copied): bitwise the
+    result with a dense v."""
+    from h3direct.dit.attention import attention
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    s, heads, hd = 3001, 8, 128
+    qkv = torch.randn(s, 3 * heads * hd, generator=g).to("cuda", torch.bfloat16)
+    lane_backend("fa3", qkv)
+    q, k, v = (t.view(s, heads, hd).permute(1, 0, 2)[None] for t in qkv.chunk(3, dim=-1))
+    dense_v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not v.is_contiguous() and dense_v.stride() != v.stride()
+    assert (diff := bit_mismatch(attention(q, k, v, "fa3"), attention(q, k, dense_v, "fa3"))) is None, diff

@@ -437,24 +437,30 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     assert torch.equal(ours, two)
 
 
-def test_elem_sweep_smoke(tmp_path):
-    """benchmarks/elem_sweep.py end to end in the interpreter on tiny shapes (the GPU script's first step): every
-    config runs, the bits agree across configs, and the old-vs-new / per-step part runs (no timings on the CPU)."""
+def test_tune_kernels_smoke(tmp_path):
+    """tools/tune_kernels.py in the interpreter on tiny shapes: every candidate runs and gives the current config's
+    bits, the best is reported per kernel; a bad flag is a one-line error, exit 2."""
     import json
+    import os
+    import subprocess
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import elem_sweep
-
-    out = tmp_path / "sweep.json"
-    assert elem_sweep.main(["--device", "cpu", "--rows", "9", "--hidden", "64", "--ffn", "64", "--heads", "2",
-                            "--head-dim", "32", "--out", str(out)]) == 0
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tune.json"
+    cmd = [sys.executable, str(root / "tools" / "tune_kernels.py"), "--device", "cpu", "--small", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([*cmd, "--kernels", "gated_residual,nvfp4_dequant"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert set(res["kernels"]) == set(fused.SWEEP) and res["residual_norm_bitwise"] and res["ok"]
-    assert all(k["bitwise_across_configs"] for k in res["kernels"].values())
-    assert set(res["new_ms"]) == set(fused.SWEEP) and "step_ms_old" in res
-    assert elem_sweep.main(["--device", "cpu", "--kernels", "nope"]) == 2
+    assert set(res["kernels"]) == {"gated_residual", "nvfp4_dequant"}
+    for r in res["kernels"].values():
+        assert r["ok"] and all(c["bits"] == "same" for c in r["configs"]) and r["best"] in [c["config"]
+                                                                                             for c in r["configs"]]
+    assert len(res["kernels"]["gated_residual"]["configs"]) >= len(fused.SWEEP["gated_residual"])
+    bad = subprocess.run([*cmd, "--kernels", "nope"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nope" in bad.stderr
 
 
 def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast warnings

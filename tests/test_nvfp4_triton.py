@@ -1,8 +1,8 @@
 """The Triton NVFP4 dequantization kernel (`nvfp4_triton`) under Triton's CPU interpreter (TRITON_INTERPRET=1),
 bitwise against the torch path of `nvfp4.dequantize_nvfp4` (itself bitwise comfy-kitchen's kernel and the shared
 ComfyUI traces, `tests/test_quant_nvfp4.py`), on raw random storage: every byte of codes, every non-NaN E4M3 scale
-(subnormals, ±0, ±448), padded shapes and partial programs. The compiled (GPU) kernel is checked the same way by
-`benchmarks/check_dequant.py`; here it is only compiled for sm_90."""
+(subnormals, ±0, ±448), padded shapes and partial programs. The compiled kernel is compiled for sm_90 here and run
+by the `gpu` tests at the end (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from h3direct.checkpoint.quant import nvfp4, nvfp4_triton
+from h3direct.traces.metrics import bit_mismatch
 
 pytestmark = pytest.mark.skipif(nvfp4_triton.triton is None, reason="needs Triton (the `test` extra installs it on "
                                                                     "x86_64 Linux) to run the kernel in its interpreter")
@@ -33,12 +34,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bits(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (what, ours.shape, ref.shape, ours.dtype, ref.dtype)
-    diff = (_bits(ours) != _bits(ref)).nonzero()
-    if len(diff):
-        i = tuple(diff[0].tolist())
-        raise AssertionError(f"{what}: {len(diff)} of {ours.numel()} values differ, first at {i}: "
-                             f"kernel {ours[i].item()!r} torch {ref[i].item()!r}")
+    assert (diff := bit_mismatch(ours, ref)) is None, f"{what}: {diff}"
 
 
 def random_storage(rows: int, cols: int, g: torch.Generator, global_scale: float) -> nvfp4.NVFP4Tensor:
@@ -185,10 +181,16 @@ def test_compiles_for_hopper_with_wide_memory_access(out_dtype, monkeypatch):
         assert "cvt.rn.f16x2.f32" in ptx
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# ---- the compiled kernel on a GPU (`pytest -m gpu`) ---------------------------------------------------------------
+
+BLOCK_WEIGHTS = [("qkv", 21504, 5376), ("out", 5376, 7168), ("fc1", 28672, 5376), ("fc2", 5376, 14336)]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
 def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
-    """On a GPU: the compiled kernel, random storage, bitwise the torch path run on the CPU."""
+    """Random storage (every code and non-NaN scale byte, a global scale that rounds): bitwise the torch path run on
+    the CPU, which the CPU traces were recorded with."""
     monkeypatch.delenv("TRITON_INTERPRET")
     g = torch.Generator().manual_seed(3)
     for shape in ((300, 270), (1024, 2048)):
@@ -199,17 +201,16 @@ def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
         assert_same_bits(got.cpu(), ref, f"cuda {shape}")
 
 
-def test_check_dequant_smoke(tmp_path):
-    """`benchmarks/check_dequant.py --small` on the CPU: every comparison runs and agrees; the JSON has its fields."""
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import check_dequant
-
-    out = tmp_path / "dequant.json"
-    assert check_dequant.main(["--device", "cpu", "--small", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["mismatches"] == [] and all(s["bitwise"] for s in res["shapes"].values())
-    assert set(res["per_step_ms"]) == {"torch", "triton 256x4", "copy"}
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, n, k", BLOCK_WEIGHTS, ids=[w[0] for w in BLOCK_WEIGHTS])
+def test_compiled_kernel_block_weights_every_config(name, n, k, monkeypatch):
+    """The full model's four block-linear weights as the checkpoint holds them: every launch config gives the torch
+    path's bits on the GPU, in each output dtype."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator(device="cpu").manual_seed(n + k)
+    q = nvfp4.quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).to("cuda", torch.bfloat16))
+    for out_dtype in DTYPES:
+        ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
+        for config in nvfp4_triton.CONFIGS:
+            got = nvfp4_triton.dequantize_nvfp4_triton(*q, out_dtype, config=config)
+            assert_same_bits(got, ref, f"{name} {out_dtype} config {config}")

@@ -69,10 +69,13 @@ def test_bench_sp_tiny_under_torchrun(tmp_path):
     inner = c.num_attention_heads * c.attention_head_dim
     # qkv: 3·rows·inner fp32 values, half of them leave; the output: 2·rows·inner/2 values, half of them leave
     assert r["a2a_bytes_per_layer"] == (3 * rows * inner + rows * inner) * 4 // 2
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_sp import a2a_bytes_per_layer  # the projection's message sizes agree with the counted ones
-
-    assert a2a_bytes_per_layer(c, r["seq_len"], 2, itemsize=4)["total"] == r["a2a_bytes_per_layer"]
+    # the two-Spark projection's message sizes (bf16: 2 bytes a value) are the counted ones
+    proj = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sp.py"), "--preset", "tiny", "--device",
+                           "cpu", "--project", "--geometries", "96x64x22"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proj.returncode == 0, proj.stderr[-2000:]
+    p = json.loads(proj.stdout.strip().splitlines()[-1])
+    assert p["seq_len"] == r["seq_len"] and 2 * p["bytes_per_layer"]["total"] == r["a2a_bytes_per_layer"]
     assert r["a2a_calls_per_step"] == 2 * c.num_layers
     for key in ("sp_s_per_step", "single_s_per_step", "a2a_s_per_step", "scaling_efficiency"):
         assert math.isfinite(r[key]) and r[key] > 0, (key, r[key])

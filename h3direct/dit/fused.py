@@ -9,7 +9,7 @@
 - `swiglu_`: silu(gate) · up from fc1's [gate | up] output, written over the gate half in place (no [S, F]
   buffer). It rounds exactly where PyTorch's eager silu / mul do (CUDA's expf, IEEE division, explicit
   round-to-nearest ops), so on the GPU it is bitwise equal to `F.silu(gate).mul_(up)` (checked by
-  `benchmarks/check_fused.py`; Triton's CPU interpreter has no libdevice and differs in the last bit).
+  `tests/test_fused_gpu.py`; Triton's CPU interpreter has no libdevice and differs in the last bit).
 
 The norms' sums of squares are exact (fixed point, int64), so every launch config of `LAUNCH` / `SWEEP` gives
 the same bits. The adaLN kernels are not bitwise equal to eager: they are closer to fp32 (fewer roundings), and
@@ -324,7 +324,7 @@ def row_index(runs, rows: int, device) -> torch.Tensor:
 
 
 # ---- entry points ---------------------------------------------------------------------------------------------
-# `config`: entries over the kernel's `LAUNCH` row (benchmarks/elem_sweep.py passes each candidate); None: the table.
+# `config`: entries over the kernel's `LAUNCH` row (tools/tune_kernels.py passes each candidate); None: the table.
 
 def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, gate, config) -> None:
     s, d = x.shape

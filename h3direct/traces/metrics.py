@@ -102,3 +102,23 @@ class Comparison:
 
 def compare(name: str, x: torch.Tensor, ref: torch.Tensor) -> Comparison:
     return Comparison(name, rel_l2(x, ref), max_abs(x, ref), sqnr_db(x, ref), cosine(x, ref))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_mismatch(x: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None when x is bit for bit ref (same shape and dtype; NaN payloads and signed zeros count), else one line
+    saying how it differs: the count of differing values, the first one's index and both values."""
+    if tuple(x.shape) != tuple(ref.shape) or x.dtype != ref.dtype:
+        return f"got {x.dtype} {list(x.shape)}, reference {ref.dtype} {list(ref.shape)}"
+    a, b = (t.detach().to("cpu").contiguous() for t in (x, ref))
+    if a.dtype.is_floating_point:
+        a, b = a.view(_BITS[a.element_size()]), b.view(_BITS[b.element_size()])
+    differ = a != b
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    first = tuple(int(i) for i in torch.unravel_index(torch.nonzero(differ.reshape(-1))[0, 0], differ.shape))
+    got, want = (t.detach()[first].to("cpu", torch.float64).item() for t in (x, ref))
+    return f"{n} of {differ.numel()} values differ, first at {list(first)}: got {got!r}, reference {want!r}"

@@ -12,8 +12,8 @@ Decoded value = e2m1(code) * (global * block_scale), where the scale product and
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
 `QuantizedTensor.dequantize`): the results here are bitwise equal to its CPU path (the oracle's traces) for fp32,
 bf16 and fp16. On CUDA the decode runs in our Triton kernel (`nvfp4_triton`, same bits as the torch path) unless
-``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel differs from both by one ulp in ~6 % of the
-bf16 values of a quantized weight (measured on the H200, `benchmarks/check_dequant.py`).
+``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel differs from both by one ulp in some of the
+bf16 values of a quantized weight (`benchmarks/results/LOG.md`).
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
 `comfy.model_management.supports_nvfp4_compute`):

@@ -14,8 +14,8 @@ exact in fp32 (at most 8 x 4 significant bits), so one fp32 multiply and one rou
 half-precision multiply. The roundings of the per-block values use integer arithmetic (bf16) or an explicit
 round-to-nearest-even cast (fp16); the per-value rounding uses the GPU's round-to-nearest-even conversion when
 compiled and the same integer arithmetic under Triton's CPU interpreter (`TRITON_INTERPRET=1`, whose bf16 cast
-truncates). `benchmarks/check_dequant.py` checks the compiled kernel against comfy-kitchen and the torch path on
-the GPU; `tests/test_nvfp4_triton.py` checks the interpreted one on the CPU.
+truncates). `tests/test_nvfp4_triton.py` checks the interpreted kernel on the CPU and the compiled one on a GPU
+(`pytest -m gpu`), bitwise against the torch path.
 
 NaN block scales (E4M3 0x7F / 0xFF; never written by quantization) give NaN values; the NaN bit pattern may differ
 from torch's.

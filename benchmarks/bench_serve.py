@@ -1,6 +1,6 @@
 """`h3direct serve` with full-size synthetic models resident, exercised over HTTP: one Ref2VA request or more.
 
-Steps (each timed, all logged to OUT/serve_h200.log, the results to OUT/serve_h200.json):
+Steps (each timed, all logged to OUT/bench_serve.log, the results to OUT/bench_serve.json):
   1. files: the NVFP4 DiT checkpoint in ComfyUI's format (`h3direct make-checkpoint`, generated on --device), the
      video and audio VAE weights (`make-checkpoint --component video_vae|audio_vae`, on the CPU, in parallel with
      the DiT), text embeddings [1, text_len, text_dim] (a `text_embeds` file: no text encoder of full width runs;
@@ -14,8 +14,8 @@ Steps (each timed, all logged to OUT/serve_h200.log, the results to OUT/serve_h2
      size, audio stream);
   4. GET /ready again, then SIGTERM: the server must exit 0.
 
-    python3 benchmarks/serve_h200.py --preset full --device cuda --out $OUT      # on the H200
-    python3 benchmarks/serve_h200.py --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about 10 s
+    python3 benchmarks/bench_serve.py --preset full --device cuda --out $OUT      # on a GPU
+    python3 benchmarks/bench_serve.py --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about 10 s
 
 Exit status: 0 when every step passed, 1 when one failed (the JSON says which), 2 on bad flags.
 """
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    log = Log(out / "serve_h200.log")
+    log = Log(out / "bench_serve.log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                             if p])
@@ -312,8 +312,8 @@ def main(argv=None) -> int:
         if not args.keep_files:
             for name in ("dit_nvfp4.safetensors", "video_vae.safetensors", "audio_vae.safetensors"):
                 (work / name).unlink(missing_ok=True)
-        (out / "serve_h200.json").write_text(json.dumps(res, indent=1, default=str))
-        log(f"result: {'ok' if rc == 0 else 'FAILED'}; {out / 'serve_h200.json'}")
+        (out / "bench_serve.json").write_text(json.dumps(res, indent=1, default=str))
+        log(f"result: {'ok' if rc == 0 else 'FAILED'}; {out / 'bench_serve.json'}")
     return rc
 
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# h3direct on one CUDA machine: the GPU test lane, the speed benchmarks and the benchmark contract, each part under
+# its own hard time limit, logs and JSON under $OUT, the summary table last. Needs the project installed with the
+# GPU lane's extras (README "GPU test lane"); runs from anywhere.
+#
+#   bash benchmarks/run_gpu.sh                    # tests dit vae generate, then the summary
+#   bash benchmarks/run_gpu.sh contract           # the contract (ComfyUI in the same run when COMFY_ROOT is set)
+#   bash benchmarks/run_gpu.sh tests dit          # any parts, in the order given
+#
+# Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), contract
+# (run_contract.py, then compare.py on its result). Knobs (environment): OUT (default /tmp/h3direct_bench), PYTHON,
+# PRESET (full), COMFY_ROOT, DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS (extra flags), <PART>_TIMEOUT (hard
+# limit in seconds, e.g. DIT_TIMEOUT=600). A failing or killed part never stops the next one; the exit status is 1
+# when any part failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-${TMPDIR:-/tmp}/h3direct_bench}"
+export OUT PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+PRESET="${PRESET:-full}"
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests dit vae generate)
+for p in "${PARTS[@]}"; do
+  case "$p" in tests|dit|vae|generate|contract) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract)" >&2; exit 2;; esac
+done
+
+T0=$(date +%s)
+FAILED=0
+{
+  echo "start $(date -u +%FT%TZ)  parts: ${PARTS[*]}  preset $PRESET  commit $(git rev-parse --short HEAD 2>/dev/null)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$OUT/env.log"
+
+part() {  # part NAME SECONDS CMD...: CMD under a hard limit, its output in $OUT/NAME.log
+  local name="$1" limit="$2" t rc
+  shift 2
+  t=$(date +%s)
+  echo; echo "===== $name (hard limit ${limit}s) ====="
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "===== $name: exit $rc after $(( $(date +%s) - t ))s (total $(( $(date +%s) - T0 ))s) ====="
+  [ "$rc" = 124 ] && echo "!!! $name was killed at its ${limit}s limit; its JSON holds what finished"
+  [ "$rc" = 0 ] || FAILED=1
+}
+
+for p in "${PARTS[@]}"; do
+  # shellcheck disable=SC2086
+  case "$p" in
+    tests) part tests "${TESTS_TIMEOUT:-900}" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or gpu2" ;;
+    dit) part bench_dit "${DIT_TIMEOUT:-290}" "$PY" benchmarks/bench_dit.py --preset "$PRESET" \
+           --budget-seconds $(( ${DIT_TIMEOUT:-290} - 60 )) ${DIT_ARGS:-} ;;
+    vae) part bench_vae "${VAE_TIMEOUT:-100}" "$PY" benchmarks/bench_vae.py --preset "$PRESET" \
+           --budget-seconds $(( ${VAE_TIMEOUT:-100} - 25 )) ${VAE_ARGS:-} ;;
+    generate) part bench_generate "${GEN_TIMEOUT:-140}" "$PY" benchmarks/bench_generate.py --preset "$PRESET" \
+           --budget-seconds $(( ${GEN_TIMEOUT:-140} - 25 )) ${GEN_ARGS:-} ;;
+    contract)
+      part contract "${CONTRACT_TIMEOUT:-900}" "$PY" -m benchmarks.run_contract \
+        --contract benchmarks/ref2va-960x544-124f.json --out "$OUT/contract.json" \
+        ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
+      part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
+        --result "$OUT/contract.json" ;;
+  esac
+done
+
+echo
+"$PY" benchmarks/summarize.py "$OUT" 2>&1 | tee "$OUT/summary.log"
+echo "total $(( $(date +%s) - T0 ))s; results in $OUT"
+exit "$FAILED"
