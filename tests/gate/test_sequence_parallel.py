@@ -99,8 +99,7 @@ def test_torchrun_trace_matches_comfyui_and_single_process(case, world, tmp_path
     assert vs_single.passed, vs_single.report()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs (found {torch.cuda.device_count()})")
+@pytest.mark.gpu2
 def test_torchrun_trace_on_two_gpus(tmp_path):
     """NCCL: the same gate on 2 GPUs, against ComfyUI's CPU trace and the 1-GPU trace (fp32 budget)."""
     case = CASES[0]
