@@ -306,29 +306,20 @@ def _out_features(packed: torch.Tensor, bias: torch.Tensor | None, out_features:
     return packed.shape[0] if bias is None else bias.shape[0]
 
 
-def w4a16_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                 dtype: torch.dtype, n: int, k: int) -> torch.Tensor:
-    """The dense [n, k] weight W4A16 multiplies by: `dequantize_nvfp4` in `dtype`, the 16-padding sliced off
-    (a view)."""
-    w = dequantize_nvfp4(packed, block_scale, global_scale, dtype)
-    return w if w.shape == (n, k) else w[:n, :k]
-
-
 def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None, compute_dtype: torch.dtype,
-                 out_features: int | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+                 out_features: int | None = None) -> torch.Tensor:
     """ComfyUI's NVFP4 Linear where FP4 compute is off (CPU, compute capability < 10): dequantize the weight
     to `compute_dtype`, then `F.linear` in that dtype (bias cast to it). Any leading dims of x are kept.
-    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16.
-    `dense`: the weight as `w4a16_weight` already made it (a prefetch), used instead of dequantizing here."""
+    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16."""
     # x [..., K] -> [..., N] compute_dtype
     k = x.shape[-1]
     n = _out_features(packed, bias, out_features)
     if k > 2 * packed.shape[1]:
         raise ValueError(f"input has {k} features, NVFP4 weight holds {2 * packed.shape[1]}")
-    w = w4a16_weight(packed, block_scale, global_scale, compute_dtype, n, k) if dense is None else dense
+    w = dequantize_nvfp4(packed, block_scale, global_scale, compute_dtype)
     if w.shape != (n, k):
-        raise ValueError(f"dense NVFP4 weight is {tuple(w.shape)}, expected {(n, k)}")
+        w = w[:n, :k]
     b = None if bias is None else bias.to(compute_dtype)
     return F.linear(x.to(compute_dtype), w, b)
 
