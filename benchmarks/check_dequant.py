@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     bf16 = torch.bfloat16
     kitchen = cuda and kitchen_op("dequantize_nvfp4") is not None
     res: dict = {"device": torch.cuda.get_device_name() if cuda else str(dev), "kitchen": kitchen,
-                 "triton": nvfp4_triton.triton.__version__, "default_config": nvfp4_triton.DEFAULT_CONFIG,
+                 "triton": nvfp4_triton.triton.__version__, "default_config": nvfp4_triton.launch_config(dev),
                  "shapes": {}, "mismatches": []}
     configs = nvfp4_triton.CONFIGS if cuda else ((256, 4),)
-    default = nvfp4_triton.DEFAULT_CONFIG if cuda else configs[0]
+    default = nvfp4_triton.launch_config(dev) if cuda else configs[0]
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def ms_per_call(fn) -> float:  # the GPU: median of --iters after one warm-up call; the CPU: one call

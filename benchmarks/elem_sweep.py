@@ -162,11 +162,12 @@ def main(argv=None) -> int:
 
     ok = True
     best: dict = {}
+    launch = fused.launch_table(torch.device(dev))  # the table this device runs with
     for name in kernels:
         make, run, nbytes = spec[name]
         cands, seen = [], set()
-        for cfg in [fused.LAUNCH[name], *fused.SWEEP[name]]:
-            cfg = fused.launch_config(name, cfg)  # the table's entries filled in (EXACT)
+        for cfg in [launch[name], *fused.SWEEP[name]]:
+            cfg = fused.launch_config(name, cfg, torch.device(dev))  # the table's entries filled in (EXACT)
             key = tuple(sorted(cfg.items()))
             if key not in seen:
                 seen.add(key)
@@ -193,21 +194,21 @@ def main(argv=None) -> int:
         bitwise = all(r["same_bits"] for r in rows if r["error"] is None)
         ok &= bitwise and not any(r["error"] for r in rows)
         entry = {"bytes": nbytes, "configs": rows, "bitwise_across_configs": bitwise, "sweep_s": time.perf_counter() - t0,
-                 "table": fused.LAUNCH[name]}
+                 "table": launch[name]}
         if b is not None:
             entry |= {"best": b["config"], "best_ms": b["ms"], "best_gbps": b["gbps"],
                       "roofline_ms": nbytes / copy_gbps / 1e6, "frac_of_copy": b["gbps"] / copy_gbps,
                       "frac_of_spec": b["gbps"] / (SPEC_TBPS * 1e3),
-                      "table_ms": next(r["ms"] for r in rows if r["config"] == fused.LAUNCH[name])}
+                      "table_ms": next(r["ms"] for r in rows if r["config"] == launch[name])}
             best[name] = b["config"]
         res["kernels"][name] = entry
         print(f"\n== {name}: {len(rows)} configs, {nbytes / 1e9:.3f} GB per call, same bits across configs: {bitwise}")
         for r in sorted(rows, key=lambda r: (r["ms"] != r["ms"], r["ms"])):
-            tag = " <- best" if r is b else (" <- table" if r["config"] == fused.LAUNCH[name] else "")
+            tag = " <- best" if r is b else (" <- table" if r["config"] == launch[name] else "")
             print(f"  {json.dumps(r['config']):55s} {r['ms']:7.4f} ms {r['gbps']:7.0f} GB/s"
                   f"{'' if r['same_bits'] in (True, None) else '  DIFFERENT BITS'}"
                   f"{'  ' + r['error'] if r['error'] else ''}{tag}")
-        if b is not None and "EXACT" in fused.LAUNCH[name]:  # what the exact (config-free) sum costs
+        if b is not None and "EXACT" in launch[name]:  # what the exact (config-free) sum costs
             try:
                 t = make()
                 entry["best_fp32_sum_ms"] = timed(lambda t=t, run=run, cfg=b["config"] | {"EXACT": False}: run(t, cfg))
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
               f"saves {step_old - step_new:.1f} ms")
     res["best"] = best
     res["ok"] = bool(ok)
-    print("\nbest configs (paste into fused.LAUNCH):")
+    print("\nbest configs (an entry of fused.LAUNCH for this compute capability):")
     for k_, cfg in best.items():
         print(f"    {k_!r}: {cfg!r},")
     if args.out:
