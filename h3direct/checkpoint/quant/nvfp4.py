@@ -12,8 +12,8 @@ Decoded value = e2m1(code) * (global * block_scale), where the scale product and
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
 `QuantizedTensor.dequantize`): the results here are bitwise equal to its CPU path (the oracle's traces) for fp32,
 bf16 and fp16. On CUDA the decode runs in our Triton kernel (`nvfp4_triton`, same bits as the torch path) unless
-``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel differs from both by one ulp in ~6 % of the
-bf16 values of a quantized weight (measured on the H200, `benchmarks/check_dequant.py`).
+``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel rounds some of the bf16 values of a
+quantized weight one ulp away from both, which is why it is not the default.
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
 `comfy.model_management.supports_nvfp4_compute`):
@@ -182,9 +182,9 @@ DEQUANT_BACKENDS = ("triton", "kitchen", "torch")
 def dequant_backend(device: torch.device | str) -> str:
     """The implementation `dequantize_nvfp4` runs for tensors on `device`. The CPU always takes the torch path
     (what the shared CPU traces were recorded with). On CUDA, ``H3_NVFP4_DEQUANT`` = triton | kitchen | torch
-    picks one; unset, it is our Triton kernel (`nvfp4_triton`, the fastest) when Triton is importable, else
-    comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same bits;
-    comfy-kitchen 0.2.40's kernel rounds ~6 % of the values one ulp away (see the module docstring)."""
+    picks one; unset, it is our Triton kernel (`nvfp4_triton`: the torch path's bits in one pass) when Triton is
+    importable, else comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same
+    bits; comfy-kitchen 0.2.40's kernel rounds some values one ulp away (see the module docstring)."""
     if torch.device(device).type != "cuda":
         return "torch"
     want = os.environ.get("H3_NVFP4_DEQUANT", "")
