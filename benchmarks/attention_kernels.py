@@ -39,7 +39,7 @@ def parse_args(argv=None):
 def positions(seq: int | None):
     """([S, 3] float64 positions, prefix rows before the target video) of the benchmark layout (or a cut of it)."""
     from benchmarks._common import workload
-    from h3direct.dit.layout import build_layout
+    from h3direct.dit.sequence import build_layout
 
     wl = workload(960, 544, 124, 256)
     _, _, t, h, w = wl["video_latent"]

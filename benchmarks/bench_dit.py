@@ -204,7 +204,7 @@ def make_inputs(config, wl: dict, device, seed: int):
 
 
 def layout_seq_len(wl: dict, cond) -> int:
-    from h3direct.dit.layout import build_layout
+    from h3direct.dit.sequence import build_layout
 
     _, _, t, h, w = wl["video_latent"]
     return build_layout(wl["text_len"], t, h + h % 2, w + w % 2, wl["audio_latent"][-1], refs=cond.refs).seq_len
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
           f"{flops['attention_tflop']:.1f} TFLOP = {flops['total_tflop']:.1f} TFLOP")
 
     if args.dry_run:
-        from h3direct.dit.layout import build_layout
+        from h3direct.dit.sequence import build_layout
 
         _, _, t, h, w = wl["video_latent"]
         refs = [{"kind": "image", "latent_h": wl["ref_latent"][3], "latent_w": wl["ref_latent"][4]}]

@@ -52,7 +52,7 @@ def test_workload_matches_performance_md():
 def test_workload_seq_len_agrees_with_packed_layout():
     import _common as C
 
-    from h3direct.dit.layout import build_layout
+    from h3direct.dit.sequence import build_layout
 
     wl = C.workload(960, 544, 124, 256)
     _, _, t, h, w = wl["video_latent"]

@@ -140,8 +140,7 @@ def _env_int(name: str) -> int | None:
 
 def _check_files(args: argparse.Namespace, *, check_output: bool = True) -> None:
     """Every input file exists and reads as what it claims to be; the output can be written. No model is loaded."""
-    from h3direct.app.inputs import probe_media, read_text_embeds
-    from h3direct.app.paths import check_input
+    from h3direct.app.paths import check_input, probe_media, read_text_embeds
 
     single = [("--checkpoint", args.checkpoint), ("--vae", args.vae), ("--audio-vae", args.audio_vae),
               ("--text-encoder", args.text_encoder)]

@@ -1,6 +1,6 @@
 """`h3direct make-checkpoint`: a deterministic synthetic checkpoint in ComfyUI's exact format.
 
-DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint.layout.dit_tensor_layout`.
+DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint.keys.dit_keys`.
 Initialisation (the recipe of `../shared/oracle/checkpoint_info*.json`, which gives O(1) activations through
 all blocks): one `torch.Generator(device).manual_seed(seed)`, master tensors drawn in sorted key order of the
 dense layout, fp32 master values cast to the storage dtype:
@@ -263,10 +263,10 @@ def shape_attention(name: str, master, config, structure: AttentionStructure, di
 def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
     """Stored specs in production order: dense keys sorted (the draw order); an NVFP4 layer's weight is
     followed by its block scale, global scale and `comfy_quant` marker."""
-    from h3direct.checkpoint.layout import dit_tensor_layout
+    from h3direct.checkpoint.keys import dit_keys
 
-    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
-    dense = dit_tensor_layout(config, "none")
+    stored = dit_keys(config, quant, nvfp4_refiner)
+    dense = dit_keys(config, "none")
     order = []
     for name in dense:
         order.append(stored[name])
@@ -283,15 +283,15 @@ def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "
     """(key, tensor) in `dit_plan` order, generated one master tensor at a time."""
     import torch
 
-    from h3direct.checkpoint.layout import dit_tensor_layout
+    from h3direct.checkpoint.keys import dit_keys
     from h3direct.checkpoint.quant import NVFP4_MARKER
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
-    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
+    stored = dit_keys(config, quant, nvfp4_refiner)
     g = torch.Generator(device=device).manual_seed(seed)
     structure = structure or AttentionStructure()
     directions = shift_directions(config, seed, device) if structure.kind != "random" else None
-    for name, spec in dit_tensor_layout(config, "none").items():
+    for name, spec in dit_keys(config, "none").items():
         master = shape_attention(name, init_master(spec, config, g, device), config, structure, directions)
         out = stored[name]
         if out.role != "nvfp4_weight":

@@ -27,9 +27,9 @@ from h3direct.dit.embed import (
     unpatchify_video,
 )
 from h3direct.dit.host import upload
-from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.linear import Linear
 from h3direct.dit.rope import rope_angles, rotation_table
+from h3direct.dit.sequence import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, host_tags, plan_timesteps
 from h3direct.errors import H3Error
 

@@ -12,7 +12,8 @@ Derived from ComfyUI's `MiniMaxH3Model` (`comfy/ldm/minimax/model.py`, snapshot 
   DiT linears only). Each becomes `.weight` uint8, `.weight_scale` float8_e4m3fn (swizzled),
   `.weight_scale_2` fp32 scalar and `.comfy_quant` uint8 (the 19 bytes ``{"format": "nvfp4"}``).
 
-`dit_tensor_layout` is what the strict loader checks a file against and what `make-checkpoint` writes.
+`dit_keys` is what `make-checkpoint` writes and `inspect` checks a file against; the strict loader checks the same
+keys through `H3DiT`, whose module paths are these keys (`tests/test_dit.py` holds the two equal).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _spec(name, shape, role, kind, logical=None) -> TensorSpec:
     return TensorSpec(name, shape, _ROLE_DTYPE[role], role, kind, tuple(logical) if logical is not None else shape)
 
 
-def dit_tensor_layout(config: H3Config, quant: str = "none", nvfp4_refiner: bool = True) -> dict[str, TensorSpec]:
+def dit_keys(config: H3Config, quant: str = "none", nvfp4_refiner: bool = True) -> dict[str, TensorSpec]:
     """Every key of a ComfyUI-format H3 DiT checkpoint for `config`, sorted by key."""
     if quant not in QUANT_MODES:
         from h3direct.errors import ConfigError
