@@ -19,6 +19,13 @@ from pathlib import Path
 from h3direct.errors import H3Error
 
 MAX_TEXT_EMBEDS_BYTES = 1 << 30  # a [1, L, D] float tensor; anything larger is not a text-embeddings file
+CACHE_ENV = "H3_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where h3direct keeps what it can rebuild (the bundled models, remembered file hashes): $H3_CACHE_DIR, default
+    ~/.cache/h3direct."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "h3direct"))
 
 
 def check_output(path: str | os.PathLike, flag: str, suffix: str | None = ".mp4") -> Path:
