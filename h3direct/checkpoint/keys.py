@@ -26,7 +26,7 @@ from h3direct.config import H3Config
 
 ROLES = ("bf16", "fp32_island", "buffer", "nvfp4_weight", "nvfp4_block_scale", "nvfp4_global_scale", "comfy_quant")
 QUANT_MODES = ("none", "nvfp4")
-NVFP4_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")  # per block: what NVFP4 / FP8 replace
 
 _ROLE_DTYPE = {
     "bf16": "bfloat16",
@@ -136,7 +136,7 @@ def nvfp4_layer_names(config: H3Config, nvfp4_refiner: bool = True) -> list[str]
     prefixes = [f"blocks.{i}" for i in range(config.num_layers)]
     if nvfp4_refiner:
         prefixes += [f"token_refiner.blocks.{i}" for i in range(config.token_refiner_num_layers)]
-    return sorted(f"{p}.{name}" for p in prefixes for name in NVFP4_LINEARS)
+    return sorted(f"{p}.{name}" for p in prefixes for name in BLOCK_LINEARS)
 
 
 def _spec(name, shape, role, kind, logical=None) -> TensorSpec:

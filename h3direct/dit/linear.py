@@ -104,8 +104,9 @@ FP8_WEIGHTS_KEY = "fp8_w8a8"  # the budgets table's `weights` key of comparisons
 def block_linear_names(model: nn.Module) -> list[str]:
     """The DiT block linears the FP8 path replaces: per block attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2
     (refiner, adaLN, embedders and output heads are left alone)."""
-    return [f"blocks.{i}.{leaf}" for i in range(len(model.blocks))
-            for leaf in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+    from h3direct.checkpoint.keys import BLOCK_LINEARS
+
+    return [f"blocks.{i}.{leaf}" for i in range(len(model.blocks)) for leaf in BLOCK_LINEARS]
 
 
 class FP8Linear(nn.Module):
