@@ -204,7 +204,7 @@ def make_inputs(config, wl: dict, device, seed: int):
 
 
 def layout_seq_len(wl: dict, cond) -> int:
-    from h3direct.dit.layout import build_layout
+    from h3direct.dit.sequence import build_layout
 
     _, _, t, h, w = wl["video_latent"]
     return build_layout(wl["text_len"], t, h + h % 2, w + w % 2, wl["audio_latent"][-1], refs=cond.refs).seq_len
@@ -224,10 +224,7 @@ def run_config(run: C.Run, model, context, cond, video, audio, backend: str, arg
     def step():
         last["out"] = den(video, audio, sigma)
 
-    from h3direct.dit.linear import prefetch_stats, reset_prefetch_stats
-
     C.reset_peak(dev)
-    reset_prefetch_stats()
     with torch.inference_mode():
         r = C.time_calls(step, dev, warmup=1, iters=args.steps)
     x0_v, x0_a = last.pop("out")
@@ -243,7 +240,6 @@ def run_config(run: C.Run, model, context, cond, video, audio, backend: str, arg
         if getattr(den, "_layout", None) is not None else None,
         "tflops": flops["total_tflop"] / t, "finite": finite,
         "x0_video_rms": float(x0_v.float().pow(2).mean().sqrt()), "x0_sha256": digest.hexdigest(),
-        "prefetch": prefetch_stats(),  # weight products made ahead vs in place (h3direct.dit.linear)
     }
     if C.is_cuda(dev):
         res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / C.GIB
@@ -282,7 +278,7 @@ def main(argv=None) -> int:
           f"{flops['attention_tflop']:.1f} TFLOP = {flops['total_tflop']:.1f} TFLOP")
 
     if args.dry_run:
-        from h3direct.dit.layout import build_layout
+        from h3direct.dit.sequence import build_layout
 
         _, _, t, h, w = wl["video_latent"]
         refs = [{"kind": "image", "latent_h": wl["ref_latent"][3], "latent_w": wl["ref_latent"][4]}]

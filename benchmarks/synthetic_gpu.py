@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 
-NVFP4_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+from h3direct.checkpoint.keys import BLOCK_LINEARS as NVFP4_LINEARS  # noqa: E402
 
 
 def dit_formats(config, weights: str) -> dict[str, str]:

@@ -110,46 +110,66 @@ class H3Config:
 
     @classmethod
     def from_shapes(cls, shapes: dict[str, tuple[int, ...]]) -> H3Config:
-        """Derive the config from tensor name -> *logical* shape, as ComfyUI's detection does.
+        """The config of a checkpoint with these tensor shapes (`shape_fields`, then validated)."""
+        return cls(**shape_fields(shapes))
 
-        For NVFP4 layers pass the logical (unpacked) weight shape [N, K]; detection only reads
-        out-features of qkv/fc1 and in-features of condition_proj, which packing does not change
-        except for K, so callers may pass packed shapes too.
-        """
-        def need(key):
-            if key not in shapes:
-                raise ConfigError(f"not an H3 DiT checkpoint: missing {key}")
-            return shapes[key]
 
-        need("audio_patch_proj.weight")
-        def count(prefix: str) -> int:  # contiguous from 0, like ComfyUI's count_blocks
-            present = {k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)}
-            n = 0
-            while str(n) in present:
-                n += 1
-            return n
+# the tensors ComfyUI's H3 detection reads, and the rank it needs of each (besides the time embedder / curve table)
+DETECTION_KEYS: dict[str, int] = {
+    "video_patch_proj.weight": 1, "audio_patch_proj.weight": 1, "final_layer.video_out.weight": 1,
+    "final_layer.audio_out.weight": 1, "blocks.0.attn.q_norm.weight": 1, "blocks.0.attn.qkv_proj.weight": 1,
+    "blocks.0.mlp.fc1.weight": 1, "condition_proj.weight": 2, "rope.inv_freq": 1,
+}
 
-        head_dim = need("blocks.0.attn.q_norm.weight")[0]
-        kw = dict(
-            num_layers=count("blocks."),
-            token_refiner_num_layers=count("token_refiner.blocks."),
-            hidden_size=need("video_patch_proj.weight")[0],
-            latents_dim=need("final_layer.video_out.weight")[0] // 4,
-            audio_latents_dim=need("final_layer.audio_out.weight")[0],
-            attention_head_dim=head_dim,
-            num_attention_heads=need("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim),
-            ffn_hidden_size=need("blocks.0.mlp.fc1.weight")[0] // 2,
-            text_dim=need("condition_proj.weight")[1],
-            rope_inv_freq_len=need("rope.inv_freq")[0],
-        )
-        if "adaln_t_table" in shapes:
-            grid, k = shapes["adaln_t_table"]
-            kw.update(adaln_curve_grid=grid, time_embed_dim=k)
-        else:
-            te_in = need("time_embedder.proj_in.weight")
-            kw.update(timestep_input_dim=te_in[1], time_embed_hidden_size=te_in[0],
-                      time_embed_dim=need("time_embedder.proj_out.weight")[0])
-        return cls(**kw)
+
+def shape_fields(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The config fields ComfyUI's detection (`comfy/model_detection.py`) derives from tensor name -> shape, in its
+    order (as `H3Config.comfy_dict`), not yet validated. A file without the detection's gate keys
+    (`video_patch_proj.weight`, `audio_patch_proj.weight`) or without a tensor it reads is a `ConfigError`.
+
+    Detection reads out-features of qkv/fc1 and in-features of condition_proj; NVFP4 packing halves only K and pads
+    to 16, so callers pass logical [N, K] shapes (packed ones give what ComfyUI reads from the stored tensor)."""
+    if "video_patch_proj.weight" not in shapes or "audio_patch_proj.weight" not in shapes:
+        raise ConfigError("not an H3 DiT checkpoint: no video_patch_proj.weight / audio_patch_proj.weight (the keys "
+                          "ComfyUI's detection looks for)")
+    curve = "adaln_t_table" in shapes
+    ranks = {**DETECTION_KEYS, **({"adaln_t_table": 2} if curve else
+                                  {"time_embedder.proj_in.weight": 2, "time_embedder.proj_out.weight": 1})}
+    for key, rank in ranks.items():
+        if key not in shapes:
+            raise ConfigError(f"not a complete H3 DiT checkpoint: missing {key} (ComfyUI's detection reads it)")
+        if len(shapes[key]) < rank:
+            raise ConfigError(f"not an H3 DiT checkpoint: {key} has shape {list(shapes[key])}, expected {rank}-D")
+    head_dim = shapes["blocks.0.attn.q_norm.weight"][0]
+    if head_dim == 0:
+        raise ConfigError("not an H3 DiT checkpoint: blocks.0.attn.q_norm.weight is empty (head_dim 0)")
+
+    def count(prefix: str) -> int:  # contiguous from 0, like ComfyUI's count_blocks
+        present = {k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)}
+        n = 0
+        while str(n) in present:
+            n += 1
+        return n
+
+    d = dict(
+        num_layers=count("blocks."),
+        token_refiner_num_layers=count("token_refiner.blocks."),
+        hidden_size=shapes["video_patch_proj.weight"][0],
+        latents_dim=shapes["final_layer.video_out.weight"][0] // 4,  # patch 1x2x2
+        audio_latents_dim=shapes["final_layer.audio_out.weight"][0],
+        attention_head_dim=head_dim,
+        num_attention_heads=shapes["blocks.0.attn.qkv_proj.weight"][0] // (3 * head_dim),
+        ffn_hidden_size=shapes["blocks.0.mlp.fc1.weight"][0] // 2,
+        text_dim=shapes["condition_proj.weight"][1],
+    )
+    if curve:
+        d.update(adaln_curve_grid=shapes["adaln_t_table"][0], time_embed_dim=shapes["adaln_t_table"][1])
+    else:
+        te_in = shapes["time_embedder.proj_in.weight"]
+        d.update(timestep_input_dim=te_in[1], time_embed_hidden_size=te_in[0],
+                 time_embed_dim=shapes["time_embedder.proj_out.weight"][0])
+    d["rope_inv_freq_len"] = shapes["rope.inv_freq"][0]
+    return d
 
 
 PRESETS: dict[str, H3Config] = {

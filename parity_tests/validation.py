@@ -68,7 +68,7 @@ CASES = [
 
 def seq_len(case: Case) -> int:
     """The packed sequence length of a case (h3direct's layout, as ComfyUI packs it)."""
-    from h3direct.dit.layout import build_layout
+    from h3direct.dit.sequence import build_layout
 
     t, h, w = case.video
     refs = [{"kind": "image", "latent": torch.zeros(1, 24, 1, *case.ref), "latent_h": case.ref[0],

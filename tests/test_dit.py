@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from h3direct.app.cli import main as cli
-from h3direct.checkpoint.layout import dit_tensor_layout
+from h3direct.checkpoint.keys import dit_keys
 from h3direct.config import PRESETS, H3Config
 from h3direct.dit.attention import attention, available_backends, check_backend
 from h3direct.dit.blocks import MLP
-from h3direct.dit.layout import build_layout
 from h3direct.dit.loader import build_model, load_state_dict
 from h3direct.dit.rope import rms_norm_rope
+from h3direct.dit.sequence import build_layout
 from h3direct.errors import BackendUnavailable, CheckpointError
 from h3direct.traces.inputs import load_inputs
 
@@ -79,7 +79,7 @@ def test_layout_segments_match_comfyui_manifest():
 def test_model_keys_equal_the_checkpoint_layout_table(preset, quant):
     """Module paths are checkpoint keys: the model's state dict has exactly the table's keys and shapes."""
     config = PRESETS[preset]
-    table = dit_tensor_layout(config, quant)
+    table = dit_keys(config, quant)
     formats = {k[: -len(".comfy_quant")]: "nvfp4" for k in table if k.endswith(".comfy_quant")}
     model = build_model(config, formats)
     sd = model.state_dict()

@@ -286,9 +286,10 @@ def test_qk_norm_rope_catches_a_wrong_table_row():
 # ---- the attention's gated residual + norm2 + modulation in one pass; launch configs -----------------------------
 
 def _tiles(kernel: str) -> list[dict]:
-    """The sweep's distinct tile shapes of a kernel (the interpreter ignores num_warps), the table's own first."""
+    """The distinct tile shapes of a kernel in the launch tables and the sweep (the interpreter ignores num_warps), the
+    default table's first."""
     seen, out = set(), []
-    for cfg in [fused.LAUNCH[kernel], *fused.SWEEP[kernel]]:
+    for cfg in [fused.DEFAULT_LAUNCH[kernel], *(t[kernel] for t in fused.LAUNCH.values()), *fused.SWEEP[kernel]]:
         tile, _ = fused._split(cfg)
         key = tuple(sorted(tile.items()))
         if key not in seen:
@@ -345,7 +346,21 @@ def test_launch_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown key 'BLOK'"):
         fused.launch_config("swiglu", {"BLOK": 512})
     assert fused.launch_config("swiglu", {"num_warps": 2})["num_warps"] == 2
-    assert set(fused.LAUNCH) == set(fused.SWEEP)
+    for table in (fused.DEFAULT_LAUNCH, *fused.LAUNCH.values()):  # every table: every kernel, the same keys
+        assert set(table) == set(fused.SWEEP)
+        assert all(set(table[k]) == set(fused.DEFAULT_LAUNCH[k]) for k in table)
+
+
+def test_launch_table_by_compute_capability(monkeypatch):
+    """The Hopper entry on sm_90, the untuned default on any other GPU, on the CPU and without a device."""
+    monkeypatch.setattr(fused, "_capability", lambda index: (9, 0))
+    assert fused.launch_table(torch.device("cuda", 0)) is fused.LAUNCH[(9, 0)]
+    assert fused.launch_config("gated_residual", device=torch.device("cuda", 0)) == fused.LAUNCH[(9, 0)][
+        "gated_residual"]
+    monkeypatch.setattr(fused, "_capability", lambda index: (12, 1))
+    assert fused.launch_table(torch.device("cuda", 0)) is fused.DEFAULT_LAUNCH
+    assert fused.launch_table(torch.device("cpu")) is fused.DEFAULT_LAUNCH
+    assert fused.launch_table() is fused.DEFAULT_LAUNCH
 
 
 def test_norm_kernels_give_the_same_bits_for_every_config():

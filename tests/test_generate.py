@@ -189,6 +189,26 @@ def test_env_vae_settings(cache_env, tmp_path, capsys, monkeypatch):
     assert _summary(stdout)["vae_dtype"] == "float16"
 
 
+def test_vae_settings_flags_over_environment(monkeypatch):
+    """One parser of H3_VAE_* for generate and decode-latent: a flag wins (its variable is then not read), a bad
+    variable is one ConfigError naming it."""
+    from h3direct.app import generate as gen
+    from h3direct.errors import ConfigError
+    from h3direct.vae.config import VAE_DTYPES, video_vae_settings
+
+    assert VAE_DTYPES == gen.VAE_DTYPES
+    monkeypatch.setenv("H3_VAE_DTYPE", "fp64")
+    monkeypatch.setenv("H3_VAE_TILE_SIZE", "junk")
+    assert video_vae_settings("fp32", 128) == ("fp32", 128)
+    with pytest.raises(ConfigError, match="H3_VAE_DTYPE='fp64'"):
+        video_vae_settings(None, 128)
+    with pytest.raises(ConfigError, match="H3_VAE_TILE_SIZE='junk'"):
+        video_vae_settings("fp16", None)
+    monkeypatch.setenv("H3_VAE_DTYPE", "")
+    monkeypatch.setenv("H3_VAE_TILE_SIZE", "0")
+    assert video_vae_settings() == (None, 0)
+
+
 @pytest.mark.parametrize("argv,needle", [(["--frames", "abc"], "abc"), (["--compute-dtype", "fp8"], "fp8")],
                          ids=["frames-not-int", "compute-dtype-choice"])
 def test_argparse_errors_are_one_line(capsys, argv, needle):

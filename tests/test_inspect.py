@@ -60,18 +60,7 @@ def test_config_equals_comfy_unet_config_detected(ckpt, tmp_path, capsys):
         assert report["config"] == want
         assert report["comfy_detected"] == want
     assert report["anomalies"] == []
-    assert report["config_source"] == "H3Config.from_shapes"
     assert report["pdd_heads"]["count"] == 0 and "no PDD head bank" in report["pdd_heads"]["note"]
-
-
-@needs_shared
-@pytest.mark.parametrize("ckpt", CHECKPOINTS)
-def test_h3config_from_shapes_matches_comfy(ckpt):
-    from h3direct.config import H3Config
-
-    shapes = read_header(SHARED / f"{ckpt}.safetensors").shapes()
-    want = {k: v for k, v in manifests_for(ckpt)[0]["unet_config_detected"].items() if k not in IGNORED_MANIFEST_KEYS}
-    assert H3Config.from_shapes(shapes).comfy_dict() == want
 
 
 @needs_shared
@@ -211,12 +200,10 @@ def test_anomaly_is_reported_not_an_error(kind, tmp_path, capsys):
     if kind == "quantized_condition_proj":
         # what ComfyUI derives from the packed [96, 48/2] storage (K=40 padded to 48, two codes per byte)
         assert summary["config"]["text_dim"] == 24
-    if kind == "block_index_gap":
-        # ComfyUI stops counting at the first missing index; H3Config.from_shapes counts distinct
-        # indices (3), and inspect must say so rather than hide it
-        assert report["comfy_detected"]["num_layers"] == 2
-        if summary["config"]["num_layers"] != 2:
-            assert "config_differs_from_comfy" in kinds(report)
+    if kind == "block_index_gap":  # ComfyUI stops counting at the first missing index
+        assert summary["config"]["num_layers"] == report["comfy_detected"]["num_layers"] == 2
+    if kind == "rope_wider_than_head":  # H3Config refuses it: reported, the key check skipped, not an error
+        assert "config_rejected" in kinds(report)
     if kind == "unexpected_keys":
         assert report["pdd_heads"] == {**report["pdd_heads"], "count": 0, "pdd_keys": ["pdd_heads.0.proj.weight"]}
 

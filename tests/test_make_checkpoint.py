@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from h3direct.app.cli import main as cli_main
-from h3direct.checkpoint.layout import dit_tensor_layout, nvfp4_layer_names
+from h3direct.checkpoint.keys import dit_keys, nvfp4_layer_names
 from h3direct.checkpoint.quant import NVFP4_MARKER
 from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, unswizzle_block_scales
 from h3direct.checkpoint.synthetic import dit_plan, write_dit_checkpoint, write_state_dict
@@ -59,7 +59,7 @@ def test_layout_matches_checkpoint_info(name):
     info = json.loads((ORACLE / info_file).read_text())
     config = H3Config.from_dict(info["config"])
     assert config == H3Config.from_name(preset)
-    layout = dit_tensor_layout(config, quant)
+    layout = dit_keys(config, quant)
     assert {k: [s.dtype, list(s.shape)] for k, s in layout.items()} == info[key_list]
     if quant == "nvfp4":
         assert nvfp4_layer_names(config) == sorted(info["nvfp4_quantized_layers"])
@@ -70,7 +70,7 @@ def test_layout_matches_checkpoint_info(name):
 def test_layout_matches_shared_file_header(name):
     _, preset, quant, _ = SHARED[name]
     got = {k: (ST_TO_TORCH[d], s) for k, (d, s) in header(ORACLE / f"{name}.safetensors").items()}
-    assert got == {k: (s.dtype, s.shape) for k, s in dit_tensor_layout(H3Config.from_name(preset), quant).items()}
+    assert got == {k: (s.dtype, s.shape) for k, s in dit_keys(H3Config.from_name(preset), quant).items()}
 
 
 def test_full_layout_sizes():
@@ -78,7 +78,7 @@ def test_full_layout_sizes():
     full_curve = H3Config.from_name("full-curve")
     assert len(nvfp4_layer_names(full_curve, nvfp4_refiner=False)) == 200
     assert len(nvfp4_layer_names(full_curve)) == 208
-    layout = dit_tensor_layout(full_curve, "nvfp4", nvfp4_refiner=False)
+    layout = dit_keys(full_curve, "nvfp4", nvfp4_refiner=False)
     inner = 56 * 128  # heads x head_dim = 7168, wider than hidden 5376
     qkv = layout["blocks.49.attn.qkv_proj.weight"]
     assert qkv.shape == (3 * inner, 5376 // 2) and qkv.logical_shape == (3 * inner, 5376)
@@ -86,7 +86,7 @@ def test_full_layout_sizes():
     assert layout["blocks.0.attn.out_proj.weight"].logical_shape == (5376, inner)
     assert layout["adaln_t_table"].shape == (1025, 8)
     assert layout["token_refiner.blocks.1.mlp.fc1.weight"].dtype == "bfloat16"
-    full = dit_tensor_layout(H3Config.from_name("full"), "none")
+    full = dit_keys(H3Config.from_name("full"), "none")
     assert max(s.logical_shape[0] * (s.logical_shape[1] if len(s.logical_shape) > 1 else 1) * 4
                for s in full.values()) < 2**31  # the largest fp32 master tensor
     assert "time_embedder.proj_in.weight" in full and "adaln_t_table" not in full
@@ -138,7 +138,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path, made):
 
 def test_nvfp4_companions_well_formed_and_decodable(made):
     cfg = H3Config.from_name("tiny")
-    layout = dit_tensor_layout(cfg, "nvfp4")
+    layout = dit_keys(cfg, "nvfp4")
     bf16_path, q_path = made["h3_tiny_bf16"], made["h3_tiny_nvfp4"]
     with safe_open(str(q_path), "pt") as fq, safe_open(str(bf16_path), "pt") as fb:
         for layer in nvfp4_layer_names(cfg):
@@ -221,7 +221,7 @@ def test_plan_order_is_the_draw_order_with_companions():
     i = order.index("blocks.0.attn.qkv_proj.weight")
     assert order[i:i + 4] == ["blocks.0.attn.qkv_proj.weight", "blocks.0.attn.qkv_proj.weight_scale",
                               "blocks.0.attn.qkv_proj.weight_scale_2", "blocks.0.attn.qkv_proj.comfy_quant"]
-    assert len(order) == len(set(order)) == len(dit_tensor_layout(H3Config.from_name("tiny"), "nvfp4"))
+    assert len(order) == len(set(order)) == len(dit_keys(H3Config.from_name("tiny"), "nvfp4"))
 
 
 # ---------------------------------------------------------------- CLI

@@ -161,7 +161,7 @@ def test_compiles_for_hopper_with_wide_memory_access(out_dtype, monkeypatch):
            "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
            "EVEN": "constexpr", "INTERPRET": "constexpr"}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # pointers and `total`, as a launch specializes
-    blk, warps = nvfp4_triton.DEFAULT_CONFIG
+    blk, warps = nvfp4_triton.LAUNCH[(9, 0)]  # the Hopper entry
     try:
         k = tr.compile(ASTSource(tr.jit(nvfp4_triton._dequant_kernel), sig,
                                  {"BLK": blk, "OUT": code, "EVEN": False, "INTERPRET": False}, aligned),
@@ -197,8 +197,18 @@ def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
         rows, cols = nvfp4.padded_shape(shape)
         q = random_storage(rows, cols, g, 1.2345678e-3)
         ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
-        got = nvfp4_triton.dequantize_nvfp4_triton(*(t.cuda() for t in q), out_dtype)
-        assert_same_bits(got.cpu(), ref, f"cuda {shape}")
+        for config in (None, nvfp4_triton.DEFAULT_LAUNCH, *nvfp4_triton.LAUNCH.values(), *nvfp4_triton.CONFIGS):
+            got = nvfp4_triton.dequantize_nvfp4_triton(*(t.cuda() for t in q), out_dtype, config=config)
+            assert_same_bits(got.cpu(), ref, f"cuda {shape} {config}")
+
+
+def test_launch_config_by_compute_capability(monkeypatch):
+    """The Hopper entry on sm_90, the untuned default on any other GPU and on the CPU."""
+    monkeypatch.setattr(nvfp4_triton, "_capability", lambda index: (9, 0))
+    assert nvfp4_triton.launch_config(torch.device("cuda", 0)) == nvfp4_triton.LAUNCH[(9, 0)]
+    monkeypatch.setattr(nvfp4_triton, "_capability", lambda index: (12, 1))
+    assert nvfp4_triton.launch_config(torch.device("cuda", 0)) == nvfp4_triton.DEFAULT_LAUNCH
+    assert nvfp4_triton.launch_config(torch.device("cpu")) == nvfp4_triton.DEFAULT_LAUNCH
 
 
 @pytest.mark.gpu

@@ -23,11 +23,13 @@ VS, AS = (1, 24, 3, 4, 6), (1, 32, 2, 10)
 
 
 def _fake_denoise(scale_v=0.7, scale_a=-0.4):
-    # a fixed nonlinear "model" in sampler space
+    """A fixed nonlinear "model" in sampler space, made only of exactly rounded operations (+, -, *, /, abs), so its
+    bits are the same on every CPU: the committed ComfyUI goldens hold wherever CI runs. (torch's tanh, sin, exp go
+    through vectorized math libraries whose last bit depends on the CPU.)"""
     def f(xv, xa, sigma):
         s = sigma.reshape(-1, *([1] * (xv.ndim - 1)))
         sa = sigma.reshape(-1, *([1] * (xa.ndim - 1)))
-        return torch.tanh(xv) * scale_v * (1 - s), torch.sin(xa) * scale_a + 0.1 * sa
+        return xv / (1 + xv.abs()) * scale_v * (1 - s), xa / (1 + xa * xa) * scale_a + 0.1 * sa
     return f
 
 

@@ -36,19 +36,20 @@ def fused_kernels() -> list[str]:
     return list(fused.SWEEP)
 
 
-def fused_candidates(kernel: str) -> list[dict]:
-    """The kernel's current launch config first, then its sweep list (each filled in by the table)."""
+def fused_candidates(kernel: str, device) -> list[dict]:
+    """The kernel's current launch config on this GPU first, then its sweep list (each filled in by the table)."""
     out = []
     for cfg in [None, *fused.SWEEP[kernel]]:
-        full = fused.launch_config(kernel, cfg)
+        full = fused.launch_config(kernel, cfg, device=device)
         if full not in out:
             out.append(full)
     return out
 
 
-def dequant_candidates() -> list[tuple[int, int]]:
-    """The current (blocks per program, warps) first, then the other configs."""
-    return [nvfp4_triton.DEFAULT_CONFIG, *(c for c in nvfp4_triton.CONFIGS if c != nvfp4_triton.DEFAULT_CONFIG)]
+def dequant_candidates(device) -> list[tuple[int, int]]:
+    """This GPU's current (blocks per program, warps) first, then the other configs."""
+    current = nvfp4_triton.launch_config(device)
+    return [current, *(c for c in nvfp4_triton.CONFIGS if c != current)]
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     for name in kernels:
         if name in cases:
             make, run, nbytes = cases[name]
-            res["kernels"][name] = sweep(name, fused_candidates(name), run, make, nbytes, dev, args.iters)
+            res["kernels"][name] = sweep(name, fused_candidates(name, dev), run, make, nbytes, dev, args.iters)
     if "nvfp4_dequant" in kernels:
         g = torch.Generator(device="cpu").manual_seed(2)
         weights = [nvfp4.quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16))
@@ -173,8 +174,9 @@ def main(argv=None) -> int:
         def dequant_all(qs, cfg):
             return [nvfp4_triton.dequantize_nvfp4_triton(*q, torch.bfloat16, config=cfg) for q in qs]
 
-        res["kernels"]["nvfp4_dequant"] = sweep("nvfp4_dequant (the block-linear weights, bf16)", dequant_candidates(),
-                                                dequant_all, lambda: weights, nbytes, dev, args.iters)
+        res["kernels"]["nvfp4_dequant"] = sweep("nvfp4_dequant (the block-linear weights, bf16)",
+                                                dequant_candidates(dev), dequant_all, lambda: weights, nbytes, dev,
+                                                args.iters)
     print(f"\nfastest on {gpu}:")
     for name, r in res["kernels"].items():
         print(f"  {name!r}: {r['best']!r},")

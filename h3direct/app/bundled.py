@@ -52,8 +52,9 @@ class Bundle:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("H3_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "h3direct")
-    return Path(root) / f"bundled-{VERSION}"
+    from h3direct.app.paths import cache_root
+
+    return cache_root() / f"bundled-{VERSION}"
 
 
 def byte_tokenize(text: str) -> list[int]:

@@ -34,7 +34,7 @@ SCHEDULERS = ("simple", "normal", "sgm_uniform")  # h3direct.sampling.schedules.
 CACHE_MODES = ("off", "easycache", "h3_cache")  # h3direct.sampling.caches.CACHE_MODES
 # dit.attention.backends()
 ATTENTION = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
-VAE_DTYPES = ("fp32", "fp16")
+VAE_DTYPES = ("fp32", "fp16")  # = h3direct.vae.config.VAE_DTYPES (not imported here: that imports torch)
 REF_CAPS = {"image": 9, "video": 3, "audio": 3}  # h3direct.sampling.conditioning.MAX_REF_{IMAGES,VIDEOS,AUDIOS}
 
 
@@ -128,20 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- argument checks (before anything heavy is loaded) -------------------------------------------
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    if not v:
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        raise H3Error(f"{name}={v!r} is not an integer") from None
-
-
 def _check_files(args: argparse.Namespace, *, check_output: bool = True) -> None:
     """Every input file exists and reads as what it claims to be; the output can be written. No model is loaded."""
-    from h3direct.app.inputs import probe_media, read_text_embeds
-    from h3direct.app.paths import check_input
+    from h3direct.app.paths import check_input, probe_media, read_text_embeds
 
     single = [("--checkpoint", args.checkpoint), ("--vae", args.vae), ("--audio-vae", args.audio_vae),
               ("--text-encoder", args.text_encoder)]
@@ -242,11 +231,9 @@ def resolve_args(args: argparse.Namespace, notes: list | None = None, *, check_o
     `limits` (an `app.limits.Limits`; default: the args' --max-* flags) bounds the request."""
     from h3direct.app import bundled
     from h3direct.app import limits as lim
+    from h3direct.vae.config import video_vae_settings
 
-    if args.vae_dtype is None:
-        args.vae_dtype = os.environ.get("H3_VAE_DTYPE") or None
-    if args.vae_tile_size is None:
-        args.vae_tile_size = _env_int("H3_VAE_TILE_SIZE")
+    args.vae_dtype, args.vae_tile_size = video_vae_settings(args.vae_dtype, args.vae_tile_size)
     defaults = {"width": bundled.DEFAULT_WIDTH, "height": bundled.DEFAULT_HEIGHT,
                 "frames": bundled.DEFAULT_FRAMES, "steps": bundled.DEFAULT_STEPS}
     missing = [k for k in defaults if getattr(args, k) is None]

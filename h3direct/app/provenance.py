@@ -24,8 +24,9 @@ def version() -> str:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("H3_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "h3direct")
-    return Path(root) / "sha256.json"
+    from h3direct.app.paths import cache_root
+
+    return cache_root() / "sha256.json"
 
 
 def sha256_file(path: str | os.PathLike, *, remember: bool = False) -> str:

@@ -8,13 +8,13 @@ Errors (one stderr line, exit 2): a structurally broken safetensors file, a quan
 load (unknown format, missing / misshapen / non-finite scale), or a file that is not an H3 DiT at all.
 Everything else that looks wrong is listed under `anomalies`.
 
+The config is `h3direct.config.shape_fields` (ComfyUI's detection; `H3Config` validates it), every key is checked
+against `h3direct.checkpoint.keys.dit_keys`, every quantized layer against `h3direct.checkpoint.quant.FORMATS`.
 Facts used here (read from ComfyUI 0f1fa67a and comfy-kitchen 0.2.31, not copied):
-- detection (`comfy/model_detection.py`): gate = `video_patch_proj.weight` and `audio_patch_proj.weight`;
-  block counts stop at the first missing index; `__metadata__["config"]["transformer"]` overrides the
-  shape-derived fields; `model.diffusion_model.` style prefixes are stripped first (`comfy/sd.py`).
+- detection (`comfy/model_detection.py`): `__metadata__["config"]["transformer"]` overrides the shape-derived
+  fields; `model.diffusion_model.` style prefixes are stripped first (`comfy/sd.py`).
 - quantized layers (`comfy/ops.py`, `comfy/quant_ops.py`): a `<layer>.comfy_quant` uint8 JSON marker
-  (or `__metadata__["_quantization_metadata"]`, or the legacy `scaled_fp8` key) selects the format; the
-  companions each format requires are listed in `QUANT_FORMATS`.
+  (or `__metadata__["_quantization_metadata"]`, or the legacy `scaled_fp8` key) selects the format.
 - storage layouts (comfy-kitchen `tensor/*.py`, `float_utils.to_blocked`): NVFP4 packs two E2M1 codes
   per byte (even element in the high nibble) into `[roundup(N,16), roundup(K,16)/2]`, block scales are
   E4M3, one per 16 values, in the cuBLAS 128x4 tiled layout `[roundup(N,128), roundup(K/16,4)]`, the
@@ -30,13 +30,14 @@ import json
 import math
 import struct
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-from h3direct.errors import CheckpointError, H3Error
+from h3direct.checkpoint.quant import FORMATS, MARKER, parse_marker, quant_config
+from h3direct.config import H3Config, shape_fields
+from h3direct.errors import CheckpointError, ConfigError, H3Error
 
 DEFAULT_OUT = Path("artifacts/checkpoints")
-REPORT_SCHEMA = "h3direct-inspect/1"
+REPORT_SCHEMA = "h3direct-inspect/2"
 MARKER_LIMIT = 4096           # bytes: a comfy_quant marker is a short JSON string
 SCALE_CHECK_LIMIT = 64 * 1024  # bytes: scale tensors up to this size are read and checked for NaN/Inf
 SCALE_CHECK_BUDGET = 16 * 1024 * 1024  # bytes: total read for scale checks in one inspect
@@ -44,10 +45,6 @@ LIST_CAP = 20                 # names listed per anomaly before "... and N more"
 
 # ComfyUI's unet prefix candidates (comfy/model_detection.py unet_prefix_from_state_dict)
 PREFIX_CANDIDATES = ("model.diffusion_model.", "model.model.", "net.")
-# keys ComfyUI's H3 detection reads (besides the time embedder / curve table)
-DETECTION_KEYS = ("video_patch_proj.weight", "audio_patch_proj.weight", "final_layer.video_out.weight",
-                  "final_layer.audio_out.weight", "blocks.0.attn.q_norm.weight", "blocks.0.attn.qkv_proj.weight",
-                  "blocks.0.mlp.fc1.weight", "condition_proj.weight", "rope.inv_freq")
 PDD_NOTE = ("this ComfyUI snapshot (0f1fa67a) has no PDD head bank: neither comfy/ldm/minimax/model.py nor "
             "comfy/model_detection.py defines or reads one, so the count is 0 and any pdd* keys are unexpected")
 
@@ -56,34 +53,8 @@ def _roundup(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-# ---------------------------------------------------------------- quantization formats (data) ----
-@dataclass(frozen=True)
-class QuantFormat:
-    """What ComfyUI needs to load one quantized linear of this format."""
-
-    weight_dtypes: tuple[str, ...]     # safetensors dtypes accepted for `.weight`
-    required: tuple[str, ...]          # companions ComfyUI refuses to load without
-    optional: tuple[str, ...] = ()     # extra parameters it loads when present
-    pad: int = 1                       # storage pads both weight dims to a multiple of this
-    pack: int = 1                      # logical elements per stored element along K
-    block: int | None = None           # values per block scale (tiled 128x4 layout)
-    block_scale_dtypes: tuple[str, ...] = ()  # accepted dtypes of the block-scale tensor
-    block_scale_view: str | None = None       # dtype ComfyUI views the block scale as
-
-
-QUANT_FORMATS: dict[str, QuantFormat] = {
-    "nvfp4": QuantFormat(("U8",), ("weight_scale", "weight_scale_2"), ("input_scale", "pre_quant_scale"),
-                         pad=16, pack=2, block=16, block_scale_dtypes=("F8_E4M3", "U8"), block_scale_view="F8_E4M3"),
-    "mxfp8": QuantFormat(("F8_E4M3",), ("weight_scale",), ("input_scale",),
-                         pad=32, block=32, block_scale_dtypes=("F8_E8M0", "U8"), block_scale_view="F8_E8M0"),
-    "float8_e4m3fn": QuantFormat(("F8_E4M3",), ("weight_scale",), ("input_scale",)),
-    "float8_e5m2": QuantFormat(("F8_E5M2",), ("weight_scale",), ("input_scale",)),
-    "int8_tensorwise": QuantFormat(("I8",), ("weight_scale",)),
-    "convrot_w4a4": QuantFormat(("I8",), ("weight_scale",)),
-    "asym_w4a8_int8": QuantFormat(("I8", "U8"), ("weight_s_rel",), ("weight_s_channel", "weight_codebook")),
-}
-COMPANION_SUFFIXES = ("comfy_quant", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
-                      "weight_s_rel", "weight_s_channel", "weight_codebook")
+# every companion suffix a quantized layer can have (the marker included)
+COMPANION_SUFFIXES = (MARKER, *dict.fromkeys(c for f in FORMATS.values() for c in f.required + f.optional))
 QUANT_STORAGE_DTYPES = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
 FLOAT_DTYPES = {"F16": 16, "BF16": 16, "F32": 32, "F64": 64}
 
@@ -162,12 +133,7 @@ def _layer_markers(path, header, names: dict[str, str], reader: _Reader) -> dict
         raw = reader.small(full, MARKER_LIMIT)
         if raw is None:
             raise _fail(path, f"{full}: comfy_quant marker is {t.nbytes} bytes, larger than {MARKER_LIMIT}")
-        try:
-            conf = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _fail(path, f"{full}: comfy_quant marker {raw[:40]!r} is not UTF-8 JSON") from None
-        markers[short[: -len(".comfy_quant")]] = dict(conf=conf, source="comfy_quant") if isinstance(conf, dict) \
-            else dict(conf=None, source="comfy_quant", bad=f"{conf!r}")
+        markers[short[: -len(".comfy_quant")]] = dict(conf=parse_marker(raw, full, path), source="comfy_quant")
     meta = header.metadata or {}
     if "_quantization_metadata" in meta:
         try:
@@ -176,23 +142,16 @@ def _layer_markers(path, header, names: dict[str, str], reader: _Reader) -> dict
         except Exception:
             raise _fail(path, "__metadata__['_quantization_metadata'] is not JSON with a 'layers' object") from None
         for layer, conf in layers.items():
-            markers.setdefault(layer, dict(conf=conf if isinstance(conf, dict) else None,
-                                           source="_quantization_metadata"))
+            if layer not in markers:
+                markers[layer] = dict(conf=quant_config(conf, layer, path), source="_quantization_metadata")
     elif "scaled_fp8" in names:  # legacy: `.scale_weight` / `.scale_input` companions
         for short in names:
             if short.endswith(".scale_weight"):
                 markers.setdefault(short[: -len(".scale_weight")],
                                    dict(conf={"format": "float8_e4m3fn"}, source="scaled_fp8", legacy=True))
     for layer, m in markers.items():
-        conf = m["conf"]
-        if conf is None:
-            raise _fail(path, f"{layer}: quantization config {m.get('bad', '')} is not a JSON object")
-        fmt = conf.get("format")
-        if fmt is None:
-            raise _fail(path, f"{layer}: quantization config {json.dumps(conf)} has no 'format'")
-        if fmt not in QUANT_FORMATS:
-            raise _fail(path, f"{layer}: unknown quantization format {fmt!r} (ComfyUI knows "
-                              f"{', '.join(QUANT_FORMATS)})")
+        if (fmt := m["conf"]["format"]) not in FORMATS:
+            raise _fail(path, f"{layer}: unknown quantization format {fmt!r} (ComfyUI knows {', '.join(FORMATS)})")
     return markers
 
 
@@ -200,7 +159,7 @@ def _check_layer(path, header, names, layer: str, marker: dict, reader: _Reader)
     """Check one quantized layer's weight and companions; returns its report entry."""
     conf = marker["conf"]
     fmt_name = conf["format"]
-    fmt = QUANT_FORMATS[fmt_name]
+    fmt = FORMATS[fmt_name]
     legacy = marker.get("legacy", False)
     suffix_file = {"weight_scale": "scale_weight", "input_scale": "scale_input"} if legacy else {}
 
@@ -285,90 +244,11 @@ def _indices(shapes, prefix: str) -> list[int]:
     return sorted(idx)
 
 
-def _contiguous_count(idx: list[int]) -> int:
-    n = 0
-    present = set(idx)
-    while n in present:
-        n += 1
-    return n
+def expected_tensors(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor ComfyUI's MiniMaxH3Model holds for `config` (an `H3Config`), logical shapes."""
+    from h3direct.checkpoint.keys import dit_keys
 
-
-def _comfy_detect(path, shapes: dict[str, tuple]) -> dict:
-    """Our own mirror of ComfyUI's H3 detection (field names and order as in `unet_config_detected`)."""
-    if "video_patch_proj.weight" not in shapes or "audio_patch_proj.weight" not in shapes:
-        raise _fail(path, "not an H3 DiT checkpoint: no video_patch_proj.weight / audio_patch_proj.weight "
-                          "(the keys ComfyUI's detection looks for)")
-    curve = "adaln_t_table" in shapes
-    need = list(DETECTION_KEYS) + (["adaln_t_table"] if curve else
-                                   ["time_embedder.proj_in.weight", "time_embedder.proj_out.weight"])
-    ranks = {"blocks.0.attn.q_norm.weight": 1, "rope.inv_freq": 1, "condition_proj.weight": 2,
-             "time_embedder.proj_in.weight": 2, "adaln_t_table": 2}
-    for key in need:
-        if key not in shapes:
-            raise _fail(path, f"not a complete H3 DiT checkpoint: missing {key} (ComfyUI's detection reads it)")
-        if len(shapes[key]) < ranks.get(key, 1):
-            raise _fail(path, f"not an H3 DiT checkpoint: {key} has shape {list(shapes[key])}, "
-                              f"expected {ranks.get(key, 1)}-D")
-    hd = shapes["blocks.0.attn.q_norm.weight"][0]
-    if hd == 0:
-        raise _fail(path, "not an H3 DiT checkpoint: blocks.0.attn.q_norm.weight is empty (head_dim 0)")
-    d = dict(
-        num_layers=_contiguous_count(_indices(shapes, "blocks.")),
-        token_refiner_num_layers=_contiguous_count(_indices(shapes, "token_refiner.blocks.")),
-        hidden_size=shapes["video_patch_proj.weight"][0],
-        latents_dim=shapes["final_layer.video_out.weight"][0] // 4,
-        audio_latents_dim=shapes["final_layer.audio_out.weight"][0],
-        attention_head_dim=hd,
-        num_attention_heads=shapes["blocks.0.attn.qkv_proj.weight"][0] // (3 * hd),
-        ffn_hidden_size=shapes["blocks.0.mlp.fc1.weight"][0] // 2,
-        text_dim=shapes["condition_proj.weight"][1],
-    )
-    if curve:
-        d.update(adaln_curve_grid=shapes["adaln_t_table"][0], time_embed_dim=shapes["adaln_t_table"][1])
-    else:
-        d.update(timestep_input_dim=shapes["time_embedder.proj_in.weight"][1],
-                 time_embed_hidden_size=shapes["time_embedder.proj_in.weight"][0],
-                 time_embed_dim=shapes["time_embedder.proj_out.weight"][0])
-    d["rope_inv_freq_len"] = shapes["rope.inv_freq"][0]
-    return d
-
-
-def expected_tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor ComfyUI's MiniMaxH3Model holds for config `c` (logical shapes)."""
-    h, hd, heads, ffn = c["hidden_size"], c["attention_head_dim"], c["num_attention_heads"], c["ffn_hidden_size"]
-    inner, tdim, vdim = heads * hd, c["time_embed_dim"], c["latents_dim"] * 4
-    e: dict[str, tuple[int, ...]] = {
-        "video_patch_proj.weight": (h, vdim), "video_patch_proj.bias": (h,),
-        "audio_patch_proj.weight": (h, c["audio_latents_dim"]), "audio_patch_proj.bias": (h,),
-        "condition_proj.weight": (h, c["text_dim"]), "condition_proj.bias": (h,),
-        "rope.inv_freq": (c["rope_inv_freq_len"],),
-        "token_refiner.final_norm.weight": (h,),
-        "final_layer.norm.weight": (h,),
-        "final_layer.adaln_proj.linear.weight": (2 * h, tdim), "final_layer.adaln_proj.linear.bias": (2 * h,),
-        "final_layer.video_out.weight": (vdim, h), "final_layer.video_out.bias": (vdim,),
-        "final_layer.audio_out.weight": (c["audio_latents_dim"], h),
-        "final_layer.audio_out.bias": (c["audio_latents_dim"],),
-    }
-    if c.get("adaln_curve_grid") is not None:
-        e["adaln_t_table"] = (c["adaln_curve_grid"], tdim)
-    else:
-        teh = c["time_embed_hidden_size"]
-        e.update({"time_embedder.proj_in.weight": (teh, c["timestep_input_dim"]), "time_embedder.proj_in.bias": (teh,),
-                  "time_embedder.proj_out.weight": (tdim, teh), "time_embedder.proj_out.bias": (tdim,)})
-
-    def block(p: str):
-        e.update({f"{p}norm1.weight": (h,), f"{p}norm2.weight": (h,),
-                  f"{p}attn.qkv_proj.weight": (3 * inner, h), f"{p}attn.q_norm.weight": (hd,),
-                  f"{p}attn.k_norm.weight": (hd,), f"{p}attn.out_proj.weight": (h, inner),
-                  f"{p}mlp.fc1.weight": (2 * ffn, h), f"{p}mlp.fc2.weight": (h, ffn)})
-
-    for i in range(c["token_refiner_num_layers"]):
-        block(f"token_refiner.blocks.{i}.")
-    for i in range(c["num_layers"]):
-        block(f"blocks.{i}.")
-        e[f"blocks.{i}.adaln_proj.linear.weight"] = (18 * h, tdim)  # 6 chunks x 3 modalities
-        e[f"blocks.{i}.adaln_proj.linear.bias"] = (18 * h,)
-    return e
+    return {name: spec.logical_shape for name, spec in dit_keys(config).items()}
 
 
 def _listing(names) -> str:
@@ -393,7 +273,10 @@ def inspect_checkpoint(path: str | Path) -> dict:
         anomalies.append(dict(kind=kind, detail=detail))
 
     # --- H3 detection first: a file that is not an H3 model is an error whatever else it holds
-    detected = _comfy_detect(path, shapes)
+    try:
+        c = shape_fields(shapes)  # ComfyUI's detection, in its field order
+    except ConfigError as exc:
+        raise _fail(path, str(exc)) from None
     meta = header.metadata or {}
     override = {}
     if "config" in meta:
@@ -427,33 +310,24 @@ def inspect_checkpoint(path: str | Path) -> dict:
         anomaly("missing_companion", f"{base}: has {', '.join(what)} but no comfy_quant marker (ComfyUI would "
                                      "load the raw weight as a plain tensor and ignore the scales)")
 
-    # --- config: H3Config.from_shapes vs our mirror of ComfyUI's detection
+    # --- the config the runtime would build (its key table needs one)
     try:
-        from h3direct.config import H3Config  # raises at import time if one of its presets is invalid
-
-        config = H3Config.from_shapes(shapes).comfy_dict()
-        config_source = "H3Config.from_shapes"
-    except H3Error as exc:
-        config = dict(detected)
-        config_source = "comfy-detection mirror (H3Config unavailable)"
-        anomaly("config_rejected", f"H3Config cannot represent the shape-derived config, reporting ComfyUI's "
-                                   f"detection instead: {exc}")
-    differences = {k: dict(h3config=config.get(k), comfy=detected.get(k))
-                   for k in sorted(set(config) | set(detected)) if config.get(k) != detected.get(k)}
-    if differences:
-        anomaly("config_differs_from_comfy", f"H3Config.from_shapes and ComfyUI's detection disagree: {differences}")
-    comfy_detected = {**detected, **override}
+        config = H3Config(**c)
+    except ConfigError as exc:
+        config = None
+        anomaly("config_rejected", f"H3Config cannot represent the shape-derived config, so its keys are not "
+                                   f"checked: {exc}")
 
     # --- H3-specific anomalies
-    c = detected
     if "condition_proj" in layers:
         anomaly("quantized_condition_proj", f"condition_proj is {layers['condition_proj']['format']}: ComfyUI reads "
                                             f"text_dim={c['text_dim']} from its stored shape")
     for p in ["blocks.", "token_refiner.blocks."]:
         idx = _indices(shapes, p)
         if idx and idx != list(range(len(idx))):
+            counted = c["num_layers" if p == "blocks." else "token_refiner_num_layers"]
             anomaly("block_index_gap", f"{p}* indices {idx[:LIST_CAP]} are not 0..n-1; ComfyUI counts "
-                                       f"{_contiguous_count(idx)} and ignores the rest")
+                                       f"{counted} and ignores the rest")
     for name in sorted(s for s in shapes if s.endswith("attn.qkv_proj.weight")):
         rows = shapes[name][0] if shapes[name] else 0
         if rows % 3 or (rows // 3) % c["attention_head_dim"]:
@@ -470,7 +344,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         anomaly("video_out_not_patch_multiple", f"final_layer.video_out.weight has {rows} rows, not 4 x latents_dim")
 
     # --- every key against the model's own table
-    expected = expected_tensors(c)
+    expected = expected_tensors(config) if config is not None else {}
     missing = [k for k in expected if k not in shapes]
     unexpected = [k for k in shapes if k not in expected and k not in quant_members]
     mismatched = []
@@ -480,7 +354,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         got = shapes[k]
         layer = k[: -len(".weight")] if k.endswith(".weight") else None
         if layer in layers and len(want) == 2:
-            fmt = QUANT_FORMATS[layers[layer]["format"]]
+            fmt = FORMATS[layers[layer]["format"]]
             want = (_roundup(want[0], fmt.pad), _roundup(want[1], fmt.pad) // fmt.pack)
         if got != want:
             mismatched.append(f"{k} {list(got)} (expected {list(want)})")
@@ -531,11 +405,9 @@ def inspect_checkpoint(path: str | Path) -> dict:
                      bytes=sum(plain[s].nbytes for s in islands)),
         bytes_by_dtype=dict(sorted(bytes_by_dtype.items())),
         bytes_by_format=dict(sorted(bytes_by_format.items())),
-        config=config,
-        config_source=config_source,
-        comfy_detected=comfy_detected,
-        config_check=dict(h3config_matches_comfy=not differences, differences=differences,
-                          metadata_override=override),
+        config=c,
+        comfy_detected={**c, **override},
+        metadata_override=override,
         pdd_heads=dict(count=0, note=PDD_NOTE, pdd_keys=pdd_keys),
         small_bytes_read=reader.spent,
         anomalies=anomalies,

@@ -1,6 +1,6 @@
 """`h3direct make-checkpoint`: a deterministic synthetic checkpoint in ComfyUI's exact format.
 
-DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint.layout.dit_tensor_layout`.
+DiT (`--component dit`): every key, shape and storage dtype of `h3direct.checkpoint.keys.dit_keys`.
 Initialisation (the recipe of `../shared/oracle/checkpoint_info*.json`, which gives O(1) activations through
 all blocks): one `torch.Generator(device).manual_seed(seed)`, master tensors drawn in sorted key order of the
 dense layout, fp32 master values cast to the storage dtype:
@@ -12,9 +12,9 @@ dense layout, fp32 master values cast to the storage dtype:
   f ~ U(0.5, 4)[k], φ ~ U(0, 2π)[k], b ~ N(0, 0.25)[k] (std 0.5).
 
 On the CPU with seed 0 this reproduces `h3_tiny_bf16.safetensors` bit for bit (the curve file too, except
-`adaln_t_table`, within 2e-6: the oracle evaluated the cosine slightly differently). NVFP4 layers are quantized
-from the bf16-rounded master weight exactly as ComfyUI's `TensorCoreNVFP4Layout.quantize` does, so
-`--quant nvfp4` with seed 0 reproduces `h3_tiny_nvfp4.safetensors` too. `--device cuda` draws from a CUDA
+`adaln_t_table`, which differs in the last bits: the oracle evaluated the cosine slightly differently). NVFP4
+layers are quantized from the bf16-rounded master weight exactly as ComfyUI's `TensorCoreNVFP4Layout.quantize`
+does, so `--quant nvfp4` with seed 0 reproduces `h3_tiny_nvfp4.safetensors` too. `--device cuda` draws from a CUDA
 generator: deterministic, but different numbers from the CPU.
 
 The file is streamed: the safetensors header is written first (all shapes are known from the layout), then
@@ -23,7 +23,7 @@ its largest tensor (~1.1 GB fp32 master of a full-form `adaln_proj.linear.weight
 
 `--attention-structure local` (DiT blocks only; the token refiner stays as above) reshapes three tensor families
 after their draws, drawing nothing from the main generator, so every other tensor keeps its value. Why: with
-independent random q/k projections a synthetic DiT attends almost uniformly (entropy ~0.95 of log S), where a
+independent random q/k projections a synthetic DiT attends almost uniformly (entropy close to log S), where a
 sparse attention method cannot work, while real video DiTs attend locally in (t, h, w). Construction, per block
 b, hidden size d, head dim D, with a unit-rms direction u_b ~ N(0, 1)^d from a second generator (seed + 7919):
 
@@ -44,11 +44,8 @@ b, hidden size d, head dim D, with a unit-rms direction u_b ~ N(0, 1)^d from a s
    the area-normalised grid at S ≈ 4.5 k) and ψ₀ = 0.25 on the unrotated channels and as a floor: γ sets the
    logit range (γ²·√D·ρ²/(1 + ρ²) ≈ 23 nats at the defaults γ = 1.5, ρ = 3).
 
-Measured on the `small` preset (head_dim 128), curve adaLN, seed 0, Ref2VA at S = 4,496 (`build_inputs.py
---gpu`), fp32, video queries (benchmarks/attention_structure.py): mass within ±1 latent frame, ±3 rows, ±3 columns
-(2.5 % of the keys) 0.46 / 0.53 (blocks 0 / 1; 0.024 / 0.020 for the random checkpoint), entropy 0.46 / 0.59 of
-log S (0.95), self-attention 0.06 / 0.05, prefix (text, reference, audio) 0.08 / 0.10; comfy-kitchen 0.2.40's eager
-Sol-Attn reference (tau 1.3, prefix sinks) misses exact attention by 1.1e-2 / 1.2e-2 (0.18 / 0.17 random).
+What it does to the attention (the mass near each query, the entropy, how far sparse attention lands from exact
+attention), against the random checkpoint, is measured on the GPU and logged with the benchmark results.
 
 VAEs (`--component video_vae|audio_vae`) come from `h3direct.vae.synthetic.make_state_dict` and are written
 by the same writer.
@@ -266,10 +263,10 @@ def shape_attention(name: str, master, config, structure: AttentionStructure, di
 def dit_plan(config, quant: str = "none", nvfp4_refiner: bool = True) -> list:
     """Stored specs in production order: dense keys sorted (the draw order); an NVFP4 layer's weight is
     followed by its block scale, global scale and `comfy_quant` marker."""
-    from h3direct.checkpoint.layout import dit_tensor_layout
+    from h3direct.checkpoint.keys import dit_keys
 
-    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
-    dense = dit_tensor_layout(config, "none")
+    stored = dit_keys(config, quant, nvfp4_refiner)
+    dense = dit_keys(config, "none")
     order = []
     for name in dense:
         order.append(stored[name])
@@ -286,15 +283,15 @@ def iter_dit_tensors(config, quant: str = "none", seed: int = 0, device: str = "
     """(key, tensor) in `dit_plan` order, generated one master tensor at a time."""
     import torch
 
-    from h3direct.checkpoint.layout import dit_tensor_layout
+    from h3direct.checkpoint.keys import dit_keys
     from h3direct.checkpoint.quant import NVFP4_MARKER
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
-    stored = dit_tensor_layout(config, quant, nvfp4_refiner)
+    stored = dit_keys(config, quant, nvfp4_refiner)
     g = torch.Generator(device=device).manual_seed(seed)
     structure = structure or AttentionStructure()
     directions = shift_directions(config, seed, device) if structure.kind != "random" else None
-    for name, spec in dit_tensor_layout(config, "none").items():
+    for name, spec in dit_keys(config, "none").items():
         master = shape_attention(name, init_master(spec, config, g, device), config, structure, directions)
         out = stored[name]
         if out.role != "nvfp4_weight":

@@ -1,6 +1,6 @@
 """The H3 DiT: packed audio-video single-stream transformer (one file per part).
 
-- `layout.py`     packed sequence `[text | cond/ref rows | target audio | target video]` and its float64 rope positions
+- `sequence.py`   packed sequence `[text | cond/ref rows | target audio | target video]` and its float64 rope positions
 - `timesteps.py`  per-segment timesteps, audio sigma map, adaLN row selection (modality tags)
 - `embed.py`      patchify / audio packing, condition rows (with noise augmentation), time embedder
 - `linear.py`     Linear layers for bf16/fp32 and NVFP4 weights (W4A16 / W4A4)

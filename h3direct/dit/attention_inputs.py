@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from h3direct.dit.layout import build_layout
 from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
+from h3direct.dit.sequence import build_layout
 from h3direct.sampling.conditioning import latent_shapes
 
 

@@ -8,10 +8,10 @@
   modulation): x updated in place and h returned, bitwise what `gated_residual_` then `norm_modulate` give.
 - `swiglu_`: silu(gate) · up from fc1's [gate | up] output, written over the gate half in place (no [S, F]
   buffer). It rounds exactly where PyTorch's eager silu / mul do (CUDA's expf, IEEE division, explicit
-  round-to-nearest ops), so on the GPU it is bitwise equal to `F.silu(gate).mul_(up)` (checked by
+  round-to-nearest ops), so on the GPU it is bitwise equal to `F.silu(gate).mul_(up)` (checked on the GPU by
   `tests/test_fused_gpu.py`; Triton's CPU interpreter has no libdevice and differs in the last bit).
 
-The norms' sums of squares are exact (fixed point, int64), so every launch config of `LAUNCH` / `SWEEP` gives
+The norms' sums of squares are exact (fixed point, int64), so every launch config (`launch_table`, `SWEEP`) gives
 the same bits. The adaLN kernels are not bitwise equal to eager: they are closer to fp32 (fewer roundings), and
 the parity gate's exact budgets (ratio rule against ComfyUI's fp32 trace) judge them, as the numerical contract
 says.
@@ -23,6 +23,7 @@ them in Triton's interpreter on CPU tensors.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -53,18 +54,30 @@ def _interpreting() -> bool:
 
 
 # ---- launch configurations ------------------------------------------------------------------------------------
-# One entry per kernel: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
-# program; EXACT: the exact sum of squares, False only for the sweep's measure of what it costs) and Triton's launch
-# options. `SWEEP` lists the candidates benchmarks/elem_sweep.py times at the DiT's full shape (benchmarks/
-# gpu_elem.sh on the H200 prints the best of each, copied here). Every entry gives the same bits: the kernels are
-# per row or per element, and the norms' sums of squares are exact, so independent of how a program splits its rows.
+# A kernel's launch config: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
+# program; EXACT: the exact sum of squares, False only to measure what it costs) and Triton's launch options. Every
+# config gives the same bits (the kernels are per row or per element, and the norms' sums of squares are exact, so
+# independent of how a program splits its rows): the choice is only about speed, and the fastest depends on the GPU.
+# `LAUNCH` holds, per CUDA compute capability, the best of `SWEEP`'s candidates timed at the DiT's full shape on a GPU
+# of that capability (`tools/tune_kernels.py` prints such an entry); every other device, and Triton's CPU
+# interpreter, gets `DEFAULT_LAUNCH`.
 
-LAUNCH: dict[str, dict] = {  # the H200's best of SWEEP (benchmarks/gpu_elem.sh, 2026-12-01)
+DEFAULT_LAUNCH: dict[str, dict] = {  # untuned: Triton's usual 4 warps (8 for the norms, one whole row a program)
     "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
-    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
-    "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
+    "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "gated_residual": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
     "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
-    "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
+    "qk_norm_rope": {"HB": 8, "EXACT": True, "num_warps": 4},
+}
+
+LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
+    (9, 0): {  # Hopper (H100, H200)
+        "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+        "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
+        "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
+        "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
+        "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
+    },
 }
 
 SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread and tile)
@@ -83,9 +96,24 @@ SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread a
 _OPTIONS = ("num_warps", "num_stages")
 
 
-def launch_config(kernel: str, config: dict | None = None) -> dict:
-    """`LAUNCH[kernel]` with `config`'s entries over it (a sweep's candidate); unknown keys are errors."""
-    cfg = dict(LAUNCH[kernel])
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launch_table(device: torch.device | None = None) -> dict[str, dict]:
+    """The launch configs for kernels run on `device`: `LAUNCH` for its compute capability, else `DEFAULT_LAUNCH`
+    (other GPUs, the CPU interpreter, and None)."""
+    if device is None or device.type != "cuda":
+        return DEFAULT_LAUNCH
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return LAUNCH.get(_capability(index), DEFAULT_LAUNCH)
+
+
+def launch_config(kernel: str, config: dict | None = None, device: torch.device | None = None) -> dict:
+    """`launch_table(device)[kernel]` with `config`'s entries over it (a sweep's candidate); unknown keys are
+    errors."""
+    cfg = dict(launch_table(device)[kernel])
     for key, value in (config or {}).items():
         if key not in cfg and key not in _OPTIONS:
             raise ValueError(f"launch config of {kernel}: unknown key {key!r} (known: {sorted(cfg)})")
@@ -324,12 +352,13 @@ def row_index(runs, rows: int, device) -> torch.Tensor:
 
 
 # ---- entry points ---------------------------------------------------------------------------------------------
-# `config`: entries over the kernel's `LAUNCH` row (tools/tune_kernels.py passes each candidate); None: the table.
+# `config`: entries over the kernel's row of `launch_table(x.device)` (a tuning sweep passes each candidate); None: the
+# table's.
 
 def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, gate, config) -> None:
     s, d = x.shape
     block = triton.next_power_of_2(d)
-    tile, options = _split(launch_config(kernel, config))
+    tile, options = _split(launch_config(kernel, config, x.device))
     rows = max(1, min(tile["ROWS"], _MAX_TILE // block))
     residual = update is not None
     u, g = (update, gate) if residual else (x, shift)  # unread placeholders without the residual
@@ -385,7 +414,7 @@ def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, r
     update, gate = _rows_contiguous(update), _rows_contiguous(gate)
     if s == 0:
         return x
-    tile, options = _split(launch_config("gated_residual", config))
+    tile, options = _split(launch_config("gated_residual", config, x.device))
     block = min(tile["BLOCK"], triton.next_power_of_2(d))
     _kernel(_gated_residual_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(d, block))](
         x, update, gate, row_index(runs, s, x.device), s, d, x.stride(0), update.stride(0), gate.stride(0),
@@ -401,7 +430,7 @@ def swiglu_(a: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
         raise ValueError("swiglu_ writes in place: it needs unit column stride")
     f = f2 // 2
     if s:
-        tile, options = _split(launch_config("swiglu", config))
+        tile, options = _split(launch_config("swiglu", config, a.device))
         block = min(tile["BLOCK"], triton.next_power_of_2(f))
         _kernel(_swiglu_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(f, block))](
             a, s, f, a.stride(0), ROWS=tile["ROWS"], BLOCK=block, ROUND=_ROUND[a.dtype],
@@ -435,7 +464,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_we
             raise ValueError("qk_norm_rope_ writes in place: it needs unit last stride")
     if s == 0:
         return
-    tile, options = _split(launch_config("qk_norm_rope", config))
+    tile, options = _split(launch_config("qk_norm_rope", config, q.device))
     wq, wk = q_weight.contiguous(), k_weight.contiguous()
     if _k_follows_q(q, k):
         calls = [(q, wq, wk, 2 * h)]

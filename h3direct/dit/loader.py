@@ -17,12 +17,12 @@ NVFP4 layers keep their packed tensors; buffers (`adaln_t_table`, `rope.inv_freq
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from h3direct.checkpoint.quant import state_dict_markers
 from h3direct.config import H3Config
 from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
@@ -70,17 +70,9 @@ def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         raise CheckpointError(f"cannot read safetensors: {str(exc).splitlines()[0]}", path=path) from None
 
 
-def quant_formats(sd: dict[str, torch.Tensor]) -> dict[str, str]:
+def quant_formats(sd: dict[str, torch.Tensor], path=None) -> dict[str, str]:
     """layer path -> format, from the `.comfy_quant` JSON markers."""
-    out = {}
-    for key, t in sd.items():
-        if key.endswith(".comfy_quant"):
-            layer = key[: -len(".comfy_quant")]
-            try:
-                out[layer] = json.loads(t.numpy().tobytes()).get("format")
-            except (ValueError, AttributeError):
-                raise CheckpointError(f"{key} is not a JSON quantization marker") from None
-    return out
+    return {layer: conf["format"] for layer, conf in state_dict_markers(sd, path).items()}
 
 
 def logical_shapes(sd: dict[str, torch.Tensor], formats: dict[str, str]) -> dict[str, tuple[int, ...]]:
@@ -142,7 +134,7 @@ def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvf
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
                     nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None) -> H3DiT:
     fp8_linear = check_fp8_linear(fp8_linear)
-    formats = quant_formats(sd)
+    formats = quant_formats(sd, source)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
     try:
         config = H3Config.from_shapes(logical_shapes(sd, formats))

@@ -7,7 +7,7 @@ raw model outputs out ([−v_video, −v_audio]). The sampler-facing wrapper (au
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +27,9 @@ from h3direct.dit.embed import (
     unpatchify_video,
 )
 from h3direct.dit.host import upload
-from h3direct.dit.layout import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
-from h3direct.dit.linear import Linear, prefetcher_for
+from h3direct.dit.linear import Linear
 from h3direct.dit.rope import rope_angles, rotation_table
+from h3direct.dit.sequence import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, host_tags, plan_timesteps
 from h3direct.errors import H3Error
 
@@ -136,7 +136,6 @@ class H3DiT(nn.Module):
         self.compute_dtype = torch.float32  # set by the loader
         self.tracer = None
         self.parallel = None  # a parallel.SequenceParallel: the blocks run on this rank's slice of the sequence
-        self.weight_prefetcher = None  # linear.WeightPrefetcher (CUDA): next block linear's weight made ahead
 
     # ---- text ------------------------------------------------------------------------------
     def preprocess_text(self, text_states: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
@@ -246,8 +245,7 @@ class H3DiT(nn.Module):
         t_emb = self.time_embedding(plan.values, device)
         rope_table = self.rope_table(layout, device) if inv is None else inv.rope_table(self, layout, device)
         runs, sp = plan.runs, self.parallel
-        pf = prefetcher_for(self, h)  # None on the CPU, without H3_PREFETCH_DEQUANT=1, or no per-call weights
-        with sequence_hints(layout.segment("video").start), (pf.running() if pf is not None else nullcontext()):
+        with sequence_hints(layout.segment("video").start):  # rows before the target video: conditioning
             if sp is None:
                 for block in self.blocks:
                     h = block(h, t_emb, runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)

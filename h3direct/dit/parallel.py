@@ -46,7 +46,7 @@ class CommStats:
     a2a_bytes: int = 0
     a2a_seconds: float = 0.0
     gather_bytes: int = 0
-    timed: bool = False  # synchronize around collectives so the seconds are exact (benchmarks only)
+    timed: bool = False  # synchronize around collectives so the seconds are exact (costs a sync: for measuring)
 
     def reset(self) -> None:
         self.a2a_calls, self.a2a_bytes, self.a2a_seconds, self.gather_bytes = 0, 0, 0.0, 0

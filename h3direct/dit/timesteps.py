@@ -21,7 +21,7 @@ from itertools import groupby
 
 import torch
 
-from h3direct.dit.layout import PackedLayout
+from h3direct.dit.sequence import PackedLayout
 from h3direct.sampling.schedules import audio_sigma
 
 VISUAL_COND_TIMESTEP = 0.999

@@ -34,7 +34,6 @@ Without a vision tower (the bundled tiny encoder), vision positions get the pad 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -372,14 +371,12 @@ def _normalize_keys(sd: dict, path) -> dict:
 
 def _quant_layers(sd: dict, path) -> dict:
     """{layer prefix: format} of every `<layer>.comfy_quant` marker (removed from `sd`)."""
+    from h3direct.checkpoint.quant import MARKER, state_dict_markers
+
     layers = {}
-    for k in [k for k in sd if k.endswith(".comfy_quant")]:
-        layer = k[: -len(".comfy_quant")]
-        try:
-            conf = json.loads(bytes(sd.pop(k).to(torch.uint8).tolist()).decode("utf-8"))
-            fmt = conf["format"]
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{k}: unreadable comfy_quant marker (expected JSON with a 'format')", path=path) from None
+    for layer, conf in state_dict_markers(sd, path).items():
+        del sd[f"{layer}.{MARKER}"]
+        fmt = conf["format"]
         if fmt != "nvfp4":
             raise CheckpointError(f"{layer}: quantization format {fmt!r} is not supported for the text encoder "
                                   "(nvfp4 or unquantized)", path=path)

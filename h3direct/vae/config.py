@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -224,3 +225,22 @@ AUDIO_PRESETS: dict[str, AudioVAEConfig] = {
     # shared/oracle/vae_audio_tiny.safetensors
     "tiny": AudioVAEConfig(encoder_dim=4, latent_dim=64, decoder_dim=128),
 }
+
+
+# ---- run settings of the video VAE from the environment ----------------------------------------------------------
+VAE_DTYPES = ("fp32", "fp16")  # compute dtypes of the video VAE (the audio VAE runs fp32)
+DTYPE_ENV, TILE_ENV = "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE"
+
+
+def video_vae_settings(dtype: str | None = None, tile_size: int | None = None) -> tuple[str | None, int | None]:
+    """The video VAE's compute dtype name and spatial tile size (px, 0 = untiled): the given values, else
+    $H3_VAE_DTYPE / $H3_VAE_TILE_SIZE, else None (the caller's default). An environment value that is not fp32/fp16
+    or not an integer is a one-line `ConfigError` naming the variable."""
+    if dtype is None and (dtype := os.environ.get(DTYPE_ENV) or None) not in (None, *VAE_DTYPES):
+        raise ConfigError(f"{DTYPE_ENV}={dtype!r} is not fp32 or fp16")
+    if tile_size is None and (raw := os.environ.get(TILE_ENV)):
+        try:
+            tile_size = int(raw)
+        except ValueError:
+            raise ConfigError(f"{TILE_ENV}={raw!r} is not an integer") from None
+    return dtype, tile_size

@@ -8,7 +8,8 @@ LATENT is a safetensors file with a normalised video latent [1, 24, t, h, w] (or
 from __future__ import annotations
 
 import argparse
-import os
+
+from h3direct.vae.config import VAE_DTYPES
 
 VIDEO_NAMES = ("video_latent", "latent", "samples", "video")
 AUDIO_NAMES = ("audio_latent", "audio")
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", required=True, help="video VAE safetensors (ComfyUI keys)")
     parser.add_argument("--vae-config", help="constructor args JSON (vae_config_public.json layout), else real sizes")
     parser.add_argument("--audio-vae", help="audio VAE safetensors; required when the file has an audio latent")
-    parser.add_argument("--vae-dtype", choices=("fp32", "fp16"), default=os.environ.get("H3_VAE_DTYPE") or None,
+    parser.add_argument("--vae-dtype", choices=VAE_DTYPES, default=None,
                         help="video VAE compute dtype (env H3_VAE_DTYPE; default fp16 on CUDA, fp32 on CPU)")
     parser.add_argument("--vae-tile-size", type=int, default=None,
                         help="spatial tile size in px (env H3_VAE_TILE_SIZE; default: the VAE's, 256; 0 = untiled)")
@@ -47,21 +48,14 @@ def run(args: argparse.Namespace) -> int:
 
     from h3direct.errors import H3Error
     from h3direct.vae.api import decode_audio, decode_video
-    from h3direct.vae.config import AudioVAEConfig, VideoVAEConfig
+    from h3direct.vae.config import AudioVAEConfig, VideoVAEConfig, video_vae_settings
     from h3direct.vae.loader import load_audio_vae, load_video_vae, read_constructor_args
     from h3direct.vae.mp4 import pixels_to_uint8, write_mp4
 
     t0 = time.perf_counter()
-    if args.vae_dtype not in (None, "fp32", "fp16"):
-        raise H3Error(f"H3_VAE_DTYPE={args.vae_dtype!r} is not fp32 or fp16")
-    tile = args.vae_tile_size
-    if tile is None and os.environ.get("H3_VAE_TILE_SIZE"):
-        try:
-            tile = int(os.environ["H3_VAE_TILE_SIZE"])
-        except ValueError:
-            raise H3Error(f"H3_VAE_TILE_SIZE={os.environ['H3_VAE_TILE_SIZE']!r} is not an integer") from None
+    vae_dtype, tile = video_vae_settings(args.vae_dtype, args.vae_tile_size)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, None: None}[args.vae_dtype]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, None: None}[vae_dtype]
     if dtype is None:
         dtype = torch.float16 if device.type == "cuda" else torch.float32
 

@@ -12,8 +12,8 @@ Decoded value = e2m1(code) * (global * block_scale), where the scale product and
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
 `QuantizedTensor.dequantize`): the results here are bitwise equal to its CPU path (the oracle's traces) for fp32,
 bf16 and fp16. On CUDA the decode runs in our Triton kernel (`nvfp4_triton`, same bits as the torch path) unless
-``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel differs from both by one ulp in some of the
-bf16 values of a quantized weight (`benchmarks/results/LOG.md`).
+``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel rounds some of the bf16 values of a
+quantized weight one ulp away from both, which is why it is not the default.
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
 `comfy.model_management.supports_nvfp4_compute`):
@@ -182,9 +182,9 @@ DEQUANT_BACKENDS = ("triton", "kitchen", "torch")
 def dequant_backend(device: torch.device | str) -> str:
     """The implementation `dequantize_nvfp4` runs for tensors on `device`. The CPU always takes the torch path
     (what the shared CPU traces were recorded with). On CUDA, ``H3_NVFP4_DEQUANT`` = triton | kitchen | torch
-    picks one; unset, it is our Triton kernel (`nvfp4_triton`, the fastest) when Triton is importable, else
-    comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same bits;
-    comfy-kitchen 0.2.40's kernel rounds ~6 % of the values one ulp away (see the module docstring)."""
+    picks one; unset, it is our Triton kernel (`nvfp4_triton`: the torch path's bits in one pass) when Triton is
+    importable, else comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same
+    bits; comfy-kitchen 0.2.40's kernel rounds some values one ulp away (see the module docstring)."""
     if torch.device(device).type != "cuda":
         return "torch"
     want = os.environ.get("H3_NVFP4_DEQUANT", "")
@@ -306,29 +306,20 @@ def _out_features(packed: torch.Tensor, bias: torch.Tensor | None, out_features:
     return packed.shape[0] if bias is None else bias.shape[0]
 
 
-def w4a16_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                 dtype: torch.dtype, n: int, k: int) -> torch.Tensor:
-    """The dense [n, k] weight W4A16 multiplies by: `dequantize_nvfp4` in `dtype`, the 16-padding sliced off
-    (a view)."""
-    w = dequantize_nvfp4(packed, block_scale, global_scale, dtype)
-    return w if w.shape == (n, k) else w[:n, :k]
-
-
 def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None, compute_dtype: torch.dtype,
-                 out_features: int | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+                 out_features: int | None = None) -> torch.Tensor:
     """ComfyUI's NVFP4 Linear where FP4 compute is off (CPU, compute capability < 10): dequantize the weight
     to `compute_dtype`, then `F.linear` in that dtype (bias cast to it). Any leading dims of x are kept.
-    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16.
-    `dense`: the weight as `w4a16_weight` already made it (a prefetch), used instead of dequantizing here."""
+    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16."""
     # x [..., K] -> [..., N] compute_dtype
     k = x.shape[-1]
     n = _out_features(packed, bias, out_features)
     if k > 2 * packed.shape[1]:
         raise ValueError(f"input has {k} features, NVFP4 weight holds {2 * packed.shape[1]}")
-    w = w4a16_weight(packed, block_scale, global_scale, compute_dtype, n, k) if dense is None else dense
+    w = dequantize_nvfp4(packed, block_scale, global_scale, compute_dtype)
     if w.shape != (n, k):
-        raise ValueError(f"dense NVFP4 weight is {tuple(w.shape)}, expected {(n, k)}")
+        w = w[:n, :k]
     b = None if bias is None else bias.to(compute_dtype)
     return F.linear(x.to(compute_dtype), w, b)
 

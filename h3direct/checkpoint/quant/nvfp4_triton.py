@@ -14,8 +14,7 @@ exact in fp32 (at most 8 x 4 significant bits), so one fp32 multiply and one rou
 half-precision multiply. The roundings of the per-block values use integer arithmetic (bf16) or an explicit
 round-to-nearest-even cast (fp16); the per-value rounding uses the GPU's round-to-nearest-even conversion when
 compiled and the same integer arithmetic under Triton's CPU interpreter (`TRITON_INTERPRET=1`, whose bf16 cast
-truncates). `tests/test_nvfp4_triton.py` checks the interpreted kernel on the CPU and the compiled one on a GPU
-(`pytest -m gpu`), bitwise against the torch path.
+truncates). `tests/test_nvfp4_triton.py` checks the interpreted kernel on the CPU and the compiled one on a GPU.
 
 NaN block scales (E4M3 0x7F / 0xFF; never written by quantization) give NaN values; the NaN bit pattern may differ
 from torch's.
@@ -23,6 +22,7 @@ from torch's.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,9 +37,29 @@ except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
 OUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# (blocks per program, warps): the default, and the candidates `benchmarks/check_dequant.py` sweeps on the GPU
-DEFAULT_CONFIG = (512, 8)  # the H200's best of CONFIGS (benchmarks/gpu_deq2.sh, 2026-12-01: 24.4 ms per step)
+
+# Launch configs (blocks per program, warps). Every config gives the same bits; the fastest depends on the GPU.
+# `LAUNCH` holds, per CUDA compute capability, the best of `CONFIGS` timed at the DiT's block-linear shapes on a GPU of
+# that capability (`tools/tune_kernels.py` prints such an entry); every other device gets `DEFAULT_LAUNCH`.
+DEFAULT_LAUNCH = (256, 4)  # untuned: Triton's usual 4 warps, 32 values a thread
+LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
+    (9, 0): (512, 8),  # Hopper (H100, H200)
+}
 CONFIGS = ((256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launch_config(device: torch.device) -> tuple[int, int]:
+    """(blocks per program, warps) for a dequantization on `device`: `LAUNCH` for its compute capability, else
+    `DEFAULT_LAUNCH` (other GPUs, the CPU interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_LAUNCH
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return LAUNCH.get(_capability(index), DEFAULT_LAUNCH)
 
 
 def _interpreting() -> bool:
@@ -135,7 +155,8 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, glo
                             out_dtype: torch.dtype = torch.bfloat16,
                             config: tuple[int, int] | None = None) -> torch.Tensor:
     """packed uint8 [N16, K16/2], tiled E4M3 block scales, fp32 global scale -> dense [N16, K16] in `out_dtype`
-    (fp32, fp16 or bf16), bitwise equal to `nvfp4.dequantize_nvfp4`. `config`: (blocks per program, warps)."""
+    (fp32, fp16 or bf16), bitwise equal to `nvfp4.dequantize_nvfp4`. `config`: (blocks per program, warps); None:
+    `launch_config(packed.device)`."""
     if triton is None:
         raise RuntimeError("dequantize_nvfp4_triton needs Triton, which is not importable here")
     if out_dtype not in OUT_CODES:
@@ -166,7 +187,7 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, glo
         return out
     if total * BLOCK >= 2**31:
         raise ValueError(f"NVFP4 weight [{rows}, {2 * half}] has 2^31 or more values; the kernel indexes with int32")
-    blk, warps = config or DEFAULT_CONFIG
+    blk, warps = config or launch_config(dev)
     dst = out if out_dtype == torch.float32 else out.view(torch.int16)
     _kernel()[(triton.cdiv(total, blk),)](words, scales, g, dst, total, nb, cp // TILE_COLS, BLK=blk,
                                           OUT=OUT_CODES[out_dtype], EVEN=total % blk == 0,

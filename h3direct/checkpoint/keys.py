@@ -12,7 +12,8 @@ Derived from ComfyUI's `MiniMaxH3Model` (`comfy/ldm/minimax/model.py`, snapshot 
   DiT linears only). Each becomes `.weight` uint8, `.weight_scale` float8_e4m3fn (swizzled),
   `.weight_scale_2` fp32 scalar and `.comfy_quant` uint8 (the 19 bytes ``{"format": "nvfp4"}``).
 
-`dit_tensor_layout` is what the strict loader checks a file against and what `make-checkpoint` writes.
+`dit_keys` is what `make-checkpoint` writes and `inspect` checks a file against; the strict loader checks the same
+keys through `H3DiT`, whose module paths are these keys (`tests/test_dit.py` holds the two equal).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from h3direct.config import H3Config
 
 ROLES = ("bf16", "fp32_island", "buffer", "nvfp4_weight", "nvfp4_block_scale", "nvfp4_global_scale", "comfy_quant")
 QUANT_MODES = ("none", "nvfp4")
-NVFP4_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")  # per block: what NVFP4 / FP8 replace
 
 _ROLE_DTYPE = {
     "bf16": "bfloat16",
@@ -135,7 +136,7 @@ def nvfp4_layer_names(config: H3Config, nvfp4_refiner: bool = True) -> list[str]
     prefixes = [f"blocks.{i}" for i in range(config.num_layers)]
     if nvfp4_refiner:
         prefixes += [f"token_refiner.blocks.{i}" for i in range(config.token_refiner_num_layers)]
-    return sorted(f"{p}.{name}" for p in prefixes for name in NVFP4_LINEARS)
+    return sorted(f"{p}.{name}" for p in prefixes for name in BLOCK_LINEARS)
 
 
 def _spec(name, shape, role, kind, logical=None) -> TensorSpec:
@@ -143,7 +144,7 @@ def _spec(name, shape, role, kind, logical=None) -> TensorSpec:
     return TensorSpec(name, shape, _ROLE_DTYPE[role], role, kind, tuple(logical) if logical is not None else shape)
 
 
-def dit_tensor_layout(config: H3Config, quant: str = "none", nvfp4_refiner: bool = True) -> dict[str, TensorSpec]:
+def dit_keys(config: H3Config, quant: str = "none", nvfp4_refiner: bool = True) -> dict[str, TensorSpec]:
     """Every key of a ComfyUI-format H3 DiT checkpoint for `config`, sorted by key."""
     if quant not in QUANT_MODES:
         from h3direct.errors import ConfigError
