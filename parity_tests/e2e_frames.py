@@ -263,9 +263,11 @@ def frame_metrics(ours: torch.Tensor, ref: torch.Tensor, workers: int | None = N
 def budget_key(path: str, kind: str, weights: str) -> dict:
     """The budgets key of a path's quality entry: attention = the approximate backend ("exact" for FP8 linears over
     the exact reference), weights = "fp8_w8a8" when the FP8 block linears run."""
+    from parity_tests.gate import attention_key
+
     attention, fp8 = split_path(path)
     return {"mode": "quality", "kind": kind, "compute": "*", "weights": FP8_WEIGHTS if fp8 else weights,
-            "attention": attention if attention is not None and kind_of(attention) != "exact" else "exact",
+            "attention": "exact" if attention is None or kind_of(attention) == "exact" else attention_key(attention),
             "twin": "*"}
 
 

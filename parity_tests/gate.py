@@ -146,10 +146,23 @@ def _trace(path: str) -> Trace:
 
 
 def attention_key(backend: str) -> str:
-    """The budgets key of an attention backend: "exact" for every exact one, else its own name."""
-    from h3direct.dit.attention import is_exact
+    """The budgets key of an attention backend: "exact" for every exact one, else the name of the approximate backend
+    that computes its calls (kj_head_sliced: its inner backend)."""
+    from h3direct.dit.attention import is_exact, slice_backend
 
-    return "exact" if is_exact(backend) else backend
+    if is_exact(backend):
+        return "exact"
+    return slice_backend() if backend == "kj_head_sliced" else backend
+
+
+def own_dtype(attention: str, compute: str, device: str) -> str:
+    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
+    from h3direct.dit.attention import unavailable_reason
+
+    def runs(c):
+        return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[c]))) is None
+
+    return compute if runs(compute) or not runs("bf16") else "bf16"
 
 
 def lowp_twin(case: DitCase, compute: str) -> Path | None:

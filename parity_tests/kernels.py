@@ -183,11 +183,11 @@ def quality_x0(gate, model, inputs, device, exact_backend: str, attention: str, 
     from h3direct.dit.linear import FP8_WEIGHTS_KEY
     from h3direct.traces.evaluate import one_step
     from parity_tests.budgets import verdict
-    from parity_tests.gate import DTYPES, LayerResult, _model, _nvfp4_mode, attention_key, run_dtype
+    from parity_tests.gate import DTYPES, LayerResult, _model, _nvfp4_mode, attention_key, own_dtype
 
     case = gate.case
     compute = {v: k for k, v in DTYPES.items()}[str(model.compute_dtype).removeprefix("torch.")]
-    approx_compute = run_dtype(attention, compute, device)[0] if attention_key(attention) != "exact" else compute
+    approx_compute = own_dtype(attention, compute, device)
     if approx_compute != compute:  # a bf16-only approximate backend on an fp32 case: the exact path in bf16 too
         model = _model(str(case.checkpoint), approx_compute, _nvfp4_mode(case), device)
         exact_out = one_step(model, inputs, backend=exact_backend, device=device)

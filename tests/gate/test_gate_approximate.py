@@ -52,9 +52,16 @@ def stand_in(backend: str, eps: float):
 
 @pytest.fixture
 def approximate(monkeypatch):
-    """install(backend, eps): the backend's registry entry runs the CPU stand-in (available on the CPU, any dtype)."""
-    def install(backend: str, eps: float):
-        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, stand_in(backend, eps), A._always, exact=False))
+    """install(backend, eps, half_only=False): the backend's registry entry runs the CPU stand-in, available on the
+    CPU in any dtype, or (half_only) in bf16/fp16 only, as the real kernels."""
+    def install(backend: str, eps: float, half_only: bool = False):
+        avail = A._half_only if half_only else A._always
+        fn = stand_in(backend, eps)
+        if half_only:
+            def fn(q, k, v, inner=fn):  # as SageAttention asserts: never handed fp32
+                assert q.dtype in (torch.float16, torch.bfloat16), f"{backend} handed {q.dtype}"
+                return inner(q, k, v)
+        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, fn, avail, exact=False))
     return install
 
 
@@ -143,3 +150,20 @@ def test_fp8_linears_are_held_to_the_e4m3_rounding_bound():
         handle.remove()
     first = bad.first_failure
     assert first is not None and first.name == "blocks.1.mlp.fc1.out" and first.part == "kernel", bad.report()
+
+
+@pytest.mark.parametrize("backend", ["sage2", "kj_head_sliced"])
+def test_a_bf16_only_backend_on_an_fp32_case(approximate, monkeypatch, backend):
+    """As the real kernels: the stand-in runs only bf16. On an fp32 case the exact parts stay fp32, the kernel sites
+    and the quality run in bf16 (against the exact path in bf16); kj_head_sliced is held to its inner backend's
+    contract and quality."""
+    from parity_tests.gate import run_dit_case
+
+    approximate("sage2", SMALL, half_only=True)
+    cases, _ = find_dit_cases([FIXTURES])
+    case = next(c for c in cases if c.compute == "fp32" and c.weights == "bf16")
+    for mode in ("teacher", "free"):
+        result = run_dit_case(case, mode=mode, attention=backend)
+        assert result.passed, result.report()
+        parts = {r.part for r in result.layers}
+        assert parts == ({"exact", "kernel"} if mode == "teacher" else {"exact", "quality"}), parts
