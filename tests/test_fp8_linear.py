@@ -17,7 +17,7 @@ from h3direct.checkpoint.quant import w8a8
 from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from h3direct.dit.linear import FP8Linear, Linear, NVFP4Linear
 from h3direct.dit.loader import load_dit
-from h3direct.errors import ConfigError, H3Error
+from h3direct.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
@@ -204,34 +204,6 @@ def test_bad_option_values():
     assert len(proc.stderr.strip().splitlines()) == 1 and "--fp8-linear" in proc.stderr
 
 
-# ---------------------------------------------------------------- the gate's budget key
-
-def _table(tmp_path, weights):
-    p = tmp_path / "b.toml"
-    p.write_text(f'[[budget]]\nmode = "*"\nkind = "*"\ncompute = "fp32"\nweights = "{weights}"\nattention = "*"\n'
-                 f'rel_l2 = 1e-3\nprovenance = "test"\n')
-    from parity_tests.budgets import load_budgets
-
-    return load_budgets(p)
-
-
-def test_gate_refuses_non_fp8_entries(tmp_path):
-    from parity_tests.budgets import load_budgets
-    from parity_tests.gate import KeyedBudgets
-
-    key = dict(mode="teacher", kind="linear", compute="fp32", weights="bf16", attention="fa3")
-    with pytest.raises(H3Error, match="no calibrated budget"):
-        KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**key)  # the committed table: no fp8 entry for fa3 yet
-    got = KeyedBudgets(load_budgets(), "fp8_w8a8").lookup(**{**key, "attention": "sdpa"})
-    assert got.match["weights"] == "fp8_w8a8" and got.rel_l2 is not None  # the CPU-calibrated sdpa entry
-    key["attention"] = "sdpa"
-    assert _table(tmp_path, "*").lookup(**key)  # a wildcard entry would match a plain lookup ...
-    with pytest.raises(H3Error, match="no calibrated budget"):
-        KeyedBudgets(_table(tmp_path, "*"), "fp8_w8a8").lookup(**key)  # ... but never an fp8 one
-    b = KeyedBudgets(_table(tmp_path, "fp8_w8a8"), "fp8_w8a8").lookup(**key)
-    assert b.match["weights"] == "fp8_w8a8"
-
-
 def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
     """The kernels go through Triton's whole compiler to an sm_90 cubin (no GPU needed: Triton ships ptxas), so a
     construct the interpreter accepts but the compiler refuses (e.g. a non-constexpr global) fails here, not on
@@ -270,8 +242,9 @@ def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch
     assert ok.passed, ok.report()
     assert "fp8_w8a8" in ok.report() and ok.weights == "fp8_w8a8"
     assert set(ok.fp8_linear_calls) == {"emulated (cpu)"} and ok.fp8_linear_calls["emulated (cpu)"] >= 8
-    worst = max(r.rel_l2 for r in ok.layers)
-    assert 1e-2 < worst < 0.1  # the FP8 error is there (not silently exact), inside the budget
+    kernel = [r for r in ok.layers if r.part == "kernel"]
+    worst = max(r.rel_l2 for r in kernel)
+    assert 1e-2 < worst < 0.1  # the FP8 error is there (not silently exact), inside its rounding bound
     # a weight scale 30 % off: every block linear is off by 30 % -> the gate must fail at a block site
     real = FP8Linear.fp8_weight
     monkeypatch.setattr(FP8Linear, "fp8_weight", lambda self: (real(self)[0], real(self)[1] * 1.3))
@@ -280,7 +253,7 @@ def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch
         bad = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
     finally:
         gate._model.cache_clear()
-    assert not bad.passed and bad.first_failure.name.startswith("blocks.")
+    assert not bad.passed and bad.first_failure.name.startswith("blocks.") and bad.first_failure.part == "kernel"
 
 
 def test_bench_dit_tiny_with_fp8_linear(tmp_path):
