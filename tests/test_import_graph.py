@@ -8,6 +8,7 @@ resolved, and `importlib.import_module("…")` / `__import__("…")` calls with 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,93 @@ def test_checker_allows_the_right_direction(tmp_path):
         (tmp_path / package / "__init__.py").write_text("")
         (tmp_path / package / "mod.py").write_text(source)
     assert violations(tmp_path) == []
+
+
+# ---- paths: the runtime reads no harness file either ------------------------------------------------------------
+
+# folder names of the harness and of what sits beside the checkout; a runtime string naming one is a path into them
+HARNESS_PATHS = re.compile(r"(^|[/\\])(parity_tests|fixtures|benchmarks|oracle)([/\\]|$)|(^|[/\\])\.\.[/\\]shared"
+                           r"|shared[/\\]oracle")
+HARNESS_NAMES = {"parity_tests", "fixtures", "benchmarks", "shared"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (documentation, not reads)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                    str):
+                out.add(id(first.value))
+    return out
+
+
+def path_references(root: Path, package: str = "h3direct") -> list[str]:
+    """'file:line names PATH' for every string in `package`'s code (not its docstrings) that names a harness folder:
+    a path fragment (`"parity_tests/budgets.toml"`, `"../shared/oracle"`) or a bare path component joined onto a
+    path (`Path(__file__).parents[2] / "fixtures"`, `os.path.join(root, "benchmarks")`)."""
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        docs = _docstrings(tree)
+        joined = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                joined.update(id(n) for n in (node.left, node.right))
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("join", "joinpath"):
+                joined.update(id(a) for a in node.args)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+                continue
+            s = node.value
+            if HARNESS_PATHS.search(s) and ("/" in s or "\\" in s) or (id(node) in joined and s in HARNESS_NAMES):
+                out.append(f"{path.relative_to(root)}:{node.lineno} names {s!r}")
+    return out
+
+
+def test_runtime_reads_no_harness_path():
+    bad = path_references(REPO)
+    assert not bad, "the runtime reaches into the harness by path:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source", [
+    'from pathlib import Path\nTABLE = Path(__file__).resolve().parents[2] / "parity_tests" / "budgets.toml"\n',
+    'import os\nROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures")\n',
+    'SHARED = "../shared/oracle"\n',
+    'def f(root):\n    return root / "benchmarks/results"\n',
+], ids=["parents-join", "os-path-join", "relative-string", "fragment"])
+def test_path_checker_catches_a_harness_path(tmp_path, source):
+    (tmp_path / "h3direct").mkdir()
+    (tmp_path / "h3direct" / "mod.py").write_text('"""Reads fixtures/ in its docstring only: allowed."""\n' + source)
+    bad = path_references(tmp_path)
+    assert bad and all(b.startswith("h3direct/mod.py:") for b in bad), bad
+
+
+def test_path_checker_allows_documentation_and_unrelated_strings(tmp_path):
+    (tmp_path / "h3direct").mkdir()
+    (tmp_path / "h3direct" / "mod.py").write_text(
+        '"""See fixtures/README.md and ../shared/oracle for the traces."""\n'
+        'def f():\n    """benchmarks/ measures this."""\n    return "a fixtures list", "oracle"\n')
+    assert path_references(tmp_path) == []
+
+
+# ---- the oracle uses the runtime's public names only --------------------------------------------------------------
+
+def private_imports(root: Path, package: str = "oracle") -> list[str]:
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("h3direct",
+                                                                                                  "parity_tests"):
+                out += [f"{path.relative_to(root)}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_")]
+    return out
+
+
+def test_oracle_uses_public_names_only(tmp_path):
+    assert private_imports(REPO) == []
+    (tmp_path / "oracle").mkdir()
+    (tmp_path / "oracle" / "mod.py").write_text("from h3direct.traces.pairing import _rel\n")
+    assert private_imports(tmp_path) == ["oracle/mod.py:1 imports h3direct.traces.pairing._rel"]
