@@ -338,9 +338,10 @@ def _teacher(gate: Gate, model, inputs, cond, device, exact_backend, approx_back
         ref32 = _model(str(case.checkpoint), "fp32", _nvfp4_mode(case), device)
         local = {s.name: s for s in available_sites(ref32, gate.trace, cond, text, backend=EXACT_REFERENCE,
                                                     device=device, widen=True)}
-    fp8_model = None
+    fp8_model, fp8_names = None, set()
     if fp8_linear != "off":
         fp8_model = _model(str(case.checkpoint), _compute_name(model), _nvfp4_mode(case), device, fp8_linear)
+        fp8_names = kernels.fp8_linear_names(fp8_model)
     no_bound = []
     for s in sites:
         if gate.twin is None and gate.compute_key != "fp32" and gate.budgets.roundings(s.kind) is None:
@@ -349,7 +350,7 @@ def _teacher(gate: Gate, model, inputs, cond, device, exact_backend, approx_back
             gate.exact(s.name, s.kind, "teacher", s.run(), local[s.name].run() if s.name in local else None)
         if approx_backend is not None and s.operands is not None:
             kernels.attention_site(gate, s, approx_backend, device)
-        if fp8_model is not None and s.name.removesuffix(".out") in kernels.fp8_linear_names(fp8_model):
+        if s.name.removesuffix(".out") in fp8_names:
             kernels.fp8_linear_site(gate, s, model, fp8_model)
     if no_bound:
         gate.result.notes.append(f"{len(no_bound)} sites without a rounding bound not gated (first: {no_bound[0]})")
