@@ -345,8 +345,7 @@ def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln, ndarr
             torch.randn(1, 12, cfg.text_dim, generator=g))[2]
     from parity_tests.budgets import load_budgets
 
-    rel = load_budgets().lookup(mode="free", kind="output", compute="fp32",
-                                weights="nvfp4_w4a16" if quant == "nvfp4" else "bf16", attention="sdpa").rel_l2
+    rel = load_budgets().rules["fp32_limit"]  # the fp32 rule: what ComfyUI's fp32 forward is held to
     goldens.record(ndarrays_regression, f"made_checkpoint_{adaln}_{quant}",
                    {"video": video, "audio": audio, "text": text, "context": ctx, "out_video": out_v,
                     "out_audio": out_a}, rounding={"context": rel, "out_video": rel, "out_audio": rel})
@@ -384,14 +383,13 @@ def test_made_checkpoint_as_comfyui_loads_it_golden(tmp_path, quant, adaln):
                                  f.get_tensor(f"{layer}.weight_scale_2"), getattr(torch, dtype), shape=tuple(shape))
             assert hashlib.sha256(w.float().contiguous().numpy().tobytes()).hexdigest() == digest, layer
     model = load_dit(path, compute_dtype="fp32", device="cpu")
-    weights = "nvfp4_w4a16" if quant == "nvfp4" else "bf16"
-    budget = load_budgets().lookup(mode="free", kind="output", compute="fp32", weights=weights, attention="sdpa")
+    limit = load_budgets().rules["fp32_limit"]  # the fp32 rule
     with torch.no_grad():
         ctx = model.preprocess_text(ref["text"])
         out_v, out_a = model.forward_inner(ref["video"], ref["audio"], torch.tensor([800.0]), ctx, Conditioning())
     for name, got in (("context", ctx), ("out_video", out_v), ("out_audio", out_a)):
         err = rel_l2(got.float(), ref[name].reshape(got.shape).float())
-        assert err <= budget.rel_l2, f"{name}: rel-L2 {err:.3e} > {budget.rel_l2:g}"
+        assert err <= limit, f"{name}: rel-L2 {err:.3e} > {limit:g}"
 
 
 @pytest.mark.parametrize("preset, adaln, expected", [

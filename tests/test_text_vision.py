@@ -284,7 +284,7 @@ def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regres
         hte.build_presentation(prompt, items(inputs), recording)
     from parity_tests.budgets import load_budgets
 
-    rel = load_budgets().lookup(mode="free", kind="output", compute="fp32", weights="bf16", attention="sdpa").rel_l2
+    rel = load_budgets().rules["fp32_limit"]  # the fp32 rule
     goldens.record(ndarrays_regression, "text_encoder", {**want, **{f"input.{k}": v for k, v in inputs.items()}},
                    rounding={k: rel for k in want if k.endswith(".states")})
     data_regression.check({"tokens": [{"text": t, "ids": ids} for t, ids in sorted(seen.items())]}, fullpath=TOKENS)
