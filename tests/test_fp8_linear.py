@@ -103,7 +103,7 @@ def test_emulated_linear_vs_fp64():
 
 _KERNEL_CHECK = textwrap.dedent("""
     import json, torch
-    from h3direct.checkpoint.quant import w8a8, w8a8_triton
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8, w8a8_triton
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -120,7 +120,7 @@ _KERNEL_CHECK = textwrap.dedent("""
     for n, k in ((200, 96), (130, 48), (256, 512)):
         t = quantize_nvfp4(torch.randn(n, k, generator=g).bfloat16())
         s = w8a8.nvfp4_channel_scales(*t)
-        a = w8a8_triton.nvfp4_to_e4m3(*t, s)
+        a = nvfp4_triton.nvfp4_to_e4m3_triton(*t, s)
         b = w8a8.nvfp4_to_e4m3_reference(*t, s)
         out[f"nvfp4_{n}x{k}"] = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()), list(a.shape)]
     print("RESULT " + json.dumps(out))
@@ -241,14 +241,24 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
     from triton.compiler import ASTSource
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    from h3direct.checkpoint.quant import w8a8_triton as k
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8_triton
+    from h3direct.triton_build import build
 
-    rows = {"q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "BLOCK": "constexpr"}
-    conv = {"p_ptr": "*u8", "bs_ptr": "*u8", "g_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*u8", "N": "i32",
-            "K": "i32", "SCALE_COLS": "i32", "BR": "constexpr", "BC": "constexpr"}
-    for fn, sig, consts in ((k._quant_rows_kernel, {"x_ptr": "*bf16", **rows}, {"BLOCK": 8192}),
-                            (k._quant_rows_kernel, {"x_ptr": "*fp32", **rows}, {"BLOCK": 16384}),
-                            (k._nvfp4_e4m3_kernel, conv, {"BR": 32, "BC": 128})):
+    quant, encode = w8a8_triton.device_functions()
+    rows = {"q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32", "ROWS": "constexpr",
+            "BLOCK": "constexpr", "QUANT": "constexpr", "ENCODE": "constexpr", "INTERPRET": "constexpr"}
+    fns = {"QUANT": quant, "ENCODE": encode, "INTERPRET": False}
+    conv = {"words_ptr": "*i32", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*u8", "rs_ptr": "*fp32",
+            "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
+            "EVEN": "constexpr", "INTERPRET": "constexpr", "ENCODE": "constexpr"}
+    for fn, sig, consts in ((build(w8a8_triton._quant_rows_kernel), {"x_ptr": "*bf16", **rows},
+                             {"ROWS": 1, "BLOCK": 8192, **fns}),
+                            (build(w8a8_triton._quant_rows_kernel), {"x_ptr": "*fp32", **rows},
+                             {"ROWS": 1, "BLOCK": 16384, **fns}),
+                            (build(nvfp4_triton._dequant_kernel), conv,
+                             {"BLK": 256, "OUT": nvfp4_triton.E4M3_OUT, "EVEN": False, "INTERPRET": False,
+                              "ENCODE": encode})):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
@@ -340,7 +350,7 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     """The compiled kernels give the codes and scales of the torch reference computed on the CPU (their interpreted
     twin: test_triton_kernels_bitwise_under_interpreter): activations with outliers, a zero row, e4m3's grid swept
     at scale 1 (ties included); an NVFP4 block weight converted to e4m3 (the stream mode)."""
-    from h3direct.checkpoint.quant import w8a8_triton
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8_triton
     from h3direct.traces.metrics import bit_mismatch
 
     x = _tokens(2048, 5376, seed=1).float()
@@ -361,5 +371,5 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     k, n = BLOCK_LINEARS["out_proj"]
     weight = quantize_nvfp4((torch.randn(n, k, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16())
     scales = w8a8.nvfp4_channel_scales(*weight)
-    got = w8a8_triton.nvfp4_to_e4m3(*(t.cuda() for t in weight), scales.cuda())
+    got = nvfp4_triton.nvfp4_to_e4m3_triton(*(t.cuda() for t in weight), scales.cuda())
     assert (diff := bit_mismatch(got.cpu(), w8a8.nvfp4_to_e4m3_reference(*weight, scales))) is None, diff

@@ -127,9 +127,9 @@ def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale:
                   scales: torch.Tensor) -> torch.Tensor:
     """The e4m3 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
     if _triton_ok(packed):
-        from h3direct.checkpoint.quant import w8a8_triton
+        from h3direct.checkpoint.quant import nvfp4_triton
 
-        return w8a8_triton.nvfp4_to_e4m3(packed, block_scale, global_scale, scales)
+        return nvfp4_triton.nvfp4_to_e4m3_triton(packed, block_scale, global_scale, scales)
     return nvfp4_to_e4m3_reference(packed, block_scale, global_scale, scales)
 
 
