@@ -99,6 +99,26 @@ def test_emulated_linear_vs_fp64():
     assert float((yb.double() - (ref - b.double())).norm() / (ref - b.double()).norm()) < 0.05
 
 
+def test_prequantized_rows_give_the_same_product():
+    """An activation handed over already quantized (`E4M3Rows`, what the fused kernels write) gives bitwise the
+    product of the tensor it was made from, is counted as such, and malformed rows are refused."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 256, generator=g).bfloat16()
+    w8, sw = w8a8.quantize_rows(torch.randn(96, 256, generator=g) * 0.05)
+    b = torch.randn(96, generator=g)
+    w8a8.reset_fp8_linear_stats()
+    want = w8a8.linear_w8a8(x, w8, sw, b)
+    got = w8a8.linear_w8a8(w8a8.E4M3Rows(*w8a8.quantize_rows(x), x.dtype), w8, sw, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert w8a8.fp8_linear_stats() == {"emulated (cpu)": 1, "emulated (cpu), e4m3 input": 1}
+    w8a8.reset_fp8_linear_stats()  # process-wide counters: the gate's tests read them
+    q, s = w8a8.quantize_rows(x)
+    with pytest.raises(ValueError, match="E4M3Rows"):
+        w8a8.E4M3Rows(q, s[:-1], x.dtype)
+    with pytest.raises(ValueError, match="E4M3Rows"):
+        w8a8.E4M3Rows(q.view(torch.uint8), s, x.dtype)
+
+
 # ---------------------------------------------------------------- Triton kernels (interpreter) vs torch, bitwise
 
 _KERNEL_CHECK = textwrap.dedent("""

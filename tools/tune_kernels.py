@@ -94,6 +94,19 @@ def fused_cases(shape: dict, dev) -> dict:
     def residual_norm(t, cfg):
         return t, fused.residual_norm_modulate_(t, gate, upd, w, 1e-6, shift, scale, runs, config=cfg)
 
+    def norm_e4m3(t, cfg):
+        q = fused.norm_modulate(t, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg)
+        return q.data.view(torch.uint8), q.scale
+
+    def residual_norm_e4m3(t, cfg):
+        q = fused.residual_norm_modulate_(t, gate, upd, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg)
+        return t, q.data.view(torch.uint8), q.scale
+
+    def swiglu_e4m3(t, cfg):
+        q = fused.swiglu_e4m3(t, config=cfg)
+        return q.data.view(torch.uint8), q.scale
+
+    # bytes: bf16 reads and writes, e4m3 codes (1 byte) and fp32 row scales (4 bytes a row)
     return {
         "norm_modulate": (lambda: x0, lambda t, cfg: (fused.norm_modulate(t, w, 1e-6, shift, scale, runs,
                                                                          config=cfg),), 4 * s * d),
@@ -102,6 +115,9 @@ def fused_cases(shape: dict, dev) -> dict:
                            6 * s * d),
         "swiglu": (a0.clone, lambda t, cfg: (fused.swiglu_(t, config=cfg),), 6 * s * f),
         "qk_norm_rope": (qkv0.clone, qk, 8 * s * heads * hd),
+        "norm_modulate_e4m3": (lambda: x0, norm_e4m3, 3 * s * d + 4 * s),
+        "residual_norm_modulate_e4m3": (x0.clone, residual_norm_e4m3, 7 * s * d + 4 * s),
+        "swiglu_e4m3": (lambda: a0, swiglu_e4m3, 5 * s * f + 4 * s),
     }
 
 
