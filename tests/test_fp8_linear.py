@@ -282,6 +282,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the GPU's e4m3 encoding (test_e4m3_encoding_instruction_...)
         assert compiled.asm["cubin"]
 
 
@@ -393,3 +394,31 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     scales = w8a8.nvfp4_channel_scales(*weight)
     got = nvfp4_triton.nvfp4_to_e4m3_triton(*(t.cuda() for t in weight), scales.cuda())
     assert (diff := bit_mismatch(got.cpu(), w8a8.nvfp4_to_e4m3_reference(*weight, scales))) is None, diff
+
+
+@pytest.mark.gpu
+def test_e4m3_encoding_instruction_is_torch_cast_on_every_fp32_value():
+    """Compiled, the kernels encode e4m3 with the GPU's conversion instruction (the interpreter, which the CPU tests
+    run, with integer arithmetic): on every fp32 value in [-448, 448] (all 2 x 1,138,753,537 bit patterns: every tie,
+    the subnormals, -0) it must give torch's float8 cast (c10's software rounding). Rows of 4,095 consecutive patterns
+    and a 448 (so the row's scale is exactly 1 and the division exact) through the activation quantizer."""
+    from h3direct.checkpoint.quant import w8a8_triton
+
+    top, width = 0x43E00000, 4095  # the bits of 448.0
+    chunk = width * 65536
+    for sign in (0, -(2**31)):
+        for start in range(0, top + 1, chunk):
+            bits = torch.arange(start, min(start + chunk, top + 1), device="cuda", dtype=torch.int32) | sign
+            pad = -len(bits) % width
+            vals = torch.cat([bits.view(torch.float32), torch.zeros(pad, device="cuda")]).view(-1, width)
+            x = torch.cat([torch.full((len(vals), 1), 448.0, device="cuda"), vals], dim=1)
+            q, s = w8a8_triton.quantize_rows(x)
+            assert bool((s == 1).all())
+            bad = (q.view(torch.uint8) != x.to(torch.float8_e4m3fn).view(torch.uint8)).nonzero()
+            if len(bad):
+                r, c = bad[0].tolist()
+                v = x[r, c].item()
+                raise AssertionError(f"{len(bad)} values encode differently, first {v!r} (bits "
+                                     f"{x[r, c].view(torch.int32).item() & 0xFFFFFFFF:#010x}): "
+                                     f"{q[r, c].view(torch.uint8).item():#04x} vs torch "
+                                     f"{x[r, c].to(torch.float8_e4m3fn).view(torch.uint8).item():#04x}")

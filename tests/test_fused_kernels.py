@@ -246,6 +246,8 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
     for fn, sig, const in kernels:
         k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert ".target sm_90" in k.asm["ptx"]
+        # e4m3 rows: the GPU's e4m3 conversion and IEEE division, as the FP8 linears' quantizer
+        assert const.get("E4M3", False) == ("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] and "div.rn.f32" in k.asm["ptx"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

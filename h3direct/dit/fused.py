@@ -211,7 +211,7 @@ if triton is not None:
             h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         if E4M3:  # h as the plain kernel stores it (x's dtype), then quantized
             codes, s = QUANT(tl.where(inside, h.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0), ENCODE, INTERPRET)
-            tl.store(q_ptr + rows[:, None] * D + cols[None, :], codes.to(tl.uint8), mask=inside)
+            tl.store(q_ptr + rows[:, None] * D + cols[None, :], codes, mask=inside)
             tl.store(qs_ptr + rows, s, mask=in_rows)
         else:
             tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=inside)
@@ -277,7 +277,7 @@ if triton is not None:
                 y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         if E4M3:  # y as the plain kernel stores it (a's dtype), then quantized
             codes, s = QUANT(tl.where(inside, y.to(a_ptr.dtype.element_ty).to(tl.float32), 0.0), ENCODE, INTERPRET)
-            tl.store(q_ptr + rows[:, None] * F + cols[None, :], codes.to(tl.uint8), mask=inside)
+            tl.store(q_ptr + rows[:, None] * F + cols[None, :], codes, mask=inside)
             tl.store(qs_ptr + rows, s, mask=rows < S)
         else:
             tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
