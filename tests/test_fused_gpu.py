@@ -189,7 +189,8 @@ def test_fused_e4m3_rows_are_the_quantized_outputs():
 def _cuda_block(fp8: bool):
     """A DiT block on the GPU in bf16, widths multiples of 16 (so every FP8 GEMM is torch._scaled_mm), head_dim 128;
     fp8: its four block linears FP8 (resident e4m3 weights). With its inputs: x, t_emb, runs, rope table."""
-    from h3direct.dit.linear import FP8Linear
+    from fp8_blocks import make_fp8
+
     from h3direct.dit.rope import rope_angles, rotation_table
 
     torch.manual_seed(0)
@@ -198,8 +199,7 @@ def _cuda_block(fp8: bool):
         p.data = torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if p.ndim == 1 else 0.0)
     blk = blk.to("cuda", torch.bfloat16)
     if fp8:
-        for parent, name in ((blk.attn, "qkv_proj"), (blk.attn, "out_proj"), (blk.mlp, "fc1"), (blk.mlp, "fc2")):
-            setattr(parent, name, FP8Linear.from_module(getattr(parent, name), "resident"))
+        make_fp8(blk)
     g = torch.Generator(device="cpu").manual_seed(7)
     s = 1000
     x = torch.randn(s, 512, generator=g).to("cuda", torch.bfloat16)
@@ -213,40 +213,29 @@ def _cuda_block(fp8: bool):
 def test_dit_block_fp8_linears_take_e4m3_rows_on_cuda(monkeypatch):
     """The FP8 path of a block on the GPU: qkv_proj, fc1 and fc2 run torch._scaled_mm on the e4m3 rows the fused
     kernels write, out_proj quantizes the attention output itself; the block's output is bitwise that of the same
-    block with every activation handed over as a bf16 tensor (hooks on the linears turn the e4m3 inputs off).
+    block with every activation handed over as a bf16 tensor (fp8_blocks.e4m3_path_is_the_tensor_path).
     H3_FUSED=0: the eager path, no e4m3 rows."""
+    from fp8_blocks import e4m3_path_is_the_tensor_path
+
     from h3direct.checkpoint.quant import w8a8
 
-    blk, (x, t_emb, runs, table) = _cuda_block(fp8=True)
+    blk, inputs = _cuda_block(fp8=True)
     with torch.no_grad():
-        w8a8.reset_fp8_linear_stats()
-        ours = blk(x.clone(), t_emb, runs, table)
-        assert w8a8.fp8_linear_stats() == {"scaled_mm, e4m3 input": 3, "scaled_mm": 1}, w8a8.fp8_linear_stats()
-        hooks = [m.register_forward_pre_hook(lambda m, args: None)
-                 for m in (blk.attn.qkv_proj, blk.mlp.fc1, blk.mlp.fc2)]
-        w8a8.reset_fp8_linear_stats()
-        plain = blk(x.clone(), t_emb, runs, table)
-        assert w8a8.fp8_linear_stats() == {"scaled_mm": 4}
-        for h in hooks:
-            h.remove()
+        ours = e4m3_path_is_the_tensor_path(blk, inputs, "scaled_mm")
         monkeypatch.setenv("H3_FUSED", "0")
+        eager = blk(inputs[0].clone(), *inputs[1:])
+        stats = w8a8.fp8_linear_stats()
         w8a8.reset_fp8_linear_stats()
-        eager = blk(x.clone(), t_emb, runs, table)
-        assert w8a8.fp8_linear_stats() == {"scaled_mm": 4}
-    w8a8.reset_fp8_linear_stats()  # process-wide counters: other tests read them
-    assert (diff := bit_mismatch(ours, plain)) is None, diff
+    assert stats == {"scaled_mm": 4}, stats
     assert eager.isfinite().all() and _rel(eager, ours.double()) < 5e-2
 
 
 def test_exact_block_runs_no_e4m3_kernel(monkeypatch):
     """Plain linears (the exact path) on the GPU, fused: no e4m3 output is made."""
+    from fp8_blocks import refuse_e4m3_outputs
+
     blk, (x, t_emb, runs, table) = _cuda_block(fp8=False)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("an e4m3 output on the exact path")
-
-    monkeypatch.setattr(fused, "swiglu_e4m3", refuse)
-    monkeypatch.setattr(fused, "_e4m3_rows", refuse)
+    refuse_e4m3_outputs(monkeypatch)
     with torch.no_grad():
         out = blk(x, t_emb, runs, table)
     assert out.isfinite().all()

@@ -570,16 +570,6 @@ def test_e4m3_rows_catch_a_wrong_row():
     assert differs[:10].all() and not differs[10:].any()
 
 
-def _fp8_block(**sizes):
-    """`_block` in bf16 with its four block linears made FP8 (resident e4m3 weights)."""
-    from h3direct.dit.linear import FP8Linear
-
-    blk = _block(**sizes).bfloat16()
-    for parent, name in ((blk.attn, "qkv_proj"), (blk.attn, "out_proj"), (blk.mlp, "fc1"), (blk.mlp, "fc2")):
-        setattr(parent, name, FP8Linear.from_module(getattr(parent, name), "resident"))
-    return blk
-
-
 def _block_inputs(s=70, hidden=64):
     from h3direct.dit.rope import rope_angles, rotation_table
 
@@ -592,57 +582,41 @@ def _block_inputs(s=70, hidden=64):
     return x, t_emb, runs, table
 
 
-@pytest.fixture
-def fp8_stats():
-    """w8a8's process-wide call counters, cleared before and after the test (others read them)."""
-    from h3direct.checkpoint.quant import w8a8
-
-    w8a8.reset_fp8_linear_stats()
-    yield w8a8
-    w8a8.reset_fp8_linear_stats()
-
-
-def test_dit_block_fp8_linears_take_e4m3_rows_bitwise(monkeypatch, fp8_stats):
+def test_dit_block_fp8_linears_take_e4m3_rows_bitwise(monkeypatch):
     """The fused block with FP8 block linears: qkv_proj, fc1 and fc2 get e4m3 rows from the kernels, out_proj
     quantizes the attention output itself; the block's output is bitwise that of the same block with every
-    activation handed over as a tensor (a forward hook on a linear turns its e4m3 input off: hooks see tensors)."""
-    w8a8 = fp8_stats
-    blk = _fp8_block()
-    x, t_emb, runs, table = _block_inputs()
+    activation handed over as a tensor (fp8_blocks.e4m3_path_is_the_tensor_path). A hook on the MLP, or row chunks,
+    hand fc1 a tensor."""
+    from fp8_blocks import e4m3_path_is_the_tensor_path, make_fp8
+
+    from h3direct.checkpoint.quant import w8a8
+
+    blk = make_fp8(_block().bfloat16())
+    inputs = _block_inputs()
     monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
     with torch.no_grad():
-        w8a8.reset_fp8_linear_stats()
-        ours = blk(x.clone(), t_emb, runs, table)
-        assert w8a8.fp8_linear_stats() == {"emulated (cpu), e4m3 input": 3, "emulated (cpu)": 1}
-        hooks = [m.register_forward_pre_hook(lambda m, args: None)
-                 for m in (blk.attn.qkv_proj, blk.mlp.fc1, blk.mlp.fc2)]
-        w8a8.reset_fp8_linear_stats()
-        plain = blk(x.clone(), t_emb, runs, table)
-        assert w8a8.fp8_linear_stats() == {"emulated (cpu)": 4}
-        for h in hooks:
-            h.remove()
-        # a hook on the module the activation passes through (the MLP) turns fc1's e4m3 input off as well
+        ours = e4m3_path_is_the_tensor_path(blk, inputs, "emulated (cpu)")
         hook = blk.mlp.register_forward_hook(lambda m, args, out: None)
+        try:
+            mlp_hooked = blk(inputs[0].clone(), *inputs[1:])
+            assert w8a8.fp8_linear_stats() == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
+        finally:
+            hook.remove()
+            w8a8.reset_fp8_linear_stats()
+        chunked = blk(inputs[0].clone(), *inputs[1:], mlp_chunks=2)
         w8a8.reset_fp8_linear_stats()
-        mlp_hooked = blk(x.clone(), t_emb, runs, table)
-        hook.remove()
-        assert w8a8.fp8_linear_stats() == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
-        chunked = blk(x.clone(), t_emb, runs, table, mlp_chunks=2)  # row chunks: fc1 takes the tensor
-    assert torch.equal(ours, plain) and torch.equal(ours, mlp_hooked)
+    assert torch.equal(ours, mlp_hooked)
     assert _rel(chunked, ours.double()) < 2e-2
 
 
 def test_plain_linears_never_see_e4m3_rows(monkeypatch):
     """The exact path (plain linears), fused: no e4m3 kernel runs, whatever else is on."""
+    from fp8_blocks import refuse_e4m3_outputs
+
     blk = _block().bfloat16()
     x, t_emb, runs, table = _block_inputs()
     monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("an e4m3 output on the exact path")
-
-    monkeypatch.setattr(fused, "swiglu_e4m3", refuse)
-    monkeypatch.setattr(fused, "_e4m3_rows", refuse)
+    refuse_e4m3_outputs(monkeypatch)
     with torch.no_grad():
         out = blk(x, t_emb, runs, table)
     assert out.dtype == torch.bfloat16 and out.isfinite().all()
