@@ -95,9 +95,9 @@ class MLP(nn.Module):
         a = self.fc1(x)
         del x
         if fused.enabled(a, whole_rows=False):  # SwiGLU tiles its columns: any width
-            if a.shape[-1] // 2 <= fused.MAX_HIDDEN and takes_e4m3(self.fc2):  # fc2's e4m3 input, fc1's output freed
+            if a.shape[-1] // 2 <= fused.MAX_HIDDEN and takes_e4m3(self.fc2):  # FP8 fc2: its e4m3 input rows
                 q = fused.swiglu_e4m3(a)
-                del a
+                del a  # fc1's output is not needed while fc2 runs
                 return self.fc2(q)
             return self.fc2(fused.swiglu_(a))
         gate, up = a.chunk(2, dim=-1)
@@ -202,14 +202,15 @@ class DiTBlock(nn.Module):
         # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
         fuse = fused.enabled(x)  # Triton: norm+modulation and the gated residual as one pass each
-        h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse,
-                       e4m3=fuse and takes_e4m3(self.attn.qkv_proj, self.attn))
+        # FP8 qkv_proj / fc1 (and no hooks): the kernels write their e4m3 input rows; fc1's not under row chunks
+        qkv_e4m3 = fuse and takes_e4m3(self.attn.qkv_proj, self.attn)
+        fc1_e4m3 = fuse and mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1, self.mlp)
+        h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse, e4m3=qkv_e4m3)
         attn_out = self.attn(h, rope_table, backend=backend, sp=sp)
         del h
         if fuse:  # attention's gated residual, then norm2 + the MLP's modulation, in one pass over x
             h = fused.residual_norm_modulate_(x, gate_a, attn_out, self.norm2.weight, self.norm2.eps, shift_m,
-                                              scale_m, runs, e4m3=mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1,
-                                                                                                 self.mlp))
+                                              scale_m, runs, e4m3=fc1_e4m3)
         else:
             x = gated_residual_(x, gate_a, attn_out, runs)
             h = _modulated(self.norm2, x, shift_m, scale_m, runs, fuse)
