@@ -99,11 +99,31 @@ def test_emulated_linear_vs_fp64():
     assert float((yb.double() - (ref - b.double())).norm() / (ref - b.double()).norm()) < 0.05
 
 
+def test_prequantized_rows_give_the_same_product():
+    """An activation handed over already quantized (`E4M3Rows`, what the fused kernels write) gives bitwise the
+    product of the tensor it was made from, is counted as such, and malformed rows are refused."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 256, generator=g).bfloat16()
+    w8, sw = w8a8.quantize_rows(torch.randn(96, 256, generator=g) * 0.05)
+    b = torch.randn(96, generator=g)
+    w8a8.reset_fp8_linear_stats()
+    want = w8a8.linear_w8a8(x, w8, sw, b)
+    got = w8a8.linear_w8a8(w8a8.E4M3Rows(*w8a8.quantize_rows(x), x.dtype), w8, sw, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert w8a8.fp8_linear_stats() == {"emulated (cpu)": 1, "emulated (cpu), e4m3 input": 1}
+    w8a8.reset_fp8_linear_stats()  # process-wide counters: the gate's tests read them
+    q, s = w8a8.quantize_rows(x)
+    with pytest.raises(ValueError, match="E4M3Rows"):
+        w8a8.E4M3Rows(q, s[:-1], x.dtype)
+    with pytest.raises(ValueError, match="E4M3Rows"):
+        w8a8.E4M3Rows(q.view(torch.uint8), s, x.dtype)
+
+
 # ---------------------------------------------------------------- Triton kernels (interpreter) vs torch, bitwise
 
 _KERNEL_CHECK = textwrap.dedent("""
     import json, torch
-    from h3direct.checkpoint.quant import w8a8, w8a8_triton
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8, w8a8_triton
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -120,7 +140,7 @@ _KERNEL_CHECK = textwrap.dedent("""
     for n, k in ((200, 96), (130, 48), (256, 512)):
         t = quantize_nvfp4(torch.randn(n, k, generator=g).bfloat16())
         s = w8a8.nvfp4_channel_scales(*t)
-        a = w8a8_triton.nvfp4_to_e4m3(*t, s)
+        a = nvfp4_triton.nvfp4_to_e4m3_triton(*t, s)
         b = w8a8.nvfp4_to_e4m3_reference(*t, s)
         out[f"nvfp4_{n}x{k}"] = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()), list(a.shape)]
     print("RESULT " + json.dumps(out))
@@ -213,17 +233,28 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
     from triton.compiler import ASTSource
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    from h3direct.checkpoint.quant import w8a8_triton as k
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8_triton
+    from h3direct.triton_build import build
 
-    rows = {"q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "BLOCK": "constexpr"}
-    conv = {"p_ptr": "*u8", "bs_ptr": "*u8", "g_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*u8", "N": "i32",
-            "K": "i32", "SCALE_COLS": "i32", "BR": "constexpr", "BC": "constexpr"}
-    for fn, sig, consts in ((k._quant_rows_kernel, {"x_ptr": "*bf16", **rows}, {"BLOCK": 8192}),
-                            (k._quant_rows_kernel, {"x_ptr": "*fp32", **rows}, {"BLOCK": 16384}),
-                            (k._nvfp4_e4m3_kernel, conv, {"BR": 32, "BC": 128})):
+    quant, encode = w8a8_triton.device_functions()
+    rows = {"q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32", "ROWS": "constexpr",
+            "BLOCK": "constexpr", "QUANT": "constexpr", "ENCODE": "constexpr", "INTERPRET": "constexpr"}
+    fns = {"QUANT": quant, "ENCODE": encode, "INTERPRET": False}
+    conv = {"words_ptr": "*i32", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*u8", "rs_ptr": "*fp32",
+            "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
+            "EVEN": "constexpr", "INTERPRET": "constexpr", "ENCODE": "constexpr"}
+    for fn, sig, consts in ((build(w8a8_triton._quant_rows_kernel), {"x_ptr": "*bf16", **rows},
+                             {"ROWS": 1, "BLOCK": 8192, **fns}),
+                            (build(w8a8_triton._quant_rows_kernel), {"x_ptr": "*fp32", **rows},
+                             {"ROWS": 1, "BLOCK": 16384, **fns}),
+                            (build(nvfp4_triton._dequant_kernel), conv,
+                             {"BLK": 256, "OUT": nvfp4_triton.E4M3_OUT, "EVEN": False, "INTERPRET": False,
+                              "ENCODE": encode})):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the GPU's e4m3 encoding (test_e4m3_encoding_instruction_...)
         assert compiled.asm["cubin"]
 
 
@@ -313,7 +344,7 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     """The compiled kernels give the codes and scales of the torch reference computed on the CPU (their interpreted
     twin: test_triton_kernels_bitwise_under_interpreter): activations with outliers, a zero row, e4m3's grid swept
     at scale 1 (ties included); an NVFP4 block weight converted to e4m3 (the stream mode)."""
-    from h3direct.checkpoint.quant import w8a8_triton
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8_triton
     from h3direct.traces.metrics import bit_mismatch
 
     x = _tokens(2048, 5376, seed=1).float()
@@ -334,5 +365,33 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     k, n = BLOCK_LINEARS["out_proj"]
     weight = quantize_nvfp4((torch.randn(n, k, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16())
     scales = w8a8.nvfp4_channel_scales(*weight)
-    got = w8a8_triton.nvfp4_to_e4m3(*(t.cuda() for t in weight), scales.cuda())
+    got = nvfp4_triton.nvfp4_to_e4m3_triton(*(t.cuda() for t in weight), scales.cuda())
     assert (diff := bit_mismatch(got.cpu(), w8a8.nvfp4_to_e4m3_reference(*weight, scales))) is None, diff
+
+
+@pytest.mark.gpu
+def test_e4m3_encoding_instruction_is_torch_cast_on_every_fp32_value():
+    """Compiled, the kernels encode e4m3 with the GPU's conversion instruction (the interpreter, which the CPU tests
+    run, with integer arithmetic): on every fp32 value in [-448, 448] (all 2 x 1,138,753,537 bit patterns: every tie,
+    the subnormals, -0) it must give torch's float8 cast (c10's software rounding). Rows of 4,095 consecutive patterns
+    and a 448 (so the row's scale is exactly 1 and the division exact) through the activation quantizer."""
+    from h3direct.checkpoint.quant import w8a8_triton
+
+    top, width = 0x43E00000, 4095  # the bits of 448.0
+    chunk = width * 65536
+    for sign in (0, -(2**31)):
+        for start in range(0, top + 1, chunk):
+            bits = torch.arange(start, min(start + chunk, top + 1), device="cuda", dtype=torch.int32) | sign
+            pad = -len(bits) % width
+            vals = torch.cat([bits.view(torch.float32), torch.zeros(pad, device="cuda")]).view(-1, width)
+            x = torch.cat([torch.full((len(vals), 1), 448.0, device="cuda"), vals], dim=1)
+            q, s = w8a8_triton.quantize_rows(x)
+            assert bool((s == 1).all())
+            bad = (q.view(torch.uint8) != x.to(torch.float8_e4m3fn).view(torch.uint8)).nonzero()
+            if len(bad):
+                r, c = bad[0].tolist()
+                v = x[r, c].item()
+                raise AssertionError(f"{len(bad)} values encode differently, first {v!r} (bits "
+                                     f"{x[r, c].view(torch.int32).item() & 0xFFFFFFFF:#010x}): "
+                                     f"{q[r, c].view(torch.uint8).item():#04x} vs torch "
+                                     f"{x[r, c].to(torch.float8_e4m3fn).view(torch.uint8).item():#04x}")

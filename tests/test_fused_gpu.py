@@ -140,3 +140,102 @@ def test_fa3_reads_a_strided_v(lane_backend):
     dense_v = v.transpose(1, 2).contiguous().transpose(1, 2)
     assert not v.is_contiguous() and dense_v.stride() != v.stride()
     assert (diff := bit_mismatch(attention(q, k, v, "fa3"), attention(q, k, dense_v, "fa3"))) is None, diff
+
+
+# ---- e4m3 rows for the FP8 linears ------------------------------------------------------------------------------
+
+def _assert_quantized_rows(got, plain: torch.Tensor, what: str) -> None:
+    """`got` (E4M3Rows, on the GPU) holds exactly what the per-row quantizer makes of `plain`: the Triton quantizer
+    the FP8 linears ran on the stored bf16 output before (GPU), and the torch reference (CPU)."""
+    from h3direct.checkpoint.quant import w8a8, w8a8_triton
+
+    assert got.dtype == plain.dtype and got.data.shape == plain.shape, what
+    codes, scales = got.data.view(torch.uint8), got.scale
+    for where, (q, s) in (("gpu quantizer", w8a8_triton.quantize_rows(plain)),
+                          ("cpu reference", w8a8.quantize_rows(plain.cpu()))):
+        assert (diff := bit_mismatch(codes.to(q.device), q.view(torch.uint8))) is None, f"{what} {where} codes {diff}"
+        assert (diff := bit_mismatch(scales.to(s.device), s)) is None, f"{what} {where} scales {diff}"
+
+
+def test_fused_e4m3_rows_are_the_quantized_outputs():
+    """The kernels that feed qkv_proj, fc1 and fc2, compiled, at the full model's widths (hidden 5,376, SwiGLU 14,336),
+    every config of their sweep: the e4m3 rows they write are bitwise the quantized bf16 output of the plain kernels
+    (rows inside and outside the modulation runs, all-zero rows); the residual kernel's x is the plain kernel's."""
+    g = torch.Generator(device="cpu").manual_seed(6)
+    s, d, runs, x, w, shift, scale, gate = _adaln_case(g)
+    x[4050] = 0  # outside every run: an all-zero output row
+    upd = (torch.randn(s, d, generator=g) * 2).to("cuda", torch.bfloat16)
+    h = fused.norm_modulate(x, w, 1e-6, shift, scale, runs)
+    want_x = x.clone()
+    want_h = fused.residual_norm_modulate_(want_x, gate, upd, w, 1e-6, shift, scale, runs)
+    for cfg in fused.SWEEP["norm_modulate_e4m3"]:
+        _assert_quantized_rows(fused.norm_modulate(x, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg), h,
+                               f"norm_modulate {cfg}")
+    for cfg in fused.SWEEP["residual_norm_modulate_e4m3"]:
+        got_x = x.clone()
+        got = fused.residual_norm_modulate_(got_x, gate, upd, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg)
+        assert (diff := bit_mismatch(got_x, want_x)) is None, (cfg, diff)
+        _assert_quantized_rows(got, want_h, f"residual_norm_modulate_ {cfg}")
+    a = (torch.randn(3001, 2 * 14336, generator=g) * 4).to("cuda", torch.bfloat16)
+    a[7, :14336] = 0  # silu(0) = 0: an all-zero row
+    y = fused.swiglu_(a.clone())
+    for cfg in fused.SWEEP["swiglu_e4m3"]:
+        src = a.clone()
+        got = fused.swiglu_e4m3(src, config=cfg)
+        assert torch.equal(src, a), cfg
+        _assert_quantized_rows(got, y, f"swiglu_e4m3 {cfg}")
+
+
+def _cuda_block(fp8: bool):
+    """A DiT block on the GPU in bf16, widths multiples of 16 (so every FP8 GEMM is torch._scaled_mm), head_dim 128;
+    fp8: its four block linears FP8 (resident e4m3 weights). With its inputs: x, t_emb, runs, rope table."""
+    from fp8_blocks import make_fp8
+
+    from h3direct.dit.rope import rope_angles, rotation_table
+
+    torch.manual_seed(0)
+    blk = blocks.DiTBlock(512, 4, 128, 1024, 16, 1e-6, 1e-6, curve=True)
+    for p in blk.parameters():
+        p.data = torch.randn_like(p) * (0.05 if p.ndim > 1 else 0.1) + (1.0 if p.ndim == 1 else 0.0)
+    blk = blk.to("cuda", torch.bfloat16)
+    if fp8:
+        make_fp8(blk)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    s = 1000
+    x = torch.randn(s, 512, generator=g).to("cuda", torch.bfloat16)
+    t_emb = torch.randn(1, 16, generator=g).to("cuda", torch.bfloat16)
+    runs = [ModRun(0, 100, 1), ModRun(100, 300, 0), ModRun(300, 950, 2)]  # 50 rows outside
+    pos = torch.stack([torch.arange(s) // 100, torch.arange(s) // 10 % 10, torch.arange(s) % 10], -1).double()
+    table = rotation_table(rope_angles(pos, 1.0 / 10000 ** (torch.arange(16) / 16)).cuda(), torch.bfloat16)
+    return blk, (x, t_emb, runs, table)
+
+
+def test_dit_block_fp8_linears_take_e4m3_rows_on_cuda(monkeypatch):
+    """The FP8 path of a block on the GPU: qkv_proj, fc1 and fc2 run torch._scaled_mm on the e4m3 rows the fused
+    kernels write, out_proj quantizes the attention output itself; the block's output is bitwise that of the same
+    block with every activation handed over as a bf16 tensor (fp8_blocks.e4m3_path_is_the_tensor_path).
+    H3_FUSED=0: the eager path, no e4m3 rows."""
+    from fp8_blocks import e4m3_path_is_the_tensor_path
+
+    from h3direct.checkpoint.quant import w8a8
+
+    blk, inputs = _cuda_block(fp8=True)
+    with torch.no_grad():
+        ours = e4m3_path_is_the_tensor_path(blk, inputs, "scaled_mm")
+        monkeypatch.setenv("H3_FUSED", "0")
+        eager = blk(inputs[0].clone(), *inputs[1:])
+        stats = w8a8.fp8_linear_stats()
+        w8a8.reset_fp8_linear_stats()
+    assert stats == {"scaled_mm": 4}, stats
+    assert eager.isfinite().all() and _rel(eager, ours.double()) < 5e-2
+
+
+def test_exact_block_runs_no_e4m3_kernel(monkeypatch):
+    """Plain linears (the exact path) on the GPU, fused: no e4m3 output is made."""
+    from fp8_blocks import refuse_e4m3_outputs
+
+    blk, (x, t_emb, runs, table) = _cuda_block(fp8=False)
+    refuse_e4m3_outputs(monkeypatch)
+    with torch.no_grad():
+        out = blk(x, t_emb, runs, table)
+    assert out.isfinite().all()

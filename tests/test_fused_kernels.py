@@ -189,43 +189,53 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from h3direct.checkpoint.quant.w8a8_triton import device_functions
+
     monkeypatch.delenv("TRITON_INTERPRET")
     tr = fused.triton
+    quant, encode = device_functions()
+    plain = {"E4M3": False, "QUANT": None, "ENCODE": None}
+    e4m3 = {"E4M3": True, "QUANT": quant, "ENCODE": encode}
+    swiglu_sig = {"a_ptr": f"*{dtype}", "q_ptr": "*u8", "qs_ptr": "*fp32", "S": "i32", "F": "i32", "stride_a": "i32",
+                  "ROWS": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr", "LIBDEVICE": "constexpr",
+                  "E4M3": "constexpr", "QUANT": "constexpr", "ENCODE": "constexpr", "INTERPRET": "constexpr"}
     try:
-        tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {"a_ptr": "*bf16", "S": "i32", "F": "i32",
-                                                            "stride_a": "i32", "ROWS": "constexpr",
-                                                            "BLOCK": "constexpr", "ROUND": "constexpr",
-                                                            "LIBDEVICE": "constexpr"},
-                             {"ROWS": 1, "BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True}),
+        tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {**swiglu_sig, "a_ptr": "*bf16"},
+                             {"ROWS": 1, "BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True, "INTERPRET": False, **plain}),
                    target=GPUTarget("cuda", 90, 32))
     except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
         if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
             pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
         raise
     ptr = "i32"
+    round_code = fused._ROUND[getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype])]
     norm_sig = {"x_ptr": f"*{dtype}", "w_ptr": "*bf16", "shift_ptr": "*fp32", "scale_ptr": "*fp32",
-                "idx_ptr": "*i32", "out_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*fp32", "S": ptr,
-                "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_u": ptr, "stride_shift": ptr, "stride_scale": ptr,
-                "stride_g": ptr, "eps": "fp32", "ROWS": "constexpr", "BLOCK": "constexpr", "RESIDUAL": "constexpr",
-                "EXACT": "constexpr", "BF16_INT": "constexpr", "INTERPRET": "constexpr"}
+                "idx_ptr": "*i32", "out_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*fp32", "q_ptr": "*u8",
+                "qs_ptr": "*fp32", "S": ptr, "D": ptr, "stride_x": ptr, "stride_o": ptr, "stride_u": ptr,
+                "stride_shift": ptr, "stride_scale": ptr, "stride_g": ptr, "eps": "fp32", "ROWS": "constexpr",
+                "BLOCK": "constexpr", "RESIDUAL": "constexpr", "EXACT": "constexpr", "BF16_INT": "constexpr",
+                "INTERPRET": "constexpr", "E4M3": "constexpr", "QUANT": "constexpr", "ENCODE": "constexpr"}
+    norm = {"BF16_INT": False, "INTERPRET": False}
     kernels = [
         (fused._norm_modulate_kernel, norm_sig,
-         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, **norm, **plain}),
         (fused._norm_modulate_kernel, norm_sig,  # the fp32-sum variant the sweep times for comparison
-         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": False, "BF16_INT": False, "INTERPRET": False}),
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": False, **norm, **plain}),
         (fused._norm_modulate_kernel, norm_sig,  # the residual + norm kernel, several rows per program
-         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
+         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, **norm, **plain}),
+        (fused._norm_modulate_kernel, norm_sig,  # both norm kernels writing e4m3 rows for the FP8 linears
+         {"ROWS": 1, "BLOCK": 8192, "RESIDUAL": False, "EXACT": True, **norm, **e4m3}),
+        (fused._norm_modulate_kernel, norm_sig,
+         {"ROWS": 2, "BLOCK": 8192, "RESIDUAL": True, "EXACT": True, **norm, **e4m3}),
         (fused._gated_residual_kernel,
          {"x_ptr": f"*{dtype}", "u_ptr": f"*{dtype}", "g_ptr": "*bf16", "idx_ptr": "*i32", "S": ptr, "D": ptr,
           "stride_x": ptr, "stride_u": ptr, "stride_g": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
           "BF16_INT": "constexpr"},
          {"ROWS": 2, "BLOCK": 2048, "BF16_INT": False}),
-        (fused._swiglu_kernel,
-         {"a_ptr": f"*{dtype}", "S": ptr, "F": ptr, "stride_a": ptr, "ROWS": "constexpr", "BLOCK": "constexpr",
-          "ROUND": "constexpr", "LIBDEVICE": "constexpr"},
-         {"ROWS": 2, "BLOCK": 1024, "ROUND": fused._ROUND[getattr(torch, {"bf16": "bfloat16", "fp16": "float16",
-                                                                            "fp32": "float32"}[dtype])],
-          "LIBDEVICE": True}),
+        (fused._swiglu_kernel, swiglu_sig,
+         {"ROWS": 2, "BLOCK": 1024, "ROUND": round_code, "LIBDEVICE": True, "INTERPRET": False, **plain}),
+        (fused._swiglu_kernel, swiglu_sig,  # whole rows of the full model's 14,336 features, e4m3 rows out
+         {"ROWS": 1, "BLOCK": 16384, "ROUND": round_code, "LIBDEVICE": True, "INTERPRET": False, **e4m3}),
         (fused._qk_norm_rope_kernel,
          {"x_ptr": f"*{dtype}", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "t_ptr": f"*{dtype}", "H": ptr, "HQ": ptr,
           "R": ptr, "stride_xs": ptr, "stride_xh": ptr, "stride_ts": ptr, "stride_tj": ptr, "stride_ta": ptr,
@@ -236,6 +246,8 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
     for fn, sig, const in kernels:
         k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert ".target sm_90" in k.asm["ptx"]
+        # e4m3 rows: the GPU's e4m3 conversion and IEEE division, as the FP8 linears' quantizer
+        assert const.get("E4M3", False) == ("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] and "div.rn.f32" in k.asm["ptx"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -438,7 +450,8 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     calls = []
     real = fused.residual_norm_modulate_
 
-    def split(x, gate, update, weight, eps, shift, scale, runs):
+    def split(x, gate, update, weight, eps, shift, scale, runs, e4m3=False):
+        assert not e4m3  # plain linears: the bf16 h
         calls.append(x.shape)
         fused.gated_residual_(x, gate, update, runs)
         return fused.norm_modulate(x, weight, eps, shift, scale, runs)
@@ -488,3 +501,122 @@ def test_norms_propagate_inf_and_nan_as_eager(recwarn):  # recwarn: numpy's cast
     assert ours[1].isnan().sum() == 1 and torch.equal(ours[1][~ours[1].isnan()], eager[1][~eager[1].isnan()])
     fine = ~ours.isnan().any(dim=1)
     assert _rel(ours[fine], eager[fine].double()) < 1e-2
+
+
+# ---- e4m3 rows for the FP8 linears: bitwise the per-row quantizer on the output the plain kernel stores ----------
+
+def _assert_quantized_rows(got, plain: torch.Tensor, what: str) -> None:
+    """`got` (E4M3Rows) holds exactly the codes and scales `w8a8.quantize_rows` (the torch reference) makes of
+    `plain`, and the Triton quantizer the linear would run on it gives the same."""
+    from h3direct.checkpoint.quant import w8a8, w8a8_triton
+    from h3direct.traces.metrics import bit_mismatch
+
+    assert got.dtype == plain.dtype and got.data.shape == plain.shape and got.data.is_contiguous(), what
+    for q, s in (w8a8.quantize_rows(plain), w8a8_triton.quantize_rows(plain)):
+        assert (diff := bit_mismatch(got.data.view(torch.uint8), q.view(torch.uint8))) is None, f"{what} codes {diff}"
+        assert (diff := bit_mismatch(got.scale, s)) is None, f"{what} scales {diff}"
+
+
+@pytest.mark.parametrize("d, dtype", [(64, torch.bfloat16), (100, torch.bfloat16), (5376, torch.bfloat16),
+                                      (100, torch.float32)], ids=["64-bf16", "100-bf16", "5376-bf16", "100-fp32"])
+def test_norm_kernels_e4m3_rows_are_the_quantized_output(d, dtype):
+    """norm_modulate / residual_norm_modulate_ with e4m3=True: the e4m3 rows of the tensor the plain kernel returns
+    (rows inside and outside the modulation runs, a zero row: scale 1), x updated in place with the same bits; every
+    launch tile of the tables and the sweep for one shape (the others: the default tile)."""
+    x, w, shift, scale, gate = _inputs(70, d, seed=20, dtype=dtype)
+    x[66] = 0  # outside every run: plain norm of zeros, an all-zero output row
+    upd = (torch.randn(70, d, generator=torch.Generator().manual_seed(21)) * 2).to(dtype)
+    h = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    want_x = x.clone()
+    want_h = fused.residual_norm_modulate_(want_x, gate, upd, w, 1e-6, shift, scale, RUNS)
+    assert not h[66].any()
+    every = d == 100 and dtype == torch.bfloat16
+    for tile in _tiles("norm_modulate_e4m3")[:None if every else 1]:
+        _assert_quantized_rows(fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS, e4m3=True, config=tile), h,
+                               f"norm_modulate {tile}")
+    for tile in _tiles("residual_norm_modulate_e4m3")[:None if every else 1]:
+        got_x = x.clone()
+        got = fused.residual_norm_modulate_(got_x, gate, upd, w, 1e-6, shift, scale, RUNS, e4m3=True, config=tile)
+        assert torch.equal(got_x, want_x), tile
+        _assert_quantized_rows(got, want_h, f"residual_norm_modulate_ {tile}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_swiglu_e4m3_rows_are_the_quantized_output(dtype):
+    """swiglu_e4m3: the e4m3 rows of what swiglu_ writes (a zero row included), fc1's output left as it was; every
+    launch tile; F = 1100: a row shorter than its power-of-two block."""
+    a = (torch.randn(37, 2 * 1100, generator=torch.Generator().manual_seed(22)) * 4).to(dtype)
+    a[5, :1100] = 0  # silu(0) = 0: an all-zero row
+    want = fused.swiglu_(a.clone())
+    assert not want[5].any()
+    for tile in _tiles("swiglu_e4m3"):
+        src = a.clone()
+        got = fused.swiglu_e4m3(src, config=tile)
+        assert torch.equal(src, a), tile
+        _assert_quantized_rows(got, want, f"swiglu_e4m3 {tile}")
+    with pytest.raises(ValueError, match="one row per program"):
+        fused.swiglu_e4m3(torch.zeros(2, 2 * (fused.MAX_HIDDEN + 16), dtype=dtype))
+
+
+def test_e4m3_rows_catch_a_wrong_row():
+    """The bitwise checks above can fail: the kernel fed a wrong adaLN row for one run gives other codes there."""
+    from h3direct.checkpoint.quant import w8a8
+
+    x, w, shift, scale, _ = _inputs(70, 64, seed=23)
+    h = fused.norm_modulate(x, w, 1e-6, shift, scale, RUNS)
+    got = fused.norm_modulate(x, w, 1e-6, shift, scale, [ModRun(0, 10, 2), *RUNS[1:]], e4m3=True)
+    q, _ = w8a8.quantize_rows(h)
+    differs = (got.data.view(torch.uint8) != q.view(torch.uint8)).any(dim=1)
+    assert differs[:10].all() and not differs[10:].any()
+
+
+def _block_inputs(s=70, hidden=64):
+    from h3direct.dit.rope import rope_angles, rotation_table
+
+    x = torch.randn(s, hidden, generator=torch.Generator().manual_seed(5)).bfloat16()
+    t_emb = torch.randn(1, 16, generator=torch.Generator().manual_seed(6)).bfloat16()
+    runs = [ModRun(0, 20, 1), ModRun(20, 50, 0), ModRun(50, 70, 2)]
+    pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
+    table = rotation_table(rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5)),
+                           torch.bfloat16)
+    return x, t_emb, runs, table
+
+
+def test_dit_block_fp8_linears_take_e4m3_rows_bitwise(monkeypatch):
+    """The fused block with FP8 block linears: qkv_proj, fc1 and fc2 get e4m3 rows from the kernels, out_proj
+    quantizes the attention output itself; the block's output is bitwise that of the same block with every
+    activation handed over as a tensor (fp8_blocks.e4m3_path_is_the_tensor_path). A hook on the MLP, or row chunks,
+    hand fc1 a tensor."""
+    from fp8_blocks import e4m3_path_is_the_tensor_path, make_fp8
+
+    from h3direct.checkpoint.quant import w8a8
+
+    blk = make_fp8(_block().bfloat16())
+    inputs = _block_inputs()
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    with torch.no_grad():
+        ours = e4m3_path_is_the_tensor_path(blk, inputs, "emulated (cpu)")
+        hook = blk.mlp.register_forward_hook(lambda m, args, out: None)
+        try:
+            mlp_hooked = blk(inputs[0].clone(), *inputs[1:])
+            assert w8a8.fp8_linear_stats() == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
+        finally:
+            hook.remove()
+            w8a8.reset_fp8_linear_stats()
+        chunked = blk(inputs[0].clone(), *inputs[1:], mlp_chunks=2)
+        w8a8.reset_fp8_linear_stats()
+    assert torch.equal(ours, mlp_hooked)
+    assert _rel(chunked, ours.double()) < 2e-2
+
+
+def test_plain_linears_never_see_e4m3_rows(monkeypatch):
+    """The exact path (plain linears), fused: no e4m3 kernel runs, whatever else is on."""
+    from fp8_blocks import refuse_e4m3_outputs
+
+    blk = _block().bfloat16()
+    x, t_emb, runs, table = _block_inputs()
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    refuse_e4m3_outputs(monkeypatch)
+    with torch.no_grad():
+        out = blk(x, t_emb, runs, table)
+    assert out.dtype == torch.bfloat16 and out.isfinite().all()

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from h3direct.checkpoint.quant import nvfp4, nvfp4_triton
+from h3direct.checkpoint.quant import nvfp4, nvfp4_triton, w8a8
 from h3direct.traces.metrics import bit_mismatch
 
 pytestmark = pytest.mark.skipif(nvfp4_triton.triton is None, reason="needs Triton (the `test` extra installs it on "
@@ -74,6 +74,41 @@ def test_bitwise_quantized_weight_and_configs(config):
     for out_dtype in DTYPES:
         assert_same_bits(nvfp4_triton.dequantize_nvfp4_triton(*q, out_dtype, config=config),
                          nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch"), f"{config} {out_dtype}")
+
+
+def _e4m3_cases(q: nvfp4.NVFP4Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Row scales for the e4m3 conversion: the layer's own (from its fp32 decode, as the FP8 linears take them), a
+    third of them (values clamp at ±448), and 2^20 times them (values fall into e4m3's subnormals and to ±0)."""
+    own = w8a8.nvfp4_channel_scales(*q)
+    return [("own", own), ("clamping", own / 3), ("underflowing", own * 2.0 ** 20)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_e4m3_conversion_bitwise_random_storage(shape):
+    """NVFP4 -> e4m3 under per-row scales (the FP8 linears' stream mode, every call): bitwise the torch reference
+    (`w8a8.nvfp4_to_e4m3_reference`, e4m3(fp32 decode / row scale)) on raw random storage: every code, every non-NaN
+    block-scale byte (subnormals, ±0, 448), partial programs (256 blocks a program)."""
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1] + 7)
+    rows, cols = nvfp4.padded_shape(shape)
+    for gs in GLOBALS[:2]:
+        q = random_storage(rows, cols, g, gs)
+        for what, rs in _e4m3_cases(q):
+            got = nvfp4_triton.nvfp4_to_e4m3_triton(*q, rs, config=(256, 4))
+            assert got.dtype == torch.float8_e4m3fn and got.shape == (rows, cols)
+            assert_same_bits(got, w8a8.nvfp4_to_e4m3_reference(*q, rs), f"{shape} global {gs} {what} scales")
+
+
+def test_e4m3_conversion_catches_a_wrong_row_scale():
+    """The bitwise check above can fail: one row's scale 1 % off moves codes of that row, and only of that row."""
+    rows, cols = nvfp4.padded_shape((64, 96))
+    q = random_storage(rows, cols, torch.Generator().manual_seed(8), 1.0)
+    rs = w8a8.nvfp4_channel_scales(*q)
+    bumped = rs.clone()
+    bumped[5] = rs[5] * 1.01
+    got = nvfp4_triton.nvfp4_to_e4m3_triton(*q, bumped, config=(64, 1)).view(torch.uint8)
+    ref = w8a8.nvfp4_to_e4m3_reference(*q, rs).view(torch.uint8)
+    diff = (got != ref).any(dim=1)
+    assert diff[5] and int(diff.sum()) == 1
 
 
 def test_every_code_and_negative_zero():
@@ -158,13 +193,14 @@ def test_compiles_for_hopper_with_wide_memory_access(out_dtype, monkeypatch):
     tr = nvfp4_triton.triton
     code = {"bf16": 2, "fp16": 1, "fp32": 0}[out_dtype]
     sig = {"words_ptr": "*i32", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*fp32" if code == 0 else "*i16",
-           "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
-           "EVEN": "constexpr", "INTERPRET": "constexpr"}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # pointers and `total`, as a launch specializes
-    blk, warps = nvfp4_triton.LAUNCH[(9, 0)]  # the Hopper entry
+           "rs_ptr": "*fp32", "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr",
+           "OUT": "constexpr", "EVEN": "constexpr", "INTERPRET": "constexpr", "ENCODE": "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers and `total`, as a launch specializes
+    blk, warps = nvfp4_triton.LAUNCH[(9, 0)]["nvfp4_dequant"]  # the Hopper entry
     try:
         k = tr.compile(ASTSource(tr.jit(nvfp4_triton._dequant_kernel), sig,
-                                 {"BLK": blk, "OUT": code, "EVEN": False, "INTERPRET": False}, aligned),
+                                 {"BLK": blk, "OUT": code, "EVEN": False, "INTERPRET": False, "ENCODE": None},
+                                 aligned),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
         if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
@@ -197,18 +233,57 @@ def test_compiled_kernel_on_cuda(out_dtype, monkeypatch):
         rows, cols = nvfp4.padded_shape(shape)
         q = random_storage(rows, cols, g, 1.2345678e-3)
         ref = nvfp4.dequantize_nvfp4(*q, out_dtype, backend="torch")
-        for config in (None, nvfp4_triton.DEFAULT_LAUNCH, *nvfp4_triton.LAUNCH.values(), *nvfp4_triton.CONFIGS):
+        for config in (None, *nvfp4_triton.CONFIGS):
             got = nvfp4_triton.dequantize_nvfp4_triton(*(t.cuda() for t in q), out_dtype, config=config)
             assert_same_bits(got.cpu(), ref, f"cuda {shape} {config}")
 
 
-def test_launch_config_by_compute_capability(monkeypatch):
-    """The Hopper entry on sm_90, the untuned default on any other GPU and on the CPU."""
-    monkeypatch.setattr(nvfp4_triton, "_capability", lambda index: (9, 0))
-    assert nvfp4_triton.launch_config(torch.device("cuda", 0)) == nvfp4_triton.LAUNCH[(9, 0)]
-    monkeypatch.setattr(nvfp4_triton, "_capability", lambda index: (12, 1))
-    assert nvfp4_triton.launch_config(torch.device("cuda", 0)) == nvfp4_triton.DEFAULT_LAUNCH
-    assert nvfp4_triton.launch_config(torch.device("cpu")) == nvfp4_triton.DEFAULT_LAUNCH
+@pytest.mark.parametrize("kernel", ["nvfp4_dequant", "nvfp4_e4m3"])
+def test_launch_config_by_compute_capability(kernel, monkeypatch):
+    """The Hopper entry on sm_90, the untuned default on any other GPU and on the CPU; every table holds both uses of
+    the kernel, each a config of the sweep."""
+    from h3direct import triton_build
+
+    monkeypatch.setattr(triton_build, "capability", lambda index: (9, 0))
+    assert nvfp4_triton.launch_config(kernel, torch.device("cuda", 0)) == nvfp4_triton.LAUNCH[(9, 0)][kernel]
+    monkeypatch.setattr(triton_build, "capability", lambda index: (12, 1))
+    assert nvfp4_triton.launch_config(kernel, torch.device("cuda", 0)) == nvfp4_triton.DEFAULT_LAUNCH[kernel]
+    assert nvfp4_triton.launch_config(kernel, torch.device("cpu")) == nvfp4_triton.DEFAULT_LAUNCH[kernel]
+    for table in (nvfp4_triton.DEFAULT_LAUNCH, *nvfp4_triton.LAUNCH.values()):
+        assert set(table) == {"nvfp4_dequant", "nvfp4_e4m3"} and table[kernel] in nvfp4_triton.CONFIGS
+
+
+@pytest.mark.gpu
+def test_compiled_e4m3_conversion_on_cuda(monkeypatch):
+    """The e4m3 conversion compiled: random storage (every code and non-NaN scale byte) under the layer's own,
+    clamping and underflowing row scales, every launch config: bitwise the torch reference run on the CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator().manual_seed(4)
+    for shape in ((300, 270), (1024, 2048)):
+        rows, cols = nvfp4.padded_shape(shape)
+        q = random_storage(rows, cols, g, 1.2345678e-3)
+        for what, rs in _e4m3_cases(q):
+            ref = w8a8.nvfp4_to_e4m3_reference(*q, rs)
+            for config in (None, *nvfp4_triton.CONFIGS):
+                got = nvfp4_triton.nvfp4_to_e4m3_triton(*(t.cuda() for t in q), rs.cuda(), config=config)
+                assert_same_bits(got.cpu(), ref, f"cuda {shape} {what} {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, n, k", BLOCK_WEIGHTS, ids=[w[0] for w in BLOCK_WEIGHTS])
+def test_compiled_e4m3_conversion_block_weights_every_config(name, n, k, monkeypatch):
+    """The full model's four block-linear weights through `w8a8.nvfp4_to_e4m3` (what a stream FP8 linear calls): the
+    Triton kernel on CUDA, every launch config, bitwise the torch reference computed on the CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator(device="cpu").manual_seed(n + k + 1)
+    q = nvfp4.quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+    rs = w8a8.nvfp4_channel_scales(*q)
+    ref = w8a8.nvfp4_to_e4m3_reference(*q, rs)
+    on_gpu = [t.cuda() for t in (*q, rs)]
+    assert_same_bits(w8a8.nvfp4_to_e4m3(*on_gpu).cpu(), ref, f"{name} default config")
+    for config in nvfp4_triton.CONFIGS:
+        got = nvfp4_triton.nvfp4_to_e4m3_triton(*on_gpu, config=config)
+        assert_same_bits(got.cpu(), ref, f"{name} config {config}")
 
 
 @pytest.mark.gpu

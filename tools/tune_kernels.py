@@ -3,10 +3,12 @@
     python tools/tune_kernels.py [--iters 30] [--out tune.json]          # the DiT's full shape (S = 20,050)
     TRITON_INTERPRET=1 python tools/tune_kernels.py --device cpu --small  # a smoke run in Triton's interpreter
 
-Kernels: the fused elementwise kernels of `h3direct/dit/fused.py` (every candidate of its sweep list) and the NVFP4
-dequantization of `h3direct/checkpoint/quant/nvfp4_triton.py` (every config, at the four block-linear weight
-shapes). Each candidate runs on the same inputs; CUDA-event median ms, GB/s (bytes moved / time), and whether its
-output has the same bits as the current config's (every config must: exit 1 otherwise). The result is printed as the
+Kernels: the fused elementwise kernels of `h3direct/dit/fused.py` (every candidate of its sweep list, the variants
+writing e4m3 rows for the FP8 linears included) and the two uses of the NVFP4 kernel of
+`h3direct/checkpoint/quant/nvfp4_triton.py`: dequantization to bf16 (`nvfp4_dequant`) and conversion to e4m3 under
+per-row scales (`nvfp4_e4m3`, the FP8 linears' stream mode), every config, at the four block-linear weight shapes.
+Each candidate runs on the same inputs; CUDA-event median ms, GB/s (bytes moved / time), and whether its output has
+the same bits as the current config's (every config must: exit 1 otherwise). The result is printed as the
 entries to put in the runtime's tables for this GPU's compute capability.
 """
 
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import time_calls  # noqa: E402
-from h3direct.checkpoint.quant import nvfp4, nvfp4_triton  # noqa: E402
+from h3direct.checkpoint.quant import nvfp4, nvfp4_triton, w8a8  # noqa: E402
 from h3direct.dit import fused  # noqa: E402
 from h3direct.dit.rope import rope_angles, rotation_table  # noqa: E402
 from h3direct.dit.timesteps import ModRun  # noqa: E402
@@ -46,9 +48,12 @@ def fused_candidates(kernel: str, device) -> list[dict]:
     return out
 
 
-def dequant_candidates(device) -> list[tuple[int, int]]:
-    """This GPU's current (blocks per program, warps) first, then the other configs."""
-    current = nvfp4_triton.launch_config(device)
+NVFP4_KERNELS = ("nvfp4_dequant", "nvfp4_e4m3")
+
+
+def nvfp4_candidates(kernel: str, device) -> list[tuple[int, int]]:
+    """This GPU's current (blocks per program, warps) of `kernel` first, then the other configs."""
+    current = nvfp4_triton.launch_config(kernel, device)
     return [current, *(c for c in nvfp4_triton.CONFIGS if c != current)]
 
 
@@ -89,6 +94,19 @@ def fused_cases(shape: dict, dev) -> dict:
     def residual_norm(t, cfg):
         return t, fused.residual_norm_modulate_(t, gate, upd, w, 1e-6, shift, scale, runs, config=cfg)
 
+    def norm_e4m3(t, cfg):
+        q = fused.norm_modulate(t, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg)
+        return q.data.view(torch.uint8), q.scale
+
+    def residual_norm_e4m3(t, cfg):
+        q = fused.residual_norm_modulate_(t, gate, upd, w, 1e-6, shift, scale, runs, e4m3=True, config=cfg)
+        return t, q.data.view(torch.uint8), q.scale
+
+    def swiglu_e4m3(t, cfg):
+        q = fused.swiglu_e4m3(t, config=cfg)
+        return q.data.view(torch.uint8), q.scale
+
+    # bytes: bf16 reads and writes, e4m3 codes (1 byte) and fp32 row scales (4 bytes a row)
     return {
         "norm_modulate": (lambda: x0, lambda t, cfg: (fused.norm_modulate(t, w, 1e-6, shift, scale, runs,
                                                                          config=cfg),), 4 * s * d),
@@ -97,6 +115,9 @@ def fused_cases(shape: dict, dev) -> dict:
                            6 * s * d),
         "swiglu": (a0.clone, lambda t, cfg: (fused.swiglu_(t, config=cfg),), 6 * s * f),
         "qk_norm_rope": (qkv0.clone, qk, 8 * s * heads * hd),
+        "norm_modulate_e4m3": (lambda: x0, norm_e4m3, 3 * s * d + 4 * s),
+        "residual_norm_modulate_e4m3": (x0.clone, residual_norm_e4m3, 7 * s * d + 4 * s),
+        "swiglu_e4m3": (lambda: a0, swiglu_e4m3, 5 * s * f + 4 * s),
     }
 
 
@@ -139,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None, help="write the sweep as JSON here")
     args = ap.parse_args(argv)
-    known = [*fused_kernels(), "nvfp4_dequant"]
+    known = [*fused_kernels(), *NVFP4_KERNELS]
     kernels = args.kernels.split(",") if args.kernels else known
     bad = [k for k in kernels if k not in known]
     if bad:
@@ -165,18 +186,29 @@ def main(argv=None) -> int:
         if name in cases:
             make, run, nbytes = cases[name]
             res["kernels"][name] = sweep(name, fused_candidates(name, dev), run, make, nbytes, dev, args.iters)
-    if "nvfp4_dequant" in kernels:
+    if set(kernels) & set(NVFP4_KERNELS):
         g = torch.Generator(device="cpu").manual_seed(2)
         weights = [nvfp4.quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).to(dev, torch.bfloat16))
                    for _, n, k in shape["weights"]]
-        nbytes = sum(q.packed.numel() + q.block_scale.numel() + 2 * 2 * q.packed.numel() for q in weights)
+        row_scales = [w8a8.nvfp4_channel_scales(*q) for q in weights]
+        codes = sum(q.packed.numel() + q.block_scale.numel() for q in weights)  # what both read
+        values = sum(2 * q.packed.numel() for q in weights)
 
         def dequant_all(qs, cfg):
             return [nvfp4_triton.dequantize_nvfp4_triton(*q, torch.bfloat16, config=cfg) for q in qs]
 
-        res["kernels"]["nvfp4_dequant"] = sweep("nvfp4_dequant (the block-linear weights, bf16)",
-                                                dequant_candidates(dev), dequant_all, lambda: weights, nbytes, dev,
-                                                args.iters)
+        def e4m3_all(qs, cfg):
+            return [nvfp4_triton.nvfp4_to_e4m3_triton(*q, rs, config=cfg).view(torch.uint8)
+                    for q, rs in zip(qs, row_scales, strict=True)]
+
+        cases = {"nvfp4_dequant": ("bf16", dequant_all, codes + 2 * values),
+                 "nvfp4_e4m3": ("e4m3 under per-row scales", e4m3_all,
+                                codes + values + sum(4 * len(rs) for rs in row_scales))}
+        for name in NVFP4_KERNELS:
+            if name in kernels:
+                what, run, nbytes = cases[name]
+                res["kernels"][name] = sweep(f"{name} (the block-linear weights, {what})", nvfp4_candidates(name, dev),
+                                             run, lambda: weights, nbytes, dev, args.iters)
     print(f"\nfastest on {gpu}:")
     for name, r in res["kernels"].items():
         print(f"  {name!r}: {r['best']!r},")

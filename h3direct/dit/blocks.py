@@ -10,6 +10,10 @@ the same way. On CUDA with Triton (`fused.py`, unless H3_FUSED=0) the norm + mod
 are one pass each over all rows, fp32 inside and rounded once: closer to fp32 than that eager order, which the
 exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge. The attention's gated residual and the
 MLP's norm + modulation share one pass there (`fused.residual_norm_modulate_`, bitwise the two kernels in turn).
+When a fused kernel feeds an FP8 linear (qkv_proj, fc1, fc2 with `--fp8-linear`) and no hook wants the activation,
+it writes the linear's e4m3 input rows instead of a bf16 tensor (`w8a8.E4M3Rows`: the codes and scales the linear
+would have made from that tensor, bit for bit); nothing else reads those activations (the residual stream x is still
+updated in place). out_proj's input comes from the attention kernel and is quantized by the linear itself.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch.nn.modules import module as nn_module
 
 from h3direct.dit import fused
 from h3direct.dit.attention import DEFAULT_BACKEND, attention
-from h3direct.dit.linear import Linear
+from h3direct.dit.linear import FP8Linear, Linear
 from h3direct.dit.rope import rms_norm_rope_
 from h3direct.dit.timesteps import ModRun
 
@@ -48,11 +52,13 @@ class Attention(nn.Module):
         self.out_proj = Linear(heads * head_dim, hidden, bias=False)
         self.tracer = None  # set by tracing.Tracer to record rope'd q/k
 
-    def forward(self, x: torch.Tensor, rope_table: torch.Tensor | None = None, *,
+    def forward(self, x, rope_table: torch.Tensor | None = None, *,
                 backend: str = DEFAULT_BACKEND, sp=None) -> torch.Tensor:
-        # x: [S, hidden] -> [S, hidden]. The projection's features are q | k | v, each split into heads.
-        seq = x.shape[0]
-        q, k, v = (third.view(seq, self.heads, self.head_dim) for third in self.qkv_proj(x).chunk(3, dim=-1))
+        # x: [S, hidden] (or its e4m3 rows for an FP8 qkv_proj) -> [S, hidden]. The projection's features are
+        # q | k | v, each split into heads.
+        qkv = self.qkv_proj(x)
+        seq = qkv.shape[0]
+        q, k, v = (third.view(seq, self.heads, self.head_dim) for third in qkv.chunk(3, dim=-1))
         if rope_table is None:
             q, k = self.q_norm(q), self.k_norm(k)
         else:
@@ -89,6 +95,10 @@ class MLP(nn.Module):
         a = self.fc1(x)
         del x
         if fused.enabled(a, whole_rows=False):  # SwiGLU tiles its columns: any width
+            if a.shape[-1] // 2 <= fused.MAX_HIDDEN and takes_e4m3(self.fc2):  # FP8 fc2: its e4m3 input rows
+                q = fused.swiglu_e4m3(a)
+                del a  # fc1's output is not needed while fc2 runs
+                return self.fc2(q)
             return self.fc2(fused.swiglu_(a))
         gate, up = a.chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))
@@ -192,12 +202,15 @@ class DiTBlock(nn.Module):
         # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
         fuse = fused.enabled(x)  # Triton: norm+modulation and the gated residual as one pass each
-        h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse)
+        # FP8 qkv_proj / fc1 (and no hooks): the kernels write their e4m3 input rows; fc1's not under row chunks
+        qkv_e4m3 = fuse and takes_e4m3(self.attn.qkv_proj, self.attn)
+        fc1_e4m3 = fuse and mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1, self.mlp)
+        h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse, e4m3=qkv_e4m3)
         attn_out = self.attn(h, rope_table, backend=backend, sp=sp)
         del h
         if fuse:  # attention's gated residual, then norm2 + the MLP's modulation, in one pass over x
             h = fused.residual_norm_modulate_(x, gate_a, attn_out, self.norm2.weight, self.norm2.eps, shift_m,
-                                              scale_m, runs)
+                                              scale_m, runs, e4m3=fc1_e4m3)
         else:
             x = gated_residual_(x, gate_a, attn_out, runs)
             h = _modulated(self.norm2, x, shift_m, scale_m, runs, fuse)
@@ -211,11 +224,19 @@ def _global_hooks() -> bool:
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
-def _modulated(norm: RMSNorm, x, shift, scale, runs: list[ModRun], fuse: bool) -> torch.Tensor:
+def takes_e4m3(linear: nn.Module, *callers: nn.Module) -> bool:
+    """`linear` can be handed its input as e4m3 rows (`w8a8.E4M3Rows`): an FP8 linear, and no forward hook on it or
+    on the modules the activation passes through on its way there (`callers`) that would want the tensor."""
+    return (isinstance(linear, FP8Linear) and not _global_hooks()
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in (linear, *callers)))
+
+
+def _modulated(norm: RMSNorm, x, shift, scale, runs: list[ModRun], fuse: bool, e4m3: bool = False):
     """norm(x)·(1 + scale[row]) + shift[row] (a fresh tensor; x is not changed). Fused: fp32 inside, one
-    rounding (eager: three); rows outside every run get the plain norm either way."""
+    rounding (eager: three); rows outside every run get the plain norm either way. e4m3 (fused only): that
+    tensor's e4m3 rows instead."""
     if fuse:
-        return fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs)
+        return fused.norm_modulate(x, norm.weight, norm.eps, shift, scale, runs, e4m3=e4m3)
     return modulate_(norm(x), shift, scale, runs)
 
 

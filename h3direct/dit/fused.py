@@ -10,6 +10,10 @@
   buffer). It rounds exactly where PyTorch's eager silu / mul do (CUDA's expf, IEEE division, explicit
   round-to-nearest ops), so on the GPU it is bitwise equal to `F.silu(gate).mul_(up)` (checked on the GPU by
   `tests/test_fused_gpu.py`; Triton's CPU interpreter has no libdevice and differs in the last bit).
+- e4m3 outputs for the FP8 linears (`--fp8-linear`): `norm_modulate` / `residual_norm_modulate_` with `e4m3=True`
+  and `swiglu_e4m3` write, instead of the rounded output, its e4m3 codes and per-row scales (`w8a8.E4M3Rows`, the
+  inputs of qkv_proj, fc1 and fc2), through the device functions of `w8a8_triton`: bitwise what the per-row
+  quantizer gives on the output the plain kernel would have stored (each output row is whole in one program).
 
 The norms' sums of squares are exact (fixed point, int64), so every launch config (`launch_table`, `SWEEP`) gives
 the same bits. The adaLN kernels are not bitwise equal to eager: they are closer to fp32 (fewer roundings), and
@@ -29,6 +33,8 @@ import os
 import torch
 
 from h3direct.dit.host import upload
+from h3direct.triton_build import build as _kernel
+from h3direct.triton_build import interpreting as _interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
     import triton
@@ -49,10 +55,6 @@ def enabled(x: torch.Tensor, *, whole_rows: bool = True) -> bool:
             and (not whole_rows or x.shape[-1] <= MAX_HIDDEN))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ---- launch configurations ------------------------------------------------------------------------------------
 # A kernel's launch config: its tile constexprs (ROWS: rows per program; BLOCK: columns per program; HB: heads per
 # program; EXACT: the exact sum of squares, False only to measure what it costs) and Triton's launch options. Every
@@ -68,6 +70,9 @@ DEFAULT_LAUNCH: dict[str, dict] = {  # untuned: Triton's usual 4 warps (8 for th
     "gated_residual": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
     "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
     "qk_norm_rope": {"HB": 8, "EXACT": True, "num_warps": 4},
+    "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "residual_norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    "swiglu_e4m3": {"ROWS": 1, "num_warps": 16},  # whole rows: BLOCK is the row's power of two
 }
 
 LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
@@ -77,6 +82,10 @@ LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
         "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
         "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
         "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
+        # not tuned yet (the defaults): tools/tune_kernels.py prints the entries
+        "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+        "residual_norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+        "swiglu_e4m3": {"ROWS": 1, "num_warps": 16},
     },
 }
 
@@ -92,6 +101,10 @@ SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread a
                for w in (4, 8, 16)],
     "qk_norm_rope": [{"HB": h, "num_warps": w} for h in (4, 8, 16, 32, 64) for w in (2, 4, 8, 16)
                      if w <= h <= 16 * w],
+    "norm_modulate_e4m3": [{"ROWS": r, "num_warps": w} for r in (1, 2) for w in (4, 8, 16, 32) if 4 * r <= w],
+    "residual_norm_modulate_e4m3": [{"ROWS": r, "num_warps": w} for r in (1, 2) for w in (4, 8, 16, 32)
+                                    if 4 * r <= w],
+    "swiglu_e4m3": [{"ROWS": r, "num_warps": w} for r in (1, 2) for w in (8, 16, 32) if 8 * r <= w],
 }
 _OPTIONS = ("num_warps", "num_stages")
 
@@ -135,13 +148,15 @@ def _split(cfg: dict) -> tuple[dict, dict]:
 # rounding is the int64 -> fp32 conversion.
 
 if triton is not None:
-    def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, u_ptr, g_ptr, S, D, stride_x,
-                              stride_o, stride_u, stride_shift, stride_scale, stride_g, eps, ROWS: tl.constexpr,
-                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
-                              BF16_INT: tl.constexpr, INTERPRET: tl.constexpr):
+    def _norm_modulate_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, out_ptr, u_ptr, g_ptr, q_ptr, qs_ptr, S,
+                              D, stride_x, stride_o, stride_u, stride_shift, stride_scale, stride_g, eps,
+                              ROWS: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, EXACT: tl.constexpr,
+                              BF16_INT: tl.constexpr, INTERPRET: tl.constexpr, E4M3: tl.constexpr,
+                              QUANT: tl.constexpr, ENCODE: tl.constexpr):
         # program = ROWS sequence rows, whole rows in registers; fp32 inside, one rounding at each store.
         # RESIDUAL: first x[row] += u[row]·g[r] in place (rounded to x's dtype and stored, as gated_residual_
-        # does), then the norm of that stored x.
+        # does), then the norm of that stored x. E4M3: h rounded to x's dtype is not stored: its e4m3 codes
+        # (q [S, D]) and per-row scales (qs [S]) are (QUANT, ENCODE: w8a8_triton's device functions).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         in_rows = rows < S
@@ -194,7 +209,12 @@ if triton is not None:
         if BF16_INT:
             b = h.to(tl.uint32, bitcast=True)
             h = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=inside)
+        if E4M3:  # h as the plain kernel stores it (x's dtype), then quantized
+            codes, s = QUANT(tl.where(inside, h.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0), ENCODE, INTERPRET)
+            tl.store(q_ptr + rows[:, None] * D + cols[None, :], codes, mask=inside)
+            tl.store(qs_ptr + rows, s, mask=in_rows)
+        else:
+            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=inside)
 
 
     def _gated_residual_kernel(x_ptr, u_ptr, g_ptr, idx_ptr, S, D, stride_x, stride_u, stride_g,
@@ -217,10 +237,13 @@ if triton is not None:
         tl.store(x_at, y.to(x_ptr.dtype.element_ty), mask=live)
 
 
-    def _swiglu_kernel(a_ptr, S, F, stride_a, ROWS: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
-                       LIBDEVICE: tl.constexpr):
+    def _swiglu_kernel(a_ptr, q_ptr, qs_ptr, S, F, stride_a, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       ROUND: tl.constexpr, LIBDEVICE: tl.constexpr, E4M3: tl.constexpr, QUANT: tl.constexpr,
+                       ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
         # program (ROWS rows, column block): a[row, :F] <- silu(a[row, :F]) * a[row, F:], each element read before
-        # written. ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne cast; by integer arithmetic interpreted)
+        # written. ROUND: 0 fp32 storage, 1 fp16 (rtne cast), 2 bf16 (rtne cast; by integer arithmetic interpreted).
+        # E4M3 (whole rows: one column block, BLOCK >= F): a is not written; the e4m3 codes (q [S, F]) and per-row
+        # scales (qs [S]) of the rounded result are (QUANT, ENCODE: w8a8_triton's device functions).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = (rows < S)[:, None] & (cols < F)[None, :]
@@ -252,7 +275,12 @@ if triton is not None:
             else:
                 b = y.to(tl.uint32, bitcast=True)
                 y = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
+        if E4M3:  # y as the plain kernel stores it (a's dtype), then quantized
+            codes, s = QUANT(tl.where(inside, y.to(a_ptr.dtype.element_ty).to(tl.float32), 0.0), ENCODE, INTERPRET)
+            tl.store(q_ptr + rows[:, None] * F + cols[None, :], codes, mask=inside)
+            tl.store(qs_ptr + rows, s, mask=rows < S)
+        else:
+            tl.store(at, y.to(a_ptr.dtype.element_ty), mask=inside)
 
     def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, t_ptr, H, HQ, R, stride_xs, stride_xh, stride_ts, stride_tj,
                              stride_ta, stride_tb, eps, D: tl.constexpr, HB: tl.constexpr, EXACT: tl.constexpr,
@@ -314,17 +342,7 @@ if triton is not None:
         tl.store(base + d[None, :], y.to(x_ptr.dtype.element_ty), mask=live)
 
 
-_BUILT: dict = {}
 _ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def _kernel(fn):
-    """`triton.jit(fn)`, built once per mode (compiled / TRITON_INTERPRET=1)."""
-    key = (fn.__name__, _interpreting())
-    k = _BUILT.get(key)
-    if k is None:
-        k = _BUILT[key] = triton.jit(fn)
-    return k
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -355,40 +373,69 @@ def row_index(runs, rows: int, device) -> torch.Tensor:
 # `config`: entries over the kernel's row of `launch_table(x.device)` (a tuning sweep passes each candidate); None: the
 # table's.
 
-def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, out, update, gate, config) -> None:
+def _e4m3_rows(s: int, f: int, dtype: torch.dtype, device):
+    """Empty e4m3 output of a fused kernel: (codes as uint8 [s, f], fp32 scales [s], the E4M3Rows to return)."""
+    from h3direct.checkpoint.quant.w8a8 import E4M3Rows
+
+    q = torch.empty(s, f, dtype=torch.uint8, device=device)
+    qs = torch.empty(s, dtype=torch.float32, device=device)
+    return q, qs, E4M3Rows(q.view(torch.float8_e4m3fn), qs, dtype)
+
+
+def _quant_functions(e4m3: bool) -> dict:
+    """The kernels' QUANT / ENCODE arguments: w8a8_triton's device functions when they write e4m3 rows."""
+    if not e4m3:
+        return {"E4M3": False, "QUANT": None, "ENCODE": None}
+    from h3direct.checkpoint.quant.w8a8_triton import device_functions
+
+    quant, encode = device_functions()
+    return {"E4M3": True, "QUANT": quant, "ENCODE": encode}
+
+
+def _norm_launch(kernel: str, x, weight, eps, shift, scale, runs, update, gate, config, e4m3: bool):
+    """The norm kernel's output: a fresh [S, D] tensor in x's dtype, or (e4m3) its `E4M3Rows`."""
     s, d = x.shape
+    if e4m3:
+        q, qs, result = _e4m3_rows(s, d, x.dtype, x.device)
+        out = x  # unwritten placeholder
+    else:
+        out = result = torch.empty(s, d, dtype=x.dtype, device=x.device)
+        q = qs = x  # unwritten placeholders
+    if s == 0:
+        return result
     block = triton.next_power_of_2(d)
-    tile, options = _split(launch_config(kernel, config, x.device))
+    tile, options = _split(launch_config(kernel + ("_e4m3" if e4m3 else ""), config, x.device))
     rows = max(1, min(tile["ROWS"], _MAX_TILE // block))
     residual = update is not None
     u, g = (update, gate) if residual else (x, shift)  # unread placeholders without the residual
     _kernel(_norm_modulate_kernel)[(triton.cdiv(s, rows),)](
-        x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out, u, g, s, d, x.stride(0),
+        x, weight.contiguous(), shift, scale, row_index(runs, s, x.device), out, u, g, q, qs, s, d, x.stride(0),
         out.stride(0), u.stride(0), shift.stride(0), scale.stride(0), g.stride(0), float(eps), ROWS=rows,
         BLOCK=block, RESIDUAL=residual, EXACT=bool(tile["EXACT"]),
-        BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **options)
+        BF16_INT=x.dtype == torch.bfloat16 and _interpreting(), INTERPRET=_interpreting(), **_quant_functions(e4m3),
+        **options)
+    return result
 
 
 def norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-                  runs, *, config: dict | None = None) -> torch.Tensor:
+                  runs, *, e4m3: bool = False, config: dict | None = None):
     """rmsnorm(x)·weight ⊙ (1 + scale[r]) + shift[r] per row (a fresh tensor in x's dtype). x [S, D];
-    shift, scale [n_rows, D] (any row stride); rows outside `runs`: the plain norm."""
+    shift, scale [n_rows, D] (any row stride); rows outside `runs`: the plain norm. e4m3: that tensor's e4m3 rows
+    instead (`w8a8.E4M3Rows`, bitwise `w8a8.quantize_rows` of it; the tensor itself is not made)."""
     s, d = x.shape
     if d > MAX_HIDDEN:
         raise ValueError(f"norm_modulate holds one row per program: hidden {d} > {MAX_HIDDEN}")
     x, shift, scale = _rows_contiguous(x), _rows_contiguous(shift), _rows_contiguous(scale)
-    out = torch.empty(s, d, dtype=x.dtype, device=x.device)
-    if s:
-        _norm_launch("norm_modulate", x, weight, eps, shift, scale, runs, out, None, None, config)
-    return out
+    return _norm_launch("norm_modulate", x, weight, eps, shift, scale, runs, None, None, config, e4m3)
 
 
 def residual_norm_modulate_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
-                            eps: float, shift: torch.Tensor, scale: torch.Tensor, runs, *,
-                            config: dict | None = None) -> torch.Tensor:
+                            eps: float, shift: torch.Tensor, scale: torch.Tensor, runs, *, e4m3: bool = False,
+                            config: dict | None = None):
     """`gated_residual_(x, gate, update, runs)` then `norm_modulate(x, weight, eps, shift, scale, runs)` in one pass:
     x is updated in place (the same bits as gated_residual_), and the returned fresh h is the norm of that stored x
-    (the same bits as norm_modulate). Reads x and update once, writes x and h."""
+    (the same bits as norm_modulate; e4m3: its e4m3 rows, as norm_modulate's). Reads x and update once, writes x and
+    h."""
     s, d = x.shape
     if d > MAX_HIDDEN:
         raise ValueError(f"residual_norm_modulate_ holds one row per program: hidden {d} > {MAX_HIDDEN}")
@@ -398,10 +445,7 @@ def residual_norm_modulate_(x: torch.Tensor, gate: torch.Tensor, update: torch.T
         raise ValueError(f"residual_norm_modulate_: update {tuple(update.shape)} != x {tuple(x.shape)}")
     update, gate = _rows_contiguous(update), _rows_contiguous(gate)
     shift, scale = _rows_contiguous(shift), _rows_contiguous(scale)
-    out = torch.empty(s, d, dtype=x.dtype, device=x.device)
-    if s:
-        _norm_launch("residual_norm_modulate", x, weight, eps, shift, scale, runs, out, update, gate, config)
-    return out
+    return _norm_launch("residual_norm_modulate", x, weight, eps, shift, scale, runs, update, gate, config, e4m3)
 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, runs, *,
@@ -433,9 +477,28 @@ def swiglu_(a: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
         tile, options = _split(launch_config("swiglu", config, a.device))
         block = min(tile["BLOCK"], triton.next_power_of_2(f))
         _kernel(_swiglu_kernel)[(triton.cdiv(s, tile["ROWS"]), triton.cdiv(f, block))](
-            a, s, f, a.stride(0), ROWS=tile["ROWS"], BLOCK=block, ROUND=_ROUND[a.dtype],
-            LIBDEVICE=not _interpreting(), **options)
+            a, a, a, s, f, a.stride(0), ROWS=tile["ROWS"], BLOCK=block, ROUND=_ROUND[a.dtype],
+            LIBDEVICE=not _interpreting(), INTERPRET=_interpreting(), **_quant_functions(False), **options)
     return a[:, :f]
+
+
+def swiglu_e4m3(a: torch.Tensor, *, config: dict | None = None):
+    """a [S, 2F] (fc1's output: gate | up) -> the e4m3 rows (`w8a8.E4M3Rows`) of silu(gate)·up as `swiglu_` rounds it,
+    bitwise `w8a8.quantize_rows(swiglu_(a))`; a is only read. One whole row a program: F <= MAX_HIDDEN."""
+    s, f2 = a.shape
+    f = f2 // 2
+    if f > MAX_HIDDEN:
+        raise ValueError(f"swiglu_e4m3 holds one row per program: {f} features > {MAX_HIDDEN}")
+    a = _rows_contiguous(a)
+    q, qs, result = _e4m3_rows(s, f, a.dtype, a.device)
+    if s:
+        block = triton.next_power_of_2(f)
+        tile, options = _split(launch_config("swiglu_e4m3", config, a.device))
+        rows = max(1, min(tile["ROWS"], _MAX_TILE // block))
+        _kernel(_swiglu_kernel)[(triton.cdiv(s, rows), 1)](
+            a, q, qs, s, f, a.stride(0), ROWS=rows, BLOCK=block, ROUND=_ROUND[a.dtype], LIBDEVICE=not _interpreting(),
+            INTERPRET=_interpreting(), **_quant_functions(True), **options)
+    return result
 
 
 def qk_norm_rope_supported(q: torch.Tensor, table: torch.Tensor) -> bool:

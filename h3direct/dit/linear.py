@@ -164,7 +164,8 @@ class FP8Linear(nn.Module):
             q = q[:n, :k].contiguous()
         return q, self.w_scale[:n]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        """x: a tensor [..., K], or its rows already quantized (`w8a8.E4M3Rows`, written by a fused kernel)."""
         from h3direct.checkpoint.quant import w8a8
 
         w8, s = self.fp8_weight()

@@ -1,4 +1,5 @@
-"""NVFP4 -> dense dequantization in one Triton pass, bitwise equal to `nvfp4.dequantize_nvfp4`'s torch path.
+"""NVFP4 -> dense dequantization in one Triton pass, bitwise equal to `nvfp4.dequantize_nvfp4`'s torch path; and
+NVFP4 -> e4m3 under per-row scales (the FP8 linears' `stream` mode), bitwise `w8a8.nvfp4_to_e4m3_reference`.
 
 The W4A16 path makes every block linear's dense weight on each call, so this kernel is pure bandwidth: it reads
 the packed codes (0.5 byte per value) and the swizzled E4M3 block scales (1/16 byte) and writes 2 or 4 bytes per
@@ -16,19 +17,22 @@ round-to-nearest-even cast (fp16); the per-value rounding uses the GPU's round-t
 compiled and the same integer arithmetic under Triton's CPU interpreter (`TRITON_INTERPRET=1`, whose bf16 cast
 truncates). `tests/test_nvfp4_triton.py` checks the interpreted kernel on the CPU and the compiled one on a GPU.
 
+The e4m3 conversion (`nvfp4_to_e4m3_triton`, run on every call of a `stream` FP8 linear) is the same kernel with
+a fourth output: the fp32 value w (as above) divided by its row's scale (IEEE division) and encoded by
+`w8a8_triton.encode_e4m3`, one byte a value. Per value it reads half a byte of codes and writes one byte; the block
+scale is read and decoded once per 16 values, the row scale once per block.
+
 NaN block scales (E4M3 0x7F / 0xFF; never written by quantization) give NaN values; the NaN bit pattern may differ
-from torch's.
+from torch's (and their e4m3 codes are not defined).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 
 from h3direct.checkpoint.quant.nvfp4 import BLOCK, TILE_COLS, scale_storage_shape
 from h3direct.errors import CheckpointError
+from h3direct.triton_build import build, for_device, interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
     import triton
@@ -37,42 +41,39 @@ except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
 OUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+E4M3_OUT = 3  # the kernel's output code of the e4m3 conversion
 
-# Launch configs (blocks per program, warps). Every config gives the same bits; the fastest depends on the GPU.
+# Launch configs (blocks per program, warps) of the two uses of the kernel ("nvfp4_dequant", "nvfp4_e4m3"; the names
+# `tools/tune_kernels.py` sweeps them under). Every config gives the same bits; the fastest depends on the GPU.
 # `LAUNCH` holds, per CUDA compute capability, the best of `CONFIGS` timed at the DiT's block-linear shapes on a GPU of
 # that capability (`tools/tune_kernels.py` prints such an entry); every other device gets `DEFAULT_LAUNCH`.
-DEFAULT_LAUNCH = (256, 4)  # untuned: Triton's usual 4 warps, 32 values a thread
-LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
-    (9, 0): (512, 8),  # Hopper (H100, H200)
+DEFAULT_LAUNCH: dict[str, tuple[int, int]] = {  # untuned: Triton's usual 4 warps, 32 values a thread
+    "nvfp4_dequant": (256, 4),
+    "nvfp4_e4m3": (256, 4),
 }
-CONFIGS = ((256, 4), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8))
+LAUNCH: dict[tuple[int, int], dict[str, tuple[int, int]]] = {
+    (9, 0): {  # Hopper (H100, H200)
+        "nvfp4_dequant": (512, 8),
+        "nvfp4_e4m3": (256, 4),  # not tuned yet: the default
+    },
+}
+CONFIGS = ((128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8))
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def launch_config(device: torch.device) -> tuple[int, int]:
-    """(blocks per program, warps) for a dequantization on `device`: `LAUNCH` for its compute capability, else
-    `DEFAULT_LAUNCH` (other GPUs, the CPU interpreter)."""
-    if device.type != "cuda":
-        return DEFAULT_LAUNCH
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return LAUNCH.get(_capability(index), DEFAULT_LAUNCH)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def launch_config(kernel: str, device: torch.device | None) -> tuple[int, int]:
+    """(blocks per program, warps) of `kernel` ("nvfp4_dequant" / "nvfp4_e4m3") on `device`: `LAUNCH` for its compute
+    capability, else `DEFAULT_LAUNCH` (other GPUs, the CPU interpreter)."""
+    return for_device(LAUNCH, DEFAULT_LAUNCH, device)[kernel]
 
 
 if triton is not None:
 
-    def _dequant_kernel(words_ptr, scale_ptr, g_ptr, out_ptr, total, NB, TILES_PER_ROW, BLK: tl.constexpr,
-                        OUT: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    def _dequant_kernel(words_ptr, scale_ptr, g_ptr, out_ptr, rs_ptr, total, NB, TILES_PER_ROW, BLK: tl.constexpr,
+                        OUT: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr, ENCODE: tl.constexpr):
         # words: int32 [N16 * NB, 2] (block i = row i // NB, scale column i % NB; word h holds columns 8h..8h+7,
         # byte j of a word the columns 2j (high nibble) and 2j + 1 (low nibble)); out: [N16 * NB, 16] values.
-        # OUT: 0 fp32, 1 fp16, 2 bf16 (16-bit outputs are stored as their int16 bit patterns)
+        # OUT: 0 fp32, 1 fp16, 2 bf16 (16-bit outputs are stored as their int16 bit patterns), 3 e4m3 codes (uint8)
+        # of the fp32 values divided by their row's scale rs[row] (ENCODE: `w8a8_triton.encode_e4m3`)
         pid = tl.program_id(0)
         i = pid * BLK + tl.arange(0, BLK)  # [BLK] blocks of this program (int32: the caller checks the range)
         half = tl.arange(0, 2)
@@ -102,7 +103,7 @@ if triton is not None:
         s = (s.to(tl.int32, bitcast=True) | ((sc & 128) << 24)).to(tl.float32, bitcast=True)
 
         g = tl.load(g_ptr)
-        if OUT == 0:
+        if OUT == 0 or OUT == 3:
             t = g * s
         elif OUT == 1:
             g = g.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
@@ -126,6 +127,12 @@ if triton is not None:
         out_off = i[:, None, None] * 16 + half[None, :, None] * 8 + k[None, None, :]
         if OUT == 0:
             y = val
+        elif OUT == 3:  # the row's scale, once per block; IEEE division as the torch reference
+            if EVEN:
+                rs = tl.load(rs_ptr + r)
+            else:
+                rs = tl.load(rs_ptr + r, mask=i < total, other=1.0)
+            y = ENCODE(tl.fdiv(val, tl.broadcast_to(rs[:, None, None], val.shape), ieee_rounding=True), INTERPRET)
         elif OUT == 1:
             y = val.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
         elif INTERPRET:  # the interpreter's bf16 cast truncates: round by integer arithmetic
@@ -139,28 +146,11 @@ if triton is not None:
             tl.store(out_ptr + out_off, y, mask=(i < total)[:, None, None])
 
 
-_BUILT: dict = {}
-
-
-def _kernel():
-    """The jit-compiled kernel, built once per mode (compiled / TRITON_INTERPRET=1)."""
-    key = _interpreting()
-    k = _BUILT.get(key)
-    if k is None:
-        k = _BUILT[key] = triton.jit(_dequant_kernel, do_not_specialize=["NB", "TILES_PER_ROW"])
-    return k
-
-
-def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                            out_dtype: torch.dtype = torch.bfloat16,
-                            config: tuple[int, int] | None = None) -> torch.Tensor:
-    """packed uint8 [N16, K16/2], tiled E4M3 block scales, fp32 global scale -> dense [N16, K16] in `out_dtype`
-    (fp32, fp16 or bf16), bitwise equal to `nvfp4.dequantize_nvfp4`. `config`: (blocks per program, warps); None:
-    `launch_config(packed.device)`."""
+def _storage(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor):
+    """Checks NVFP4 storage; (int32 words of the codes, uint8 tiled scales, fp32 global [1], rows, blocks a row,
+    scale tiles a row)."""
     if triton is None:
-        raise RuntimeError("dequantize_nvfp4_triton needs Triton, which is not importable here")
-    if out_dtype not in OUT_CODES:
-        raise ValueError(f"NVFP4 dequantization to {out_dtype} is not supported (fp32, fp16 or bf16)")
+        raise RuntimeError("the NVFP4 Triton kernel needs Triton, which is not importable here")
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise CheckpointError(f"NVFP4 packed weight must be 2D uint8, got {packed.dtype} {list(packed.shape)}")
     rows, half = packed.shape
@@ -174,23 +164,59 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, glo
     dev = packed.device
     if block_scale.device != dev:
         raise ValueError(f"NVFP4 block scales are on {block_scale.device}, the packed weight on {dev}")
+    if rows * nb * BLOCK >= 2**31:
+        raise ValueError(f"NVFP4 weight [{rows}, {2 * half}] has 2^31 or more values; the kernel indexes with int32")
     scales = block_scale.reshape(-1).view(torch.uint8)
     scales = scales if scales.is_contiguous() else scales.contiguous()
     packed = packed.contiguous()
     if packed.data_ptr() % 4:  # an unaligned view: the kernel reads int32 words
         packed = packed.clone()
-    words = packed.view(torch.int32)
     g = global_scale.to(device=dev, dtype=torch.float32).reshape(1)
-    out = torch.empty((rows, 2 * half), dtype=out_dtype, device=dev)
+    return packed.view(torch.int32), scales, g, rows, nb, cp // TILE_COLS
+
+
+def _launch(storage, dst: torch.Tensor, out_code: int, row_scales: torch.Tensor | None, config: tuple[int, int]):
+    words, scales, g, rows, nb, tiles = storage
     total = rows * nb
     if total == 0:
-        return out
-    if total * BLOCK >= 2**31:
-        raise ValueError(f"NVFP4 weight [{rows}, {2 * half}] has 2^31 or more values; the kernel indexes with int32")
-    blk, warps = config or launch_config(dev)
+        return
+    blk, warps = config
+    encode = None
+    if out_code == E4M3_OUT:
+        from h3direct.checkpoint.quant.w8a8_triton import device_functions
+
+        encode = device_functions()[1]
+    rs = row_scales if row_scales is not None else g  # unread placeholder
+    build(_dequant_kernel, do_not_specialize=["NB", "TILES_PER_ROW"])[(triton.cdiv(total, blk),)](
+        words, scales, g, dst, rs, total, nb, tiles, BLK=blk, OUT=out_code, EVEN=total % blk == 0,
+        INTERPRET=interpreting(), ENCODE=encode, num_warps=warps)
+
+
+def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16,
+                            config: tuple[int, int] | None = None) -> torch.Tensor:
+    """packed uint8 [N16, K16/2], tiled E4M3 block scales, fp32 global scale -> dense [N16, K16] in `out_dtype`
+    (fp32, fp16 or bf16), bitwise equal to `nvfp4.dequantize_nvfp4`. `config`: (blocks per program, warps); None:
+    `launch_config("nvfp4_dequant", packed.device)`."""
+    if out_dtype not in OUT_CODES:
+        raise ValueError(f"NVFP4 dequantization to {out_dtype} is not supported (fp32, fp16 or bf16)")
+    storage = _storage(packed, block_scale, global_scale)
+    out = torch.empty((packed.shape[0], 2 * packed.shape[1]), dtype=out_dtype, device=packed.device)
     dst = out if out_dtype == torch.float32 else out.view(torch.int16)
-    _kernel()[(triton.cdiv(total, blk),)](words, scales, g, dst, total, nb, cp // TILE_COLS, BLK=blk,
-                                          OUT=OUT_CODES[out_dtype], EVEN=total % blk == 0,
-                                          INTERPRET=_interpreting(), num_warps=warps)
+    _launch(storage, dst, OUT_CODES[out_dtype], None, config or launch_config("nvfp4_dequant", packed.device))
     return out
 
+
+def nvfp4_to_e4m3_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                         row_scales: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """NVFP4 storage (as `dequantize_nvfp4_triton`) and fp32 per-row scales [N16] -> float8_e4m3fn [N16, K16] (the
+    whole padded storage), bitwise `w8a8.nvfp4_to_e4m3_reference`. `config`: None: `launch_config("nvfp4_e4m3",
+    packed.device)`."""
+    storage = _storage(packed, block_scale, global_scale)
+    rows = packed.shape[0]
+    if row_scales.shape != (rows,):
+        raise ValueError(f"row scales of shape {list(row_scales.shape)} for an NVFP4 weight of {rows} rows")
+    rs = row_scales.to(device=packed.device, dtype=torch.float32).contiguous()
+    out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.uint8, device=packed.device)
+    _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device))
+    return out.view(torch.float8_e4m3fn)

@@ -14,11 +14,15 @@ Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; f
 taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
 (resident) or on every call by :func:`nvfp4_to_e4m3` (a Triton kernel on CUDA: one pass over the packed bytes).
 
+Activations come as a tensor (quantized here, per row) or already quantized, as :class:`E4M3Rows`: the fused kernels
+that produce the block linears' inputs (`h3direct.dit.fused`) write e4m3 codes and per-row scales directly, by the
+same rule and bit for bit what quantizing their rounded output gives.
+
 Where the GEMM runs (`linear_w8a8`), counted per call in :func:`fp8_linear_stats`:
 
 - ``scaled_mm``: CUDA, bf16 activations, compute capability >= 8.9, K and N multiples of 16, Triton importable:
   Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
-  out_dtype=bf16)` (bias added after the GEMM);
+  out_dtype=bf16)` (bias added after the GEMM); ``scaled_mm, e4m3 input``: the same GEMM on an :class:`E4M3Rows`;
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
   path by design; on CUDA it is a fallback with its reason, and ``H3_FP8_STRICT=1`` turns it into an error.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import einops
 import torch
@@ -83,6 +88,22 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+@dataclass(frozen=True)
+class E4M3Rows:
+    """An activation already quantized by this module's rule: e4m3 codes [M, K] (unit column stride), fp32 per-row
+    scales [M], and the dtype of the activation they stand for (the linear's output dtype)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        m, _ = self.data.shape
+        if self.data.dtype != torch.float8_e4m3fn or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
+            raise ValueError(f"E4M3Rows: codes {self.data.dtype} {list(self.data.shape)}, scales "
+                             f"{self.scale.dtype} {list(self.scale.shape)}")
+
+
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn [R, K] and fp32 [R] -> fp32 [R, K] (exact: e4m3 values times the scale, one rounding)."""
     return q.to(torch.float32) * scales.to(torch.float32)[:, None]
@@ -127,9 +148,9 @@ def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale:
                   scales: torch.Tensor) -> torch.Tensor:
     """The e4m3 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
     if _triton_ok(packed):
-        from h3direct.checkpoint.quant import w8a8_triton
+        from h3direct.checkpoint.quant import nvfp4_triton
 
-        return w8a8_triton.nvfp4_to_e4m3(packed, block_scale, global_scale, scales)
+        return nvfp4_triton.nvfp4_to_e4m3_triton(packed, block_scale, global_scale, scales)
     return nvfp4_to_e4m3_reference(packed, block_scale, global_scale, scales)
 
 
@@ -154,12 +175,12 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- the linear
 
-def _gpu_reason(x: torch.Tensor, k: int, n: int) -> str | None:
-    """Why `torch._scaled_mm` cannot run this call (None: it can)."""
+def _gpu_reason(x: torch.Tensor, dtype: torch.dtype, k: int, n: int) -> str | None:
+    """Why `torch._scaled_mm` cannot run on x (the activation, or its e4m3 codes, of `dtype`); None: it can."""
     if not x.is_cuda:
         return "cpu"
-    if x.dtype != torch.bfloat16:
-        return f"activation dtype {str(x.dtype).replace('torch.', '')} (rowwise _scaled_mm writes bf16)"
+    if dtype != torch.bfloat16:
+        return f"activation dtype {str(dtype).replace('torch.', '')} (rowwise _scaled_mm writes bf16)"
     if k % ALIGN or n % ALIGN:
         return f"K={k}, N={n} not multiples of {ALIGN}"
     if torch.cuda.get_device_capability(x.device) < (8, 9):
@@ -171,29 +192,31 @@ def _gpu_reason(x: torch.Tensor, k: int, n: int) -> str | None:
     return None
 
 
-def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row.
-    Output in x's dtype, x's leading dims kept."""
+def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row (here, or
+    already: `E4M3Rows`). Output in x's dtype, x's leading dims kept."""
     # x [..., K] -> [..., N]
-    lead, k = x.shape[:-1], x.shape[-1]
+    pre = isinstance(x, E4M3Rows)
+    codes = x.data if pre else x
+    lead, k = codes.shape[:-1], codes.shape[-1]
     n = w8.shape[0]
     if w8.shape[1] != k:
         raise ValueError(f"input has {k} features, the fp8 weight holds {w8.shape[1]}")
-    x2 = x.reshape(-1, k)
-    reason = _gpu_reason(x2, k, n)
+    x2 = codes.reshape(-1, k)
+    reason = _gpu_reason(x2, x.dtype, k, n)
+    path = "scaled_mm" if reason is None else f"emulated ({reason})"
+    if reason is not None and x2.is_cuda and strict():
+        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (H3_FP8_STRICT=1)")
+    _STATS[f"{path}, e4m3 input" if pre else path] += 1
+    # the Triton quantizer makes a column-strided x contiguous itself
+    x8, sx = (x.data, x.scale) if pre else quantize_activation(x2)
     if reason is None:
-        _STATS["scaled_mm"] += 1
-        x8, sx = quantize_activation(x2)  # the Triton quantizer makes a column-strided x contiguous itself
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :].contiguous(),
                              out_dtype=torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*lead, n)
-    if x.is_cuda and strict():
-        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (H3_FP8_STRICT=1)")
-    _STATS[f"emulated ({reason})"] += 1
-    x8, sx = quantize_activation(x2)
     y = dequantize_rows(x8, sx) @ dequantize_rows(w8, w_scale).T
     if bias is not None:
         y = y + bias.to(torch.float32)

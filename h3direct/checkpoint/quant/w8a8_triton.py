@@ -1,12 +1,18 @@
-"""Triton kernels of the FP8 W8A8 path (`w8a8.py` holds the torch reference math they must equal bit for bit).
+"""Triton side of the FP8 W8A8 path (`w8a8.py` holds the torch reference math they must equal bit for bit).
 
-- :func:`quantize_rows`: per-row (per-token) e4m3 quantization, one program per row, one read of the row;
-- :func:`nvfp4_to_e4m3`: an NVFP4 weight (packed E2M1 codes, swizzled E4M3 block scales, fp32 global scale) to an
-  e4m3 weight under precomputed per-row scales, one pass over the packed bytes.
+- device functions, the one place the activation rule is written for the GPU: `quantize_tile` (per-row scale and
+  e4m3 codes of a tile of whole rows) and `encode_e4m3`; `device_functions()` gives them built for the current mode
+  (compiled / Triton's interpreter), to be passed to kernels as `tl.constexpr` arguments (`h3direct.triton_build`).
+  The fused producer kernels (`h3direct.dit.fused`: norm + modulation, SwiGLU) call them to write their output as
+  e4m3 rows directly; the NVFP4 -> e4m3 weight conversion (`nvfp4_triton.nvfp4_to_e4m3_triton`) calls `encode_e4m3`;
+- :func:`quantize_rows`: per-row (per-token) e4m3 quantization of a stored activation, one read of each row (the
+  inputs no fused kernel produces: the attention output).
 
-Both encode e4m3 with integer arithmetic (round to nearest, ties to even, inputs clamped to ±448 first) rather than
-a float8 cast, and divide with IEEE rounding (`tl.fdiv(..., ieee_rounding=True)`), so the result does not depend on
-the cast instructions of the GPU or of Triton's interpreter (`TRITON_INTERPRET=1`, which the CPU tests use).
+Divisions are IEEE-rounded (`tl.fdiv(..., ieee_rounding=True)`), as torch divides. The e4m3 encoding (inputs
+clamped to ±448, round to nearest, ties to even) is the GPU's conversion instruction when compiled (sm_89+:
+`cvt.rn.satfinite.e4m3x2.f32`, one instruction for two values) and integer arithmetic in Triton's interpreter
+(`TRITON_INTERPRET=1`, which the CPU tests use; its float8 cast is not torch's). Both are held to torch's float8
+cast: the integer one by the CPU tests, the instruction over every fp32 value in [-448, 448] by a GPU test.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from h3direct.triton_build import build, interpreting
 
-@triton.jit
-def _encode_e4m3(v):
-    """fp32 in [-448, 448] -> int32 e4m3fn code (0..255), round to nearest even; |v| < 2^-10 -> ±0."""
+
+def encode_e4m3(v, INTERPRET: tl.constexpr):
+    """fp32 -> uint8 e4m3fn code: clamped to ±448, rounded to nearest even; |v| < 2^-10 -> ±0."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if not INTERPRET:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     e = ((bits >> 23) & 0xFF) - 127
@@ -31,22 +41,36 @@ def _encode_e4m3(v):
     up = (rem > half) | ((rem == half) & ((q & 1) == 1))
     q = q + up.to(tl.int32)
     code = tl.where(e >= -6, (e + 6) * 8 + q, q)  # a carry out of the fraction bumps the exponent by itself
-    return code | (sign << 7)
+    return (code | (sign << 7)).to(tl.uint8)
 
 
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+def quantize_tile(x, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 [R, B] whole rows (zeros past each row's end) -> (uint8 e4m3 codes [R, B], fp32 scales [R]):
+    s = amax / 448 (1 for a zero row), codes = encode(x / s); `w8a8.row_scales` / `w8a8.encode_rows`."""
+    a = tl.abs(x)
+    if INTERPRET:  # tl.max: a compiled-mode function when Triton was imported outside the interpreter
+        amax = tl.reduce(a, 1, tl.standard._elementwise_max)
+    else:
+        amax = tl.max(a, axis=1)
     s = tl.fdiv(amax, amax * 0.0 + 448.0, ieee_rounding=True)  # literals: Triton kernels may not read globals
     s = tl.where(amax > 0.0, s, 1.0)
-    v = tl.fdiv(x, tl.zeros_like(x) + s, ieee_rounding=True)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + row * K + cols, _encode_e4m3(v).to(tl.uint8), mask=mask)
-    tl.store(s_ptr + row, s)
+    return ENCODE(tl.fdiv(x, tl.broadcast_to(s[:, None], x.shape), ieee_rounding=True), INTERPRET), s
+
+
+def device_functions() -> tuple:
+    """(quantize_tile, encode_e4m3) built for the current mode, for kernels' `QUANT` / `ENCODE` arguments."""
+    return build(quantize_tile), build(encode_e4m3)
+
+
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       QUANT: tl.constexpr, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    inside = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    codes, s = QUANT(x, ENCODE, INTERPRET)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], codes, mask=inside)
+    tl.store(s_ptr + rows, s, mask=rows < M)
 
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,52 +83,7 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m and k:
         block = triton.next_power_of_2(k)
         warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-        _quant_rows_kernel[(m,)](x2d, q, s, k, x2d.stride(0), BLOCK=block, num_warps=warps)
+        quant, encode = device_functions()
+        build(_quant_rows_kernel)[(m,)](x2d, q, s, m, k, x2d.stride(0), ROWS=1, BLOCK=block, QUANT=quant,
+                                        ENCODE=encode, INTERPRET=interpreting(), num_warps=warps)
     return q.view(torch.float8_e4m3fn), s
-
-
-@triton.jit
-def _nvfp4_e4m3_kernel(p_ptr, bs_ptr, g_ptr, s_ptr, q_ptr, N, K, SCALE_COLS, BR: tl.constexpr, BC: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
-    c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
-    mask = (r < N) & (c < K)
-    r64 = r.to(tl.int64)
-    byte = tl.load(p_ptr + r64 * (K // 2) + c // 2, mask=mask, other=0).to(tl.int32)
-    nib = tl.where((c % 2) == 0, byte >> 4, byte & 15)  # even column in the high nibble
-    mag = nib & 7
-    e = mag >> 1
-    mb = (mag & 1).to(tl.float32)
-    val = tl.where(e == 0, mb * 0.5, tl.where(e == 1, 1.0 + mb * 0.5, tl.where(e == 2, 2.0 + mb, 4.0 + 2.0 * mb)))
-    val = tl.where((nib & 8) != 0, -val, val)
-    # block scale (r, c // 16) inside cuBLAS' 128x4 tiles: [32 rows][4 row groups][4 columns] per tile
-    b = c // 16
-    tile = (r // 128) * (SCALE_COLS // 4) + b // 4
-    off = tile.to(tl.int64) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + (b % 4)
-    sc = tl.load(bs_ptr + off, mask=mask, other=0).to(tl.int32)
-    ex = (sc >> 3) & 15
-    mt = sc & 7
-    pow2 = (((ex - 10) + 127) << 23).to(tl.float32, bitcast=True)  # 2^(ex - 10), ex in 1..15
-    scv = tl.where(ex == 0, mt.to(tl.float32) * 0.001953125, (8 + mt).to(tl.float32) * pow2)
-    scv = tl.where((sc & 128) != 0, -scv, scv)
-    g = tl.load(g_ptr)
-    w = val * (g * scv)
-    s = tl.load(s_ptr + r, mask=r < N, other=1.0)
-    v = tl.fdiv(w, tl.zeros_like(w) + s, ieee_rounding=True)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + r64 * K + c, _encode_e4m3(v).to(tl.uint8), mask=mask)
-
-
-def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                  scales: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [N16, K16/2], tiled e4m3 block scales, fp32 global scale, fp32 per-row scales [N16] ->
-    float8_e4m3fn [N16, K16] (the whole padded storage; callers slice the logical shape)."""
-    n, half = packed.shape
-    k = 2 * half
-    raw = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
-    scale_cols = raw.numel() // (-(-n // 128) * 128)
-    q = torch.empty((n, k), dtype=torch.uint8, device=packed.device)
-    br, bc = 32, 128
-    grid = (triton.cdiv(n, br), triton.cdiv(k, bc))
-    _nvfp4_e4m3_kernel[grid](packed.contiguous(), raw.contiguous(), global_scale.to(torch.float32).reshape(1),
-                             scales.to(torch.float32).contiguous(), q, n, k, scale_cols, BR=br, BC=bc, num_warps=4)
-    return q.view(torch.float8_e4m3fn)
