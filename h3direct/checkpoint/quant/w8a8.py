@@ -14,46 +14,31 @@ Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; f
 taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
 (resident) or on every call by :func:`nvfp4_to_e4m3` (a Triton kernel on CUDA: one pass over the packed bytes).
 
-Where the GEMM runs (`linear_w8a8`), counted per call in :func:`fp8_linear_stats`:
+Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped collector (`h3direct.counts`):
 
 - ``scaled_mm``: CUDA, bf16 activations, compute capability >= 8.9, K and N multiples of 16, Triton importable:
   Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
   out_dtype=bf16)` (bias added after the GEMM);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
-  path by design; on CUDA it is a fallback with its reason, and ``H3_FP8_STRICT=1`` turns it into an error.
+  path by design; on CUDA it is a fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it
+  into an error.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import einops
 import torch
 
 from h3direct.checkpoint.quant.nvfp4 import BLOCK, e2m1_table, unswizzle_block_scales
+from h3direct.counts import count_fp8_linear
 from h3direct.errors import ConfigError
 
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: K and N multiples of 16
 _ROW_CHUNK = 4096  # rows per step when quantizing a whole weight (bounds the fp32 temporaries)
-
-_STATS: Counter = Counter()
-
-
-def fp8_linear_stats() -> dict[str, int]:
-    """Calls per path since the last reset: {"scaled_mm": n, "emulated (cpu)": n, ...}."""
-    return dict(_STATS)
-
-
-def reset_fp8_linear_stats() -> None:
-    _STATS.clear()
-
-
-def strict() -> bool:
-    return os.environ.get("H3_FP8_STRICT", "0") not in ("", "0")
-
 
 # ---------------------------------------------------------------- torch quantization (the reference math)
 
@@ -171,10 +156,10 @@ def _gpu_reason(x: torch.Tensor, k: int, n: int) -> str | None:
     return None
 
 
-def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                *, strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row.
-    Output in x's dtype, x's leading dims kept."""
+    Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an error."""
     # x [..., K] -> [..., N]
     lead, k = x.shape[:-1], x.shape[-1]
     n = w8.shape[0]
@@ -183,16 +168,16 @@ def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: 
     x2 = x.reshape(-1, k)
     reason = _gpu_reason(x2, k, n)
     if reason is None:
-        _STATS["scaled_mm"] += 1
+        count_fp8_linear("scaled_mm")
         x8, sx = quantize_activation(x2)  # the Triton quantizer makes a column-strided x contiguous itself
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :].contiguous(),
                              out_dtype=torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*lead, n)
-    if x.is_cuda and strict():
-        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (H3_FP8_STRICT=1)")
-    _STATS[f"emulated ({reason})"] += 1
+    if x.is_cuda and strict:
+        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (fp8_strict is on)")
+    count_fp8_linear(f"emulated ({reason})")
     x8, sx = quantize_activation(x2)
     y = dequantize_rows(x8, sx) @ dequantize_rows(w8, w_scale).T
     if bias is not None:
