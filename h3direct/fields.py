@@ -27,12 +27,18 @@ class Spec:
     expect: str = ""  # what the rule asks for, in words ("a positive number")
     env: bool = False  # an environment variable (H3_<PREFIX>_<NAME>) sets its default at the edge
     per_request: bool = True  # False: fixed when the models load (a server flag, not a request field)
+    kind: Any = None  # the value type when the default does not show it (None defaults): bool, int, float, str,
+    # or "file" / "files" (a file / a list of files named by the request)
+    fails_as: str = "value"  # the RequestError kind when the rule fails ("type": a malformed value, HTTP 422)
 
 
 def field(default, help: str, *, choices=None, rule=None, expect: str = "", env: bool = False,
-          per_request: bool = True):
+          per_request: bool = True, kind=None, fails_as: str = "value"):
     """A dataclass field with its `Spec` (help, choices, rule)."""
-    spec = Spec(help, tuple(choices) if choices is not None else None, rule, expect, env, per_request)
+    spec = Spec(help, tuple(choices) if choices is not None else None, rule, expect, env, per_request, kind,
+                fails_as)
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"spec": spec})
     return dataclasses.field(default=default, metadata={"spec": spec})
 
 
@@ -40,8 +46,10 @@ def spec_of(f: dataclasses.Field) -> Spec | None:
     return f.metadata.get("spec")
 
 
-def kind_of(default) -> type:
-    """The value type a field takes, from its default: bool, int, float or str."""
+def kind_of(default, spec: Spec | None = None):
+    """The value type a field takes: its spec's `kind`, else its default's type (bool, int, float or str)."""
+    if spec is not None and spec.kind is not None:
+        return spec.kind
     return next(t for t in (bool, int, float, str) if isinstance(default, t))
 
 
@@ -49,32 +57,46 @@ def positive(v) -> bool:
     return math.isfinite(v) and v > 0
 
 
-def problem(spec: Spec, want: type, value) -> tuple[str, str] | None:
-    """(kind, what is wrong) of `value` for a field of type `want` with `spec`, or None when it is fine."""
+WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def problem(spec: Spec, want, value) -> tuple[str, str] | None:
+    """(kind, what is wrong) of a scalar `value` for a field of type `want` with `spec`, or None when it is fine:
+    kind 'type' or 'choice' (HTTP 422) or 'value' (HTTP 400); the words follow the value ("is not ...")."""
     ok = (isinstance(value, bool) if want is bool else
           isinstance(value, int) and not isinstance(value, bool) if want is int else
           isinstance(value, int | float) and not isinstance(value, bool) if want is float else isinstance(value, want))
     if not ok:
-        return "choice", f"must be {'an integer' if want is int else 'a number' if want is float else want.__name__}"
+        return "type", f"must be {WORDS[want]}"
     if want is float and not math.isfinite(value):
         return "value", "is not a finite number"
     if spec.choices is not None and value not in spec.choices:
-        return "choice", f"is not one of {', '.join(map(str, spec.choices))}"
+        return "choice", f"is not supported; use one of {', '.join(map(str, spec.choices))}"
     if spec.rule is not None and not spec.rule(value):
-        return "value", f"expected {spec.expect}"
+        return spec.fails_as, f"must be {spec.expect}"
     return None
 
 
+def shown(value, limit: int = 60) -> str:
+    """A value as a message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
 def check(obj, prefix: str = "") -> None:
-    """RequestError for the first field of dataclass `obj` whose value breaks its spec (its name: prefix + field)."""
+    """RequestError for the first scalar field of dataclass `obj` whose value breaks its spec (named prefix + field;
+    a None value of a field whose default is None passes)."""
     for f in dataclasses.fields(obj):
         spec = spec_of(f)
         if spec is None:
             continue
+        want = kind_of(f.default, spec)
         value = getattr(obj, f.name)
-        bad = problem(spec, kind_of(f.default), value)
+        if want in ("file", "files") or (value is None and f.default is None):
+            continue
+        bad = problem(spec, want, value)
         if bad is not None:
-            raise RequestError(prefix + f.name, f" {value!r}: {bad[1]}", kind=bad[0])
+            raise RequestError(prefix + f.name, f" {shown(value)} {bad[1]}", kind=bad[0])
 
 
 def parse_env(name: str, raw: str, want: type, spec: Spec):
@@ -90,8 +112,8 @@ def parse_env(name: str, raw: str, want: type, spec: Spec):
         else:
             value = want(text)
     except ValueError:
-        words = {bool: "1/0, true/false, yes/no or on/off", int: "an integer", float: "a number", str: "text"}
-        raise ConfigError(f"{name}={raw!r}: expected {words[want]}") from None
+        words = {**WORDS, bool: "1/0, true/false, yes/no or on/off"}
+        raise ConfigError(f"{name}={raw!r}: must be {words[want]}") from None
     bad = problem(spec, want, value)
     if bad is not None:
         raise ConfigError(f"{name}={raw!r}: {bad[1]}")

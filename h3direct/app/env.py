@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from h3direct.errors import ConfigError
-from h3direct.fields import Spec, parse_env
+from h3direct.fields import kind_of, parse_env, spec_of
 
 # variables that once meant something and now have no counterpart: set, they are an error (never silently ignored)
 REFUSED = {
@@ -23,12 +23,6 @@ REFUSED = {
     "H3_SOL_INT8_PV": "comfy-kitchen's sol_attn has no precision switch (its QK product is always INT8)",
 }
 
-# the model settings' variables: name -> (setting, type, spec)
-SETTINGS: dict[str, tuple[str, type, Spec]] = {
-    "H3_VAE_DTYPE": ("vae_dtype", str, Spec("", choices=("fp32", "fp16"))),
-    "H3_VAE_TILE_SIZE": ("vae_tile_size", int, Spec("", rule=lambda v: v >= 0, expect="an integer >= 0")),
-    "H3_TOKENIZER": ("tokenizer", str, Spec("")),
-}
 
 
 def _set(env: Mapping[str, str], name: str) -> str | None:
@@ -52,10 +46,17 @@ def read_options(env: Mapping[str, str] | None = None) -> dict:
 
 
 def read_settings(env: Mapping[str, str] | None = None) -> dict:
-    """{setting: value} of the model settings' variables that are set."""
+    """{field: value} of the `app.models.ModelSpec` fields whose variable is set (H3_VAE_DTYPE, H3_VAE_TILE_SIZE,
+    H3_TOKENIZER)."""
+    import dataclasses
+
+    from h3direct.app.models import ModelSpec
+
     env = os.environ if env is None else env
     out = {}
-    for name, (setting, kind, spec) in SETTINGS.items():
-        if (raw := _set(env, name)) is not None:
-            out[setting] = parse_env(name, raw, kind, spec)
+    for f in dataclasses.fields(ModelSpec):
+        spec = spec_of(f)
+        name = "H3_" + f.name.upper()
+        if spec.env and (raw := _set(env, name)) is not None:
+            out[f.name] = parse_env(name, raw, kind_of(f.default, spec), spec)
     return out

@@ -22,6 +22,9 @@ from h3direct.errors import RequestError
 from h3direct.fields import Spec, check, field, kind_of, spec_of
 
 DEFAULT_BACKEND = "sdpa"
+# the registered attention backends (attention.py registers them; a test holds the two equal), named here so that
+# the command line's help needs no torch
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
 NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
 FP8_LINEAR_MODES = ("off", "stream", "resident")
 
