@@ -84,8 +84,9 @@ class Job:
     weights: dict | None = None  # the weights a --from-provenance clip was made with
 
 
-def parse(args: argparse.Namespace, *, env=None) -> Job:
-    """The command line (over the environment, over a clip's provenance) as a validated Job; nothing is loaded."""
+def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
+    """The command line (over the environment, over a clip's provenance) as a validated Job; nothing is loaded.
+    `output` False: the request writes no mp4 (its caller decodes the latents itself)."""
     from h3direct.app import env as environment
     from h3direct.app.limits import Limits
     from h3direct.app.models import ModelSpec
@@ -103,13 +104,27 @@ def parse(args: argparse.Namespace, *, env=None) -> Job:
               **given(args, ("progress", "profile_memory"))}
     if "prompt_file" in fields and base is not None and "prompt_file" in given(args, ("prompt_file",)):
         fields.pop("prompt", None)  # a prompt file given with --from-provenance replaces the recorded prompt
-    fields["output"] = args.output or "clip.mp4"
-    if base is not None and Path(fields["output"]).resolve() == Path(args.from_provenance).resolve():
+    fields["output"] = (args.output or "clip.mp4") if output else None
+    if base is not None and output and Path(fields["output"]).resolve() == Path(args.from_provenance).resolve():
         raise RequestError("output", " is the clip being made again; give another --output")
     request = GenerateRequest(**fields, limits=limits)
     if request.resolved.text_embeds is not None:
         check_text(spec.dit_config(), request.resolved.text_embeds)  # from the header: before anything loads
+    check_backend(opts, spec)
     return Job(request, opts, spec, _notes(request, spec), base["weights"] if base else None)
+
+
+def check_backend(options, spec) -> None:
+    """The attention backend (with its options) runs on the device, in the compute dtype, the models will use."""
+    import torch
+
+    from h3direct.app.pipeline import resolve_device
+    from h3direct.dit import attention
+
+    device = resolve_device(spec.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        spec.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    attention.check_backend(options.attention, torch.empty(0, device=device, dtype=dtype))
 
 
 def _notes(request, spec) -> list[str]:

@@ -147,10 +147,10 @@ def run(*, weights: str, inputs: str, out: str, config: str | None = None, dtype
         try:
             for case, fields in cases_in[what].items():
                 rec.case(case)
-                out = runs[what](fields)
-                rec.add(f"{case}.vae_{what.split('_')[1]}.out", out)
+                result = runs[what](fields)
+                rec.add(f"{case}.vae_{what.split('_')[1]}.out", result)
                 cases.setdefault(what, {})[case] = {
-                    "input": {k: list(v.shape) for k, v in fields.items()}, "output": list(out.shape)}
+                    "input": {k: list(v.shape) for k, v in fields.items()}, "output": list(result.shape)}
         finally:
             rec.close()
         items += rec.items
