@@ -30,13 +30,14 @@ class Spec:
     kind: Any = None  # the value type when the default does not show it (None defaults): bool, int, float, str,
     # or "file" / "files" (a file / a list of files named by the request)
     fails_as: str = "value"  # the RequestError kind when the rule fails ("type": a malformed value, HTTP 422)
+    bare: Any = None  # the value of its flag given without one (`--fp8-linear` = stream)
 
 
 def field(default, help: str, *, choices=None, rule=None, expect: str = "", env: bool = False,
-          per_request: bool = True, kind=None, fails_as: str = "value"):
+          per_request: bool = True, kind=None, fails_as: str = "value", bare=None):
     """A dataclass field with its `Spec` (help, choices, rule)."""
     spec = Spec(help, tuple(choices) if choices is not None else None, rule, expect, env, per_request, kind,
-                fails_as)
+                fails_as, bare)
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"spec": spec})
     return dataclasses.field(default=default, metadata={"spec": spec})

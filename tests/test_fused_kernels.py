@@ -148,7 +148,7 @@ def test_dit_block_fused_path_matches_eager(monkeypatch):
         blk = blk.bfloat16()
         table = rotation_table(angles, torch.bfloat16)
         eager = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
-        monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+        monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: True)
         ours = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
     assert _rel(ours, ref) < 1.25 * _rel(eager, ref), (_rel(ours, ref), _rel(eager, ref))
     assert _rel(ours, eager.double()) < 2e-2
@@ -434,7 +434,7 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
     table = rotation_table(rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5)),
                            torch.bfloat16)
-    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: True)
     calls = []
     real = fused.residual_norm_modulate_
 

@@ -27,7 +27,8 @@ av = pytest.importorskip("av")
 
 from h3direct import __version__  # noqa: E402
 from h3direct.app import bundled, cli, limits  # noqa: E402
-from h3direct.app.serve import HTTPServer, Service, bind  # noqa: E402
+from h3direct.app.cli_serve import service_of  # noqa: E402
+from h3direct.app.serve import HTTPServer, bind  # noqa: E402
 
 TIMEOUT = 60  # seconds, every socket and wait in this file
 SMALL = {"width": 96, "height": 64, "frames": 22, "steps": 2}
@@ -68,8 +69,8 @@ def service(cache_env, roots):
     args = cli.build_parser("serve").parse_args(["serve", "--port", "0", "--output-root", str(roots["out"]),
                                                  "--input-root", str(roots["in"]), "--quiet"])
     threads = torch.get_num_threads()
-    svc = Service(args)
-    svc.check_flags()
+    svc = service_of(args)
+    svc.prepare()
     svc.load()
     yield svc
     svc.stop()
@@ -198,7 +199,7 @@ def test_provenance_in_summary_and_mp4(server, service, roots):
     want_weights = {k: {"file": getattr(b, k).name, "sha256": _sha(getattr(b, k))}
                     for k in ("dit", "video_vae", "audio_vae", "text_encoder")}
     assert tag["weights"] == want_weights
-    assert tag["references"] == [{"field": "--ref-image", "name": "ref.png", "sha256": _sha(roots["in"] / "ref.png")}]
+    assert tag["references"] == [{"field": "ref_images", "name": "ref.png", "sha256": _sha(roots["in"] / "ref.png")}]
     assert (tag["prompt"], tag["seed"], tag["steps"], tag["sampler"], tag["attention"], tag["h3direct"]) == (
         body["prompt"], 11, 1, "euler", "sdpa", __version__)
 
@@ -626,14 +627,14 @@ def test_fp8_linear_is_a_server_flag_reported_by_ready(cache_env, roots, capsys)
     parse = cli.build_parser("serve").parse_args
     base = ["serve", "--port", "0", "--output-root", str(roots["out"]), "--quiet"]
     assert parse(base + ["--fp8-linear"]).fp8_linear == "stream"
-    assert parse(base).fp8_linear == "off"
-    with pytest.raises(SystemExit) as e:
-        parse(base + ["--fp8-linear", "bogus"])
-    assert e.value.code == 2 and "--fp8-linear" in capsys.readouterr().err
+    assert parse(base).fp8_linear is None and service_of(parse(base)).options.kernels.fp8_linear == "off"
+    assert cli.main(base + ["--fp8-linear", "bogus"]) == 2  # refused before the socket is bound
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--fp8-linear 'bogus'" in err, err
     threads = torch.get_num_threads()
-    svc = Service(parse(base + ["--fp8-linear", "resident"]))
+    svc = service_of(parse(base + ["--fp8-linear", "resident"]))
     try:
-        svc.check_flags()
+        svc.prepare()
         svc.load()
         dit = svc.ready()["components"]["dit"]
         assert dit["fp8_linear"]["mode"] == "resident"

@@ -39,7 +39,8 @@ def add_flag(group, name: str, kind, default: Any, spec: Spec, *, aliases: tuple
         group.add_argument(*flags, dest=name, action="append", default=None, metavar=metavar or "FILE", help=help_)
     else:
         typ = {int: int, float: float}.get(kind, str)
-        group.add_argument(*flags, dest=name, type=typ, default=None, help=help_,
+        bare = {"nargs": "?", "const": spec.bare} if spec.bare is not None else {}  # `--fp8-linear` alone
+        group.add_argument(*flags, dest=name, type=typ, default=None, help=help_, **bare,
                            metavar=choices or metavar or {"file": "FILE", int: "N", float: "X"}.get(kind, "TEXT"))
 
 

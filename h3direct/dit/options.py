@@ -94,7 +94,7 @@ class KernelOptions:
                                per_request=False)
     fp8_linear: str = field("off", "opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs; stream = NVFP4 "
                             "weights stay packed (made fp8 per call), resident = fp8 weights held",
-                            choices=FP8_LINEAR_MODES, per_request=False)
+                            choices=FP8_LINEAR_MODES, per_request=False, bare="stream")
     fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "
                              "an emulation", env=True, per_request=False)
 

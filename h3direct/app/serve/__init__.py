@@ -11,6 +11,6 @@ Its flags: `app/cli_serve.py`. Beyond this machine (`--host` not a loopback addr
 """
 
 from h3direct.app.serve.server import HTTPServer, bind, run
-from h3direct.app.serve.service import ServerSettings, Service
+from h3direct.app.serve.service import DEFAULT_PORT, ServerSettings, Service
 
-__all__ = ["HTTPServer", "ServerSettings", "Service", "bind", "run"]
+__all__ = ["DEFAULT_PORT", "HTTPServer", "ServerSettings", "Service", "bind", "run"]
