@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -15,10 +15,10 @@ import torch
 
 from h3direct.checkpoint.quant import w8a8
 from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from h3direct.counts import counting
 from h3direct.dit.linear import FP8Linear, Linear, NVFP4Linear
 from h3direct.dit.loader import load_dit
-from h3direct.counts import counting
-from h3direct.errors import ConfigError, H3Error, RequestError
+from h3direct.errors import H3Error, RequestError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"

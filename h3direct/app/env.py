@@ -60,3 +60,15 @@ def read_settings(env: Mapping[str, str] | None = None) -> dict:
         if spec.env and (raw := _set(env, name)) is not None:
             out[f.name] = parse_env(name, raw, kind_of(f.default, spec), spec)
     return out
+
+
+def variables() -> list[str]:
+    """Every H3_* variable the runtime reads at startup (options, model settings, the refused ones)."""
+    import dataclasses
+
+    from h3direct.app.models import ModelSpec
+    from h3direct.dit.options import flat_options
+
+    names = [o.env for o in flat_options() if o.env is not None]
+    names += ["H3_" + f.name.upper() for f in dataclasses.fields(ModelSpec) if spec_of(f).env]
+    return sorted({*names, *REFUSED})

@@ -70,13 +70,11 @@ class ModelSpec:
         for name, kind in (("vae", "video"), ("audio_vae", "audio")):
             if getattr(self, name) is not None:
                 _header(getattr(self, name), name, lambda p, kind=kind: vae_kind(p, kind))
-        if self.text_encoder is not None:
+        if self.text_encoder is not None:  # (a tokenizer without one is not used: the bundled encoder has its own)
             from h3direct.text.load import find_tokenizer
 
             _header(self.text_encoder, "text_encoder", text_encoder_header)
             find_tokenizer(self.text_encoder, self.tokenizer)
-        elif self.tokenizer is not None:
-            raise RequestError("tokenizer", " is the text encoder's; give text_encoder too")
 
     @property
     def all_bundled(self) -> bool:
