@@ -173,7 +173,7 @@ class GenerateRequest:
             if n > cap:
                 raise RequestError(name, f": {n} files; H3 takes at most {cap}")
         if self.prompt and self.prompt_file is not None:
-            raise RequestError("prompt", " and prompt_file are both given; give one")
+            raise RequestError("prompt/prompt_file", " are both given; give one")
 
     def cache_settings(self) -> rules.CacheSettings | None:
         """The step cache this request asks for (None: mode off, no cache code runs)."""
