@@ -192,18 +192,11 @@ def check_weights(recorded: dict | None, pipe) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    threads = torch.get_num_threads()
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)  # leave the process as found (the CLI may run in-process, e.g. in tests)
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Parse and check everything, load the models once, make the clip (`app.generate.clip`), print the summary."""
     import json
     import time
+
+    import torch
 
     from h3direct.app.generate import clip, summary_of
     from h3direct.app.models import load_pipeline
@@ -215,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.quiet:
         for n in job.notes:
             print(f"h3direct generate: note: {n}", file=sys.stderr, flush=True)
+    threads = torch.get_num_threads()
     sp = parallel.init_from_env(args.sequence_parallel, job.spec.device)  # under torchrun: join its process group
     try:
         spec = job.spec if sp is None else dataclasses.replace(job.spec, device=str(sp.device))
@@ -237,3 +231,4 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         parallel.shutdown()
+        torch.set_num_threads(threads)  # leave the process as found (the CLI may run in-process, e.g. in tests)
