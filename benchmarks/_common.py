@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,21 +249,6 @@ class GpuSampler:
                 out = ""
             self.summary = summarize_gpu_samples(out.splitlines())
         return False
-
-
-@contextmanager
-def env_options(options: dict):
-    """Set these environment variables (values as strings) for the block, then restore what was there before."""
-    old = {k: os.environ.get(k) for k in options}
-    os.environ.update({k: str(v) for k, v in options.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def reset_peak(device) -> None:

@@ -28,7 +28,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=56)
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--sol-taus", default="1.0,1.3,2.0", help="extra sol_attn runs at these H3_SOL_TAU values")
+    ap.add_argument("--sol-taus", default="1.0,1.3,2.0", help="extra sol_attn runs at these sol_tau values")
     ap.add_argument("--out", default=None, help="write the JSON here")
     return ap.parse_args(argv)
 
@@ -72,15 +72,10 @@ def kernel_names(fn, device) -> list[str]:
 def main(argv=None) -> int:
     import torch
 
-    from benchmarks._common import env_options
-    from h3direct.dit.attention import (
-        _PREFIX_ROWS,
-        _REGISTRY,
-        attention_stats,
-        reset_attention_stats,
-        unavailable_reason,
-    )
+    from h3direct.counts import counting
+    from h3direct.dit.attention import _PREFIX_ROWS, _REGISTRY, unavailable_reason
     from h3direct.dit.attention_inputs import positions, random_qkv, structured_qkv
+    from h3direct.dit.options import Options
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -92,39 +87,39 @@ def main(argv=None) -> int:
     refs = {name: reference(*qkv) for name, qkv in sets.items()}
     runs = [(b, {}) for b in args.backends.split(",") if b]
     if "sol_attn" in args.backends:
-        runs += [("sol_attn", {"H3_SOL_TAU": t}) for t in args.sol_taus.split(",") if t and t != "1.3"]
+        runs += [("sol_attn", {"sol_tau": float(t)}) for t in args.sol_taus.split(",") if t and t != "1.3"]
     if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing
-        runs.append(("fa3_fp8", {"H3_FP8_ATTN_SMOOTH_V": "0"}))
+        runs.append(("fa3_fp8", {"fp8_attn_smooth_v": False}))
     rows = []
     like = torch.empty(0, device=device, dtype=torch.bfloat16)
-    for backend, env in runs:
-        row = {"backend": backend, "env": env, "seq": seq, "heads": args.heads, "prefix_rows": prefix}
-        reason = unavailable_reason(backend, like)
+    for backend, changed in runs:
+        opts = Options.from_flat({"attention": backend, **changed}).attention
+        row = {"backend": backend, "options": changed, "seq": seq, "heads": args.heads, "prefix_rows": prefix}
+        reason = unavailable_reason(opts, like)
         if reason is not None:
             row["status"] = f"unavailable: {reason}"
             rows.append(row)
-            print(f"{backend:15s} {env} unavailable: {reason}", flush=True)
+            print(f"{backend:15s} {changed} unavailable: {reason}", flush=True)
             continue
         token = _PREFIX_ROWS.set(prefix)
         try:
-            with env_options(env):
-                reset_attention_stats()
-                fn = _REGISTRY[backend].fn
+            with counting() as calls:
+                b = _REGISTRY[backend]
                 for name, (q, k, v) in sets.items():
-                    out = fn(q, k, v)
+                    out = b.run(q, k, v, opts)
                     row[f"rel_l2_{name}"] = rel_l2(out, refs[name])
                     row[f"finite_{name}"] = bool(torch.isfinite(out).all())
                 q, k, v = sets["structured"]
-                call = lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)  # noqa: E731
+                call = lambda b=b, q=q, k=k, v=v, o=opts: b.run(q, k, v, o)  # noqa: E731
                 ms = time_ms(call, args.iters, device)
                 row.update(ms=ms, tflops=flop / ms / 1e9, kernels=kernel_names(call, device),
-                           calls=attention_stats().get(backend), status="ok")
+                           calls=calls.as_dict().get("attention", {}).get(backend), status="ok")
         except Exception as exc:  # noqa: BLE001 - a broken backend is a row, not the end of the run
             row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
             _PREFIX_ROWS.reset(token)
         rows.append(row)
-        print(f"{backend:15s} {env} " + (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  rel-L2 structured "
+        print(f"{backend:15s} {changed} " + (f"{row['ms']:.2f} ms  {row['tflops']:.0f} TFLOP/s  rel-L2 structured "
               f"{row['rel_l2_structured']:.2e} random {row['rel_l2_random']:.2e}  {row['kernels'][:2]}"
               if row["status"] == "ok" else row["status"]), flush=True)
     result = {"shape": [1, args.heads, seq, dim], "prefix_rows": prefix, "flop_per_call": flop,

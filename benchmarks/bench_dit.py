@@ -214,10 +214,11 @@ def run_config(run: C.Run, model, context, cond, video, audio, backend: str, arg
     import torch
 
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
+    from h3direct.dit.options import Options
 
     dev = args.device
-    den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=backend,
-                   mlp_chunks=args.mlp_chunks)
+    options = Options.from_flat({"attention": backend, "mlp_chunks": args.mlp_chunks})
+    den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=options)
     sigma = torch.tensor([args.sigma], dtype=torch.float32, device=dev)
     last = {}
 
@@ -329,14 +330,13 @@ def main(argv=None) -> int:
             C.log(f"built {weights} ({info['builder']}): {info['build_s']:.1f} s, weights "
                   f"{info['model_gib']:.2f} GiB, allocated {C.fmt(info['resident_gib'], '.2f')} GiB")
             with run.phase(f"text refine {weights}"), torch.inference_mode():
-                context = model.preprocess_text(text, backend="sdpa")
+                context = model.preprocess_text(text)
                 C.sync(dev)
             for backend in args.attention_list:
                 entry = {"weights": weights, "attention": backend, "resident_gib": info["resident_gib"],
                          "build_s": info["build_s"], "fp8_linear": args.fp8_linear}
-                from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats, reset_fp8_linear_stats
+                from h3direct.counts import counting
 
-                reset_fp8_linear_stats()
                 reason = attn_mod.unavailable_reason(backend, context)  # compute dtype, like q/k/v
                 if reason is not None:
                     entry.update(status="skipped", reason=reason)
@@ -349,11 +349,11 @@ def main(argv=None) -> int:
                     run.skip(f"{weights}/{backend}", f"budget {run.budget:.0f} s (elapsed {run.elapsed():.0f} s)")
                     continue
                 try:
-                    with run.phase(f"step {weights}/{backend}") as ph:
+                    with run.phase(f"step {weights}/{backend}") as ph, counting() as calls:
                         entry.update(run_config(run, model, context, cond, video, audio, backend, args, flops))
                     est_config = ph.seconds
                     if args.fp8_linear != "off":  # how the FP8 GEMMs ran (scaled_mm vs emulated, with the reason)
-                        entry["fp8_linear_calls"] = fp8_linear_stats()
+                        entry["fp8_linear_calls"] = dict(calls.fp8_linear)
                         C.log(f"fp8 linear ({args.fp8_linear}) calls: {entry['fp8_linear_calls']}")
                     C.log(f"{weights}/{backend}: {entry['step_s_median']:.3f} s/step "
                           f"(warm-up {entry['warmup_s']:.1f} s), {entry['tflops']:.0f} TFLOP/s, "

@@ -189,7 +189,7 @@ def _text_states(args, config):
     import torch
 
     if args.text_embeds:
-        from h3direct.text.encoder import load_text_embeds
+        from h3direct.text.load import load_text_embeds
 
         tc = load_text_embeds(args.text_embeds)
         return tc.states, tc.tags
@@ -202,10 +202,12 @@ def _drive_pipeline(run: C.Run, args, wl: dict, models: dict, text, tags) -> Non
     import torch
 
     from h3direct.app.pipeline import H3Pipeline
-    from h3direct.text.encoder import TextConditioning
+    from h3direct.app.request import GenerateRequest
+    from h3direct.dit.options import Options
+    from h3direct.text.presentation import TextConditioning
 
     dev = args.device
-    pipe = H3Pipeline(models["dit"], models["video_vae"], models["audio_vae"], device=dev, attention=args.attention,
+    pipe = H3Pipeline(models["dit"], models["video_vae"], models["audio_vae"], device=dev,
                       vae_dtype=torch.float16 if args.vae_dtype == "fp16" else torch.float32)
     g = torch.Generator(device="cpu").manual_seed(args.seed + 3)
     img = torch.rand(1, wl["height"], wl["width"], 3, generator=g)
@@ -215,9 +217,10 @@ def _drive_pipeline(run: C.Run, args, wl: dict, models: dict, text, tags) -> Non
 
     C.log("-- H3Pipeline.generate ...")
     t0 = time.perf_counter()
-    res = pipe.generate(text_embeds=TextConditioning(text, tags), width=wl["width"], height=wl["height"],
-                        frames=wl["frames"], steps=args.steps, seed=args.seed, ref_images=[img],
-                        sampler=args.sampler, scheduler=args.scheduler, callback=on_step)
+    request = GenerateRequest(text_embeds=TextConditioning(text, tags), width=wl["width"], height=wl["height"],
+                              frames=wl["frames"], steps=args.steps, seed=args.seed, ref_images=[img],
+                              sampler=args.sampler, scheduler=args.scheduler)
+    res = pipe.generate(request, Options.with_backend(args.attention), callback=on_step)
     C.sync(dev)
     run.data["phases"]["H3Pipeline.generate"] = time.perf_counter() - t0
     mem = getattr(res, "memory", {}) or {}
@@ -249,6 +252,7 @@ def _drive_pieces(run: C.Run, args, wl: dict, models: dict, text, tags, stage: S
 
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
     from h3direct.dit.model import Conditioning
+    from h3direct.dit.options import Options
     from h3direct.sampling.noise import initial_noise
     from h3direct.sampling.sampler import sample
     from h3direct.sampling.schedules import sigmas_for
@@ -261,7 +265,8 @@ def _drive_pieces(run: C.Run, args, wl: dict, models: dict, text, tags, stage: S
     refs = h3cond.comfy_fields().get("minimax_refs", [])
     run.data["outputs"]["ref_latent"] = list(refs[0]["latent"].shape) if refs else None
     with stage("text_refine"), torch.inference_mode():
-        context = model.preprocess_text(text.to(device=dev, dtype=torch.bfloat16), backend=args.attention)
+        context = model.preprocess_text(text.to(device=dev, dtype=torch.bfloat16),
+                                        options=Options.with_backend(args.attention))
     with stage("noise"):
         noise = initial_noise(args.seed, h3cond.video_shape, h3cond.audio_shape)
         noise_v, noise_a = noise.video.to(dev), noise.audio.to(dev)
@@ -270,7 +275,7 @@ def _drive_pieces(run: C.Run, args, wl: dict, models: dict, text, tags, stage: S
     run.data["sigmas"] = [float(s) for s in sigmas]
     sigmas = sigmas.to(dev)  # the sampler indexes sigmas into [1, 1, ...] shapes: keep them with x
     cond = Conditioning(text_token_tags=tags, refs=refs, seed=args.seed)
-    den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=args.attention)
+    den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=Options.with_backend(args.attention))
     marks = [time.perf_counter()]
 
     def on_step(info):

@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     from h3direct.config import H3Config
     from h3direct.dit import parallel
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
+    from h3direct.dit.options import Options
     from h3direct.traces.metrics import rel_l2
 
     preset = C.resolve_common(args)
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
         res = {"geometry": geo, "seq_len": wl["seq_len"], "world_size": world}
         with torch.inference_mode():
             video, audio, text, cond = make_inputs(config, wl, dev, args.seed)
-            context = model.preprocess_text(text, backend=args.attention)
-            den = Denoiser(model, context, cond, audio_scale_of(model), backend=args.attention)
+            context = model.preprocess_text(text, options=Options.with_backend(args.attention))
+            den = Denoiser(model, context, cond, audio_scale_of(model), options=Options.with_backend(args.attention))
             sigma = torch.tensor([args.sigma], dtype=torch.float32, device=dev)
             last = {}
 

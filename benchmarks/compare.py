@@ -79,9 +79,11 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
             out.append((f"path {name}", "not in the result"))
             continue
         s = p.get("settings") or {}
-        expect = {"attention": spec["attention"], "attention_options": spec.get("options", {}),
-                  "fp8_linear": spec.get("fp8_linear", "off")}
+        expect = {"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off")}
         diff = [f"{k} {s.get(k)!r} (contract {v!r})" for k, v in expect.items() if s.get(k) != v]
+        ran = s.get("options") or {}  # every option the path ran with, under its flat name
+        diff += [f"options {k} {ran.get(k)!r} (contract {v!r})" for k, v in spec.get("options", {}).items()
+                 if ran.get(k) != v]
         out.append((f"path {name} settings", "; ".join(diff) or None))
     comfy = result.get("comfyui")
     for name, spec in (contract.get("comfyui") or {}).items():

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
 
     from h3direct.config import H3Config
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
+    from h3direct.dit.options import Options
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="full-curve")
@@ -65,8 +66,8 @@ def main(argv=None) -> int:
     video, audio, text, cond = make_inputs(config, wl, args.device, 0)
     with torch.inference_mode():
         context = model.preprocess_text(text)
-        den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=args.attention,
-                       mlp_chunks=args.mlp_chunks)
+        options = Options.from_flat({"attention": args.attention, "mlp_chunks": args.mlp_chunks})
+        den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=options)
         sigma = torch.tensor([0.8], device=args.device)
         den(video, audio, sigma)
         C.sync(args.device)

@@ -85,6 +85,13 @@ def _check_args(args, contract: dict) -> list[str]:
     unknown = [n for n in names if n not in contract["paths"]]
     if unknown:
         _fail(f"--paths: {', '.join(unknown)} not a path of the contract ({', '.join(contract['paths'])})")
+    from h3direct.errors import H3Error
+
+    for n in names:
+        try:
+            path_options(contract["paths"][n])
+        except H3Error as exc:
+            _fail(f"--contract: path {n}: {exc}")
     modes = {contract["paths"][n].get("fp8_linear", "off") for n in names} - {"off"}
     if len(modes) > 1:
         _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
@@ -114,20 +121,43 @@ def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
 
 # ---------------------------------------------------------------- h3direct
 
-def path_settings(model, spec: dict, fp8_linear: str, build: dict, like) -> dict:
-    """Everything of one path that changes its numbers, as the runtime spells it today (the one place to switch to
-    typed attention / kernel options): the attention backend and its options, FP8 linears, the fused Triton
-    kernels, the NVFP4 compute mode and dequantization path, the compute dtype, and any H3_* variable set."""
+def path_options(spec: dict):
+    """A contract path's typed options (`h3direct.dit.options.Options`): its attention backend, its FP8 linears and
+    its "options" under their flat names (`sol_tau`, `fused`, ...); a name that is not an option is an error."""
+    from h3direct.dit.options import Options
+
+    return Options.from_flat({"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off"),
+                              **spec.get("options", {})})
+
+
+def path_settings(model, options, build: dict, like) -> dict:
+    """Everything of one path that changes its numbers (the one place a result records them): the typed options it
+    ran with, every one under its flat name (`options`), and what they came to on this machine: the attention
+    backend and whether it is exact, the FP8 linears, whether the fused Triton kernels run, the NVFP4 compute mode
+    and dequantization path, the compute dtype."""
     from h3direct.checkpoint.quant.nvfp4 import dequant_backend
     from h3direct.dit import fused
     from h3direct.dit.attention import is_exact
 
-    return {"attention": spec["attention"], "attention_options": dict(spec.get("options", {})),
-            "attention_exact": is_exact(spec["attention"]), "fp8_linear": fp8_linear,
-            "fused_kernels": fused.enabled(like, whole_rows=False), "nvfp4_mode": build.get("nvfp4_mode"),
-            "nvfp4_dequant": dequant_backend(like.device.type) if build.get("weights") == "nvfp4" else None,
-            "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
-            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("H3_")}}
+    k = options.kernels
+    return {"attention": options.attention.backend, "options": options.flat(),
+            "attention_exact": is_exact(options.attention), "fp8_linear": k.fp8_linear,
+            "fused_kernels": fused.enabled(like, whole_rows=False, on=k.fused), "nvfp4_mode": build.get("nvfp4_mode"),
+            "nvfp4_dequant": dequant_backend(like.device.type, k.nvfp4_dequant)
+            if build.get("weights") == "nvfp4" else None,
+            "compute_dtype": str(model.compute_dtype).removeprefix("torch.")}
+
+
+def _load_time(model, options) -> None:
+    """The load-time kernel options on the built model: FP8 block linears (once, in place), NVFP4 dequantization."""
+    from h3direct.dit.linear import NVFP4Linear, apply_fp8_linears
+
+    k = options.kernels
+    if k.fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
+        apply_fp8_linears(model, k.fp8_linear, k.fp8_strict)
+    for m in model.modules():
+        if isinstance(m, NVFP4Linear):
+            m.dequant = k.nvfp4_dequant
 
 
 def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) -> tuple[dict, dict, dict | None]:
@@ -136,58 +166,26 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     from synthetic_gpu import build_dit
 
     from h3direct.config import H3Config
-    from h3direct.dit.attention import attention_stats, reset_attention_stats, unavailable_reason
-    from h3direct.dit.denoiser import Denoiser, audio_scale_of
-    from h3direct.dit.linear import apply_fp8_linears
 
     w = contract["weights"]
     config = H3Config.from_name(preset.dit_config)
     model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
-    video, audio, text, cond = make_inputs(config, wl, dev, w.get("seed", 0))
-    sigma = torch.tensor([0.8], dtype=torch.float32, device=dev)
-    warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
+    inputs = make_inputs(config, wl, dev, w.get("seed", 0))
     like = torch.empty(0, device=dev, dtype=model.compute_dtype)
-    fp8_of = {n: contract["paths"][n].get("fp8_linear", "off") for n in names}
+    opts = {n: path_options(contract["paths"][n]) for n in names}
     paths = {}
     # the exact paths first; then the block linears become FP8 once, in place, for the FP8 paths
-    for name in sorted(names, key=lambda n: fp8_of[n] != "off"):
-        spec = contract["paths"][name]
-        if fp8_of[name] != "off" and getattr(model, "fp8_linear", "off") == "off":
-            apply_fp8_linears(model, fp8_of[name])
-            C.free_memory(dev)
-        attn = spec["attention"]
-        with C.env_options(spec.get("options", {})):
-            res = {"class": spec.get("class"), "settings": path_settings(model, spec, fp8_of[name], build, like)}
-            reason = unavailable_reason(attn, like)
-            if reason is not None:
-                paths[name] = {**res, "status": f"unavailable: {reason}"}
-                C.log(f"{name}: {attn} unavailable: {reason}")
-                continue
-            reset_attention_stats()
-            with torch.inference_mode():
-                C.sync(dev)
-                t = time.perf_counter()
-                context = model.preprocess_text(text, backend=attn)
-                C.sync(dev)
-                res["text_refine_s"] = time.perf_counter() - t
-                den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), backend=attn)
-                C.reset_peak(dev)
-                with C.GpuSampler(dev) as gpu:
-                    r = C.time_calls(lambda den=den, v=video, a=audio: den(v, a, sigma), dev, warmup=warmup,
-                                     iters=timed)
-            res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
-                       denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
-                       attention_calls=attention_stats() or None, gpu_clock_power=gpu.summary)
-        paths[name] = res
-        C.log(f"{name} ({attn}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
-    del model, video, audio, text, cond
+    for name in sorted(names, key=lambda n: opts[n].kernels.fp8_linear != "off"):
+        _load_time(model, opts[name])
+        C.free_memory(dev)
+        paths[name] = _run_path(contract, args, name, opts[name], model, build, inputs, like, dev)
+    del model, inputs
     C.free_memory(dev)
     floor = None
     seconds = contract.get("floor", {}).get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
     exact = contract["paths"].get(contract.get("floor", {}).get("path", "exact"))
     if seconds > 0 and exact is not None:
-        with C.env_options(exact.get("options", {})):
-            floor = hot_floor(config, wl["seq_len"], exact["attention"], dev, seconds, w.get("seed", 0))
+        floor = hot_floor(config, wl["seq_len"], path_options(exact), dev, seconds, w.get("seed", 0))
         C.log(f"hot floor ({exact['attention']}): {floor.get('s_per_step', floor.get('status'))}")
     if not args.no_vae:
         vae_s = vae_decode(contract, preset, wl, dev)
@@ -198,9 +196,42 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     return paths, {"build": build, "seq_len": wl["seq_len"]}, floor
 
 
-def hot_floor(config, seq_len: int, attention: str, dev, seconds: float, seed: int) -> dict:
+def _run_path(contract: dict, args, name: str, options, model, build: dict, inputs, like, dev) -> dict:
+    """One path: its text refine and timed Denoiser steps with its own options, its calls counted for itself."""
+    import torch
+
+    from h3direct.counts import counting
+    from h3direct.dit.attention import unavailable_reason
+    from h3direct.dit.denoiser import Denoiser, audio_scale_of
+
+    spec, (video, audio, text, cond) = contract["paths"][name], inputs
+    res = {"class": spec.get("class"), "settings": path_settings(model, options, build, like)}
+    reason = unavailable_reason(options.attention, like)
+    if reason is not None:
+        C.log(f"{name}: {options.attention.backend} unavailable: {reason}")
+        return {**res, "status": f"unavailable: {reason}"}
+    sigma = torch.tensor([0.8], dtype=torch.float32, device=dev)
+    warmup, timed = contract["steps"]["warmup"], args.steps or contract["steps"]["timed"]
+    with torch.inference_mode(), counting() as calls:
+        C.sync(dev)
+        t = time.perf_counter()
+        context = model.preprocess_text(text, options=options)
+        C.sync(dev)
+        res["text_refine_s"] = time.perf_counter() - t
+        den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=options)
+        C.reset_peak(dev)
+        with C.GpuSampler(dev) as gpu:
+            r = C.time_calls(lambda: den(video, audio, sigma), dev, warmup=warmup, iters=timed)
+    res.update(status="ok", warmup_s=r["warmup_s"], step_s=r["times_s"], s_per_step=r["median_s"],
+               denoise_total_s=sum(r["times_s"]), peak_gpu_gib=C.peak_gib(dev),
+               attention_calls=calls.as_dict().get("attention"), gpu_clock_power=gpu.summary)
+    C.log(f"{name} ({options.attention.backend}): {res['s_per_step']:.3f} s/step, peak {res['peak_gpu_gib']} GiB")
+    return res
+
+
+def hot_floor(config, seq_len: int, options, dev, seconds: float, seed: int) -> dict:
     """GEMMs + attention, sustained: the four block GEMMs (bf16 activations times NVFP4-rounded weights, what W4A16
-    multiplies by) and one call of `attention` at [1, heads, S, head_dim], cycled in a block's order (qkv, attention,
+    multiplies by) and one call of the exact path's attention (`options.attention`) at [1, heads, S, head_dim], cycled in a block's order (qkv, attention,
     out, fc1, fc2) for `seconds`; per call the mean of the loop's second half (steady clocks and power); the floor
     is num_layers x their sum. What the exact path cannot beat at the clocks this GPU holds under that load."""
     import torch
@@ -220,10 +251,12 @@ def hot_floor(config, seq_len: int, attention: str, dev, seconds: float, seed: i
         ws[n] = dequantize_nvfp4(q4.packed, q4.block_scale, q4.global_scale, dtype, (out, k))
     h, d = config.num_attention_heads, config.attention_head_dim
     q, k, v = (torch.randn(1, h, seq_len, d, device=dev, generator=g, dtype=dtype) for _ in range(3))
-    reason = unavailable_reason(attention, q)
+    attention = options.attention.backend
+    reason = unavailable_reason(options.attention, q)
     if reason is not None:
         return {"attention": attention, "status": f"unavailable: {reason}"}
-    calls = {n: (lambda n=n: F.linear(xs[n], ws[n])) for n in xs} | {"attention": lambda: attend(q, k, v, attention)}
+    calls = {n: (lambda n=n: F.linear(xs[n], ws[n])) for n in xs} | {
+        "attention": lambda: attend(q, k, v, options.attention)}
     order = ["qkv_proj", "attention", "out_proj", "fc1", "fc2"]
     for name in order:  # warm-up: kernel choice and compilation
         calls[name]()

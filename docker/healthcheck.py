@@ -1,12 +1,14 @@
 """The image's HEALTHCHECK: GET /ready of `h3direct serve` when the container runs it, else nothing to check.
 
     python healthcheck.py arm -- CMD ARGS...   # entrypoint: if CMD is `h3direct serve`, remember where it listens
-    python healthcheck.py [--url URL]          # HEALTHCHECK: 0 ready, 1 not (loading: /ready answers 503)
+    python healthcheck.py [--url URL] [--token-file F]   # HEALTHCHECK: 0 ready, 1 not (loading: 503)
 
 The entrypoint arms the probe with the command it is about to exec, so the same image serves both the
 interactive shell (never armed: always healthy, since a shell has no readiness) and the resident service
 (armed: healthy only once the models are loaded). `--url` probes that URL unconditionally (compose's
-h3-hot-runtime healthcheck names its /ready explicitly).
+h3-hot-runtime healthcheck names its /ready explicitly). A service started with `--auth-token-file F` answers /ready
+only with `Authorization: Bearer <token>`: the probe sends the token of `--token-file F` (when that file exists), or
+of the serve command's own --auth-token-file when armed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ import urllib.request
 PROBE_FILE = os.environ.get("H3_HEALTH_FILE", "/tmp/h3direct-serve.json")
 DEFAULT_PORT = 8188
 TIMEOUT_S = 4.0
+
+
+def serve_flag(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` (`--flag V` or `--flag=V`) in `argv`, else None."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def serve_address(argv: list[str]) -> tuple[str, int] | None:
@@ -64,18 +76,28 @@ def arm(argv: list[str]) -> int:
             os.remove(PROBE_FILE)
         return 0
     with open(PROBE_FILE, "w") as f:
-        json.dump({"url": ready_url(*address)}, f)
+        token_file = serve_flag(argv, "--auth-token-file")
+        json.dump({"url": ready_url(*address), **({"token_file": token_file} if token_file else {})}, f)
     return 0
 
 
-def probe(url: str | None) -> int:
+def _headers(token_file: str | None) -> dict:
+    if not token_file or not os.path.isfile(token_file):
+        return {}
+    with open(token_file) as f:
+        return {"Authorization": f"Bearer {f.read().strip()}"}
+
+
+def probe(url: str | None, token_file: str | None = None) -> int:
     if url is None:
         if not os.path.exists(PROBE_FILE):
             return 0  # not running the service: nothing to be unhealthy about
         with open(PROBE_FILE) as f:
-            url = json.load(f)["url"]
+            armed = json.load(f)
+        url, token_file = armed["url"], token_file or armed.get("token_file")
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_headers(token_file)),
+                                    timeout=TIMEOUT_S) as r:
             status = r.status
     except urllib.error.HTTPError as exc:
         status = exc.code
@@ -92,11 +114,13 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["arm"]:
         rest = argv[1:]
         return arm(rest[1:] if rest[:1] == ["--"] else rest)
-    if argv[:1] == ["--url"] and len(argv) == 2:
-        return probe(argv[1])
-    if not argv:
-        return probe(None)
-    print("usage: healthcheck.py [--url URL] | arm -- CMD ARGS...", file=sys.stderr)
+    token_file = serve_flag(argv, "--token-file")
+    rest = [a for i, a in enumerate(argv) if a != "--token-file" and (i == 0 or argv[i - 1] != "--token-file")]
+    if rest[:1] == ["--url"] and len(rest) == 2:
+        return probe(rest[1], token_file)
+    if not rest:
+        return probe(None, token_file)
+    print("usage: healthcheck.py [--url URL] [--token-file F] | arm -- CMD ARGS...", file=sys.stderr)
     return 2
 
 

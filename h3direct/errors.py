@@ -4,6 +4,11 @@ The CLI prints `h3direct: error: <message>` on stderr and exits with `exit_code`
 Anything that is not an `H3Error` is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
 
 class H3Error(Exception):
     """A problem with the user's input (file, flag, request), reported as one line."""
@@ -23,5 +28,41 @@ class ConfigError(H3Error):
     """A configuration value is invalid."""
 
 
-class BackendUnavailable(H3Error):
-    """An attention backend (or other optional kernel) is unknown or cannot run here."""
+_NAME = re.compile(r"(?<![-\w])[a-z][a-z0-9_]*\*?")
+
+
+def field_name(name: str) -> str:
+    """A field as a request (and the HTTP API) names it: `ref_images`."""
+    return name
+
+
+def flag_name(name: str) -> str:
+    """A field as the command line names it: `--ref-images` (a name that is already a flag stays)."""
+    return name if name.startswith("-") else "--" + name.replace("_", "-")
+
+
+class RequestError(H3Error):
+    """One bad value of a request or of its options, as one line that names the field: `<field><detail>`.
+
+    `field` is a field name (or several joined by ' × ' or '/'); how it is spelled is the reader's: field names for
+    the HTTP API (`str(e)`), flags on the command line (`e.render(flag_name)`). `kind`: 'value' (a value out of range,
+    a file that is not what it should be: HTTP 400) or 'choice' (not one of the allowed names: HTTP 422)."""
+
+    def __init__(self, field: str, detail: str, *, kind: str = "value", path=None):
+        self.field, self.detail, self.kind = field, detail, kind
+        super().__init__(self._text(field_name), path=path)
+
+    def _text(self, spell: Callable[[str], str]) -> str:
+        return _NAME.sub(lambda m: spell(m.group(0)), self.field) + self.detail
+
+    def render(self, spell: Callable[[str], str] = field_name) -> str:
+        text = self._text(spell)
+        return f"{self.path}: {text}" if self.path else text
+
+
+class BackendUnavailable(RequestError):
+    """An attention backend (or other optional kernel) is unknown or cannot run here (field: the option that chose
+    it, when there is one)."""
+
+    def __init__(self, detail: str, *, field: str = "", kind: str = "value"):
+        super().__init__(field, detail, kind=kind)

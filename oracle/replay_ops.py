@@ -4,7 +4,6 @@ named tensor(s) compared with the recording (`replay.report`)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import tempfile
@@ -31,10 +30,9 @@ def _vae_ours(trace, files) -> dict:
     op = str(trace.manifest["kind"]).split("_")[1]
     with tempfile.TemporaryDirectory(prefix="h3_replay_vae_") as tmp:
         out = Path(tmp) / "ours.safetensors"
-        ns = argparse.Namespace(weights=str(w), config=str(config), inputs=str(inputs),
-                                dtype=str(trace.manifest.get("compute_dtype", "fp32")), only=op, out=str(out))
         with contextlib.redirect_stdout(io.StringIO()):
-            trace_vae.run(ns)
+            trace_vae.run(weights=str(w), config=str(config), inputs=str(inputs),
+                          dtype=str(trace.manifest.get("compute_dtype", "fp32")), only=op, out=str(out))
         got = load_trace(out)
         return {n: got.get(n) for n in got.names_in_order()}
 

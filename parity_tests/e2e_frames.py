@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from h3direct.dit.linear import FP8_WEIGHTS_KEY as FP8_WEIGHTS
-from h3direct.errors import H3Error
+from h3direct.errors import H3Error, RequestError, flag_name
 from h3direct.traces import metrics
 from parity_tests.budgets import Budget, BudgetTable, Measured, load_budgets, verdict
 from parity_tests.gate import CaseResult, LayerResult
@@ -101,10 +101,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def generate_parser() -> argparse.ArgumentParser:
-    from h3direct.app import generate
+    from h3direct.app import cli_generate
 
     p = _Parser(prog="h3direct generate")
-    generate.add_arguments(p)
+    cli_generate.add_arguments(p)
     return p
 
 
@@ -182,21 +182,21 @@ class FramesRun:
 def run_frames(model: E2EModel, flags: list[str], *, device: str = "cpu") -> FramesRun:
     """One generation (the pipeline's own sampler and models), decoded to float frames. `flags`: extra `generate`
     flags (the path)."""
-    from h3direct.app.generate import load_pipeline, resolve_args
-    from h3direct.dit.attention import attention_stats, reset_attention_stats
+    from h3direct.app.cli_generate import parse
+    from h3direct.app.models import load_pipeline
     from h3direct.vae.api import decode_audio, decode_video
 
     argv = model.argv() + ["--device", device, "--vae-dtype", "fp32", "--quiet"] + list(flags)
-    args = resolve_args(generate_parser().parse_args(argv), check_output=False)
+    try:
+        job = parse(generate_parser().parse_args(argv), output=False)
+    except RequestError as exc:
+        raise H3Error(f"generate flags: {exc.render(flag_name)}") from None
     threads = torch.get_num_threads()
     t0 = time.perf_counter()
     try:
-        pipe, _, _, _ = load_pipeline(args)
-        reset_attention_stats()
-        res = pipe.generate(args.prompt, text_embeds=args.text_embeds, width=args.width, height=args.height,
-                            frames=args.frames, steps=args.steps, seed=args.seed, sampler=args.sampler,
-                            scheduler=args.scheduler, cfg=args.cfg, decode=False)
-        calls = attention_stats()
+        pipe, _, _, _ = load_pipeline(job.spec, job.options.kernels, text_encoder=job.request.text_embeds is None)
+        res = pipe.generate(job.request, job.options, decode=False)
+        calls = res.calls.get("attention", {})
         with torch.inference_mode():
             px = decode_video(pipe.video_vae, res.video_latent.to(pipe.device), dtype=pipe.vae_dtype,
                               tile_size=pipe.vae_tile_size)

@@ -278,7 +278,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
     an fp32 trace): the budget key is then "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own trace in
     that dtype. no_twin: gate a low-precision case without ComfyUI's fp32 twin by the rounding bounds (teacher sites
     only; what has no rounding bound is listed as not gated) instead of refusing it."""
-    from h3direct.dit.attention import attention_stats, is_exact, reset_attention_stats
+    from h3direct.counts import counting
+    from h3direct.dit.attention import is_exact
     from h3direct.dit.linear import FP8_WEIGHTS_KEY
 
     budgets = budgets or load_budgets()
@@ -309,8 +310,7 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
     if twin is None and compute_key != "fp32":
         result.notes.append("no fp32 twin (--no-twin): teacher sites by rounding bounds; free runs and whole blocks "
                             "are not gated")
-    reset_attention_stats()
-    with torch.no_grad():
+    with torch.no_grad(), counting() as calls:
         if mode == "teacher":
             _teacher(gate, model, inputs, cond, device, exact_backend, attention if approx_attention else None,
                      fp8_linear, low)
@@ -318,11 +318,9 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
             _free(gate, model, inputs, device, exact_backend, attention, fp8_linear, approx)
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
-    result.attention_calls = attention_stats() or None
+    result.attention_calls = calls.as_dict().get("attention")
     if fp8_linear != "off":
-        from h3direct.checkpoint.quant.w8a8 import fp8_linear_stats
-
-        result.fp8_linear_calls = fp8_linear_stats()
+        result.fp8_linear_calls = dict(calls.fp8_linear)
     return result
 
 

@@ -39,7 +39,8 @@ def _run_dtype(backend: str, dtype: torch.dtype, device) -> torch.dtype:
 
 
 def ran_backend(backend: str, stats: dict) -> str:
-    """Which registered backend computed the last call of `backend` (stats: `attention_stats()` of that one call)."""
+    """Which registered backend computed the last call of `backend` (stats: the attention counts of that one call,
+    `h3direct.counts`)."""
     from h3direct.dit.attention import slice_backend
 
     if backend == "kj_head_sliced":
@@ -61,9 +62,9 @@ def sol_algorithm(q, k, v, prefix_rows) -> torch.Tensor:
     passes the kernel; heads in chunks so that its dense score matrix stays under HEAD_CHUNK_BYTES."""
     from comfy_kitchen.backends.eager.sol_attn import sol_attn
 
-    from h3direct.dit.sol_options import sol_options
+    from h3direct.dit.sol_options import SolOptions
 
-    kw = sol_options().kernel_kwargs(prefix_rows)
+    kw = SolOptions().kernel_kwargs(prefix_rows)  # the options the backend runs with when called by its name
     kw.pop("token_aug", None)  # the eager reference has no token routing stage
     b, h, s, d = q.shape
     per_head = b * s * s * 4
@@ -76,19 +77,15 @@ def sol_algorithm(q, k, v, prefix_rows) -> torch.Tensor:
 
 
 def attention_site(gate, site, backend: str, device) -> None:
-    from h3direct.dit.attention import attention, attention_stats, reset_attention_stats, sequence_hints
+    from h3direct.counts import counting
+    from h3direct.dit.attention import attention, sequence_hints
 
     q, k, v, prefix = site.operands()
     dtype = _run_dtype(backend, q.dtype, device)
     qq, kk, vv = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-    before = attention_stats()
-    reset_attention_stats()
-    try:
-        with sequence_hints(prefix):
-            out = attention(qq, kk, vv, backend)[0].float()
-        ran = ran_backend(backend, attention_stats())
-    finally:
-        _restore_stats(before)
+    with counting() as calls, sequence_hints(prefix):  # this call's own counts (not the run's: not a model call)
+        out = attention(qq, kk, vv, backend)[0].float()
+    ran = ran_backend(backend, calls.as_dict().get("attention", {}))
     exact = exact_attention(qq, kk, vv)[0]
     vs_exact = metrics.rel_l2(out, exact)
     key = gate.key("kernel", "attention", attention=ran if ran != "exact" else "exact", compute="*", weights="*")
@@ -119,17 +116,6 @@ def attention_site(gate, site, backend: str, device) -> None:
         m = Measured(vs_exact, cos=cosine(out, exact))
         ref = exact
     gate.result.layers.append(_row(gate, site.name, b, m, out, ref, info, attention=backend, device=device))
-
-
-def _restore_stats(before: dict) -> None:
-    """Put back the per-backend counts of the run around one kernel-site call (that call is not a model call)."""
-    from h3direct.dit import attention as A
-
-    A.reset_attention_stats()
-    for name, counts in before.items():
-        for what, n in counts.items():
-            for _ in range(n):
-                A._count(name, what)
 
 
 def _row(gate, name, b, m: Measured, ours, ref, info: str, roundings: int | None = None, attention: str = "",

@@ -13,7 +13,6 @@ Plain Python, like gate.py:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import math
@@ -48,9 +47,8 @@ def h3direct_trace(weights: str, config: str, inputs: str, dtype: str, op: str) 
 
     with tempfile.TemporaryDirectory(prefix="h3_vae_gate_") as tmp:
         out = Path(tmp) / "ours.safetensors"
-        args = argparse.Namespace(weights=weights, config=config, inputs=inputs, dtype=dtype, only=op, out=str(out))
         with contextlib.redirect_stdout(io.StringIO()):
-            trace_vae.run(args)
+            trace_vae.run(weights=weights, config=config, inputs=inputs, dtype=dtype, only=op, out=str(out))
         return load_trace(out)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from h3direct.checkpoint.quant import w8a8
+from h3direct.counts import counting
 from h3direct.dit.linear import FP8Linear
 
 
@@ -20,20 +20,19 @@ def e4m3_path_is_the_tensor_path(blk, inputs, gemm: str) -> torch.Tensor:
     """Runs the fused block twice: as is (qkv_proj, fc1 and fc2 take e4m3 rows from the kernels, out_proj quantizes
     its input itself), and with a forward hook on those three linears (hooks see tensors, so every activation is
     handed over as one). Asserts both the GEMM counts (`gemm`: the path name, "scaled_mm" / "emulated (cpu)") and
-    bitwise equal outputs; returns the output. The process-wide counters are left cleared."""
+    bitwise equal outputs; returns the output."""
     x, *rest = inputs
-    w8a8.reset_fp8_linear_stats()
-    ours = blk(x.clone(), *rest)
-    assert w8a8.fp8_linear_stats() == {f"{gemm}, e4m3 input": 3, gemm: 1}, w8a8.fp8_linear_stats()
+    with counting() as calls:
+        ours = blk(x.clone(), *rest)
+    assert calls.fp8_linear == {f"{gemm}, e4m3 input": 3, gemm: 1}, calls.fp8_linear
     hooks = [m.register_forward_pre_hook(lambda m, args: None) for m in (blk.attn.qkv_proj, blk.mlp.fc1, blk.mlp.fc2)]
     try:
-        w8a8.reset_fp8_linear_stats()
-        plain = blk(x.clone(), *rest)
-        assert w8a8.fp8_linear_stats() == {gemm: 4}, w8a8.fp8_linear_stats()
+        with counting() as calls:
+            plain = blk(x.clone(), *rest)
+        assert calls.fp8_linear == {gemm: 4}, calls.fp8_linear
     finally:
         for h in hooks:
             h.remove()
-        w8a8.reset_fp8_linear_stats()
     assert torch.equal(ours, plain), float((ours.double() - plain.double()).abs().max())
     return ours
 

@@ -10,11 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3direct.app.env import read_options
+from h3direct.counts import counting
 from h3direct.dit import attention as A
-from h3direct.dit.sol_options import SolOptions, sol_options
-from h3direct.errors import BackendUnavailable, ConfigError
+from h3direct.dit.options import AttentionOptions, Options
+from h3direct.dit.sol_options import SolOptions
+from h3direct.errors import BackendUnavailable, ConfigError, RequestError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def sol_options(env: dict) -> SolOptions:
+    """sol_attn's options as the command line's edge reads them from the environment."""
+    return Options.from_flat(read_options(env)).attention.sol_attn
 
 
 def test_sol_defaults_map_onto_kernel_arguments():
@@ -41,12 +49,12 @@ def test_sol_env_mapping(env, key, want):
 
 
 @pytest.mark.parametrize("env, needle", [
-    ({"H3_SOL_TAU": "-1"}, "H3_SOL_TAU='-1': expected a positive number"),
+    ({"H3_SOL_TAU": "-1"}, "H3_SOL_TAU='-1': must be a positive number"),
     ({"H3_SOL_TAU": "fast"}, "H3_SOL_TAU='fast'"),
-    ({"H3_SOL_THRESH_TYPE": "row"}, "diag or topk"),
+    ({"H3_SOL_THRESH_TYPE": "row"}, "diag, topk"),
     ({"H3_SOL_TOPK_RATIO": "1.5"}, "(0, 1)"),
     ({"H3_SOL_TOKEN_AUG": "100"}, "multiple of 64"),
-    ({"H3_SOL_STRICT": "yes"}, "0 or 1"),
+    ({"H3_SOL_STRICT": "maybe"}, "1/0, true/false, yes/no or on/off"),
     ({"H3_SOL_FALLBACK": "sol_attn"}, "another attention backend"),
     ({"H3_SOL_INT8_QK": "1"}, "no precision switch"),
     ({"H3_SOL_INT8_PV": "0"}, "no precision switch"),
@@ -97,71 +105,69 @@ def test_sol_rows_before_the_video_attend_exactly():
     assert err(out, tail) > 1e-2  # the video rows stay sparse
 
 
-def test_sol_without_kernel_is_unavailable_not_substituted(monkeypatch):
-    monkeypatch.setenv("H3_SOL_FALLBACK", "sdpa")
+def test_sol_without_kernel_is_unavailable_not_substituted():
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa"))
     like = torch.empty(0, dtype=torch.bfloat16)
-    reason = A.unavailable_reason("sol_attn", like)
+    reason = A.unavailable_reason(opts, like)
     assert reason is not None and ("CUDA" in reason or "sol_attn" in reason)
     q = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
     with pytest.raises(BackendUnavailable, match="attention backend 'sol_attn' cannot run"):
-        A.attention(q, q, q, "sol_attn")
+        A.attention(q, q, q, opts)
 
 
-def test_sol_documented_fallback_is_counted_and_strict_refuses(monkeypatch):
-    """Calls the kernel cannot take (head_dim 32, or shorter than H3_SOL_MIN_TOKENS) run H3_SOL_FALLBACK and are
-    counted; the rest run the kernel (here comfy-kitchen's own eager sol_attn reference, the CPU form of the
-    algorithm), with the sinks of the current sequence; H3_SOL_STRICT=1 turns fallbacks into errors."""
+def test_sol_documented_fallback_is_counted_and_strict_refuses():
+    """Calls the kernel cannot take (head_dim 32, or shorter than sol_min_tokens) run sol_fallback and are
+    counted (in the caller's scoped collector); the rest run the kernel (here comfy-kitchen's own eager sol_attn
+    reference, the CPU form of the algorithm), with the sinks of the current sequence; sol_strict turns fallbacks
+    into errors."""
     ck = pytest.importorskip("comfy_kitchen")
     if not hasattr(ck, "sol_attn"):
         pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
-    monkeypatch.setenv("H3_SOL_FALLBACK", "sdpa")
-    monkeypatch.setenv("H3_SOL_MIN_TOKENS", "256")
-    A.reset_attention_stats()
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa", min_tokens=256))
     q = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
-    assert torch.equal(A.sol_call(q, q, q, ck.sol_attn), A._sdpa(q, q, q))
-    assert A.attention_stats() == {"sol_attn": {"fallback to sdpa: head_dim": 1}}
-    short = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
-    A.sol_call(short, short, short, ck.sol_attn)
-    assert A.attention_stats()["sol_attn"]["fallback to sdpa: short"] == 1
-    long = torch.randn(1, 2, 320, 128, dtype=torch.bfloat16)
-    with A.sequence_hints(70):
-        out = A.sol_call(long, long, long, ck.sol_attn)
-    want = ck.sol_attn(*(x.transpose(1, 2) for x in (long, long, long)), tau=1.3, sink_blocks=[0, 2],
-                       sink_q=[0, 2]).transpose(1, 2)
-    assert torch.equal(out, want) and A.attention_stats()["sol_attn"]["kernel"] == 1
-    monkeypatch.setenv("H3_SOL_STRICT", "1")
-    with pytest.raises(BackendUnavailable, match="H3_SOL_STRICT=1 forbids it"):
-        A.sol_call(q, q, q, ck.sol_attn)
-    A.reset_attention_stats()
+    with counting() as calls:
+        assert torch.equal(A.sol_call(q, q, q, ck.sol_attn, opts), A._sdpa(q, q, q))
+        assert calls.as_dict()["attention"] == {"sol_attn": {"fallback to sdpa: head_dim": 1}}
+        short = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
+        A.sol_call(short, short, short, ck.sol_attn, opts)
+        assert calls.attention["sol_attn"]["fallback to sdpa: short"] == 1
+        long = torch.randn(1, 2, 320, 128, dtype=torch.bfloat16)
+        with A.sequence_hints(70):
+            out = A.sol_call(long, long, long, ck.sol_attn, opts)
+        want = ck.sol_attn(*(x.transpose(1, 2) for x in (long, long, long)), tau=1.3, sink_blocks=[0, 2],
+                           sink_q=[0, 2]).transpose(1, 2)
+        assert torch.equal(out, want) and calls.attention["sol_attn"]["kernel"] == 1
+    strict = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa", min_tokens=256, strict=True))
+    with pytest.raises(BackendUnavailable, match="sol_strict forbids it"):
+        A.sol_call(q, q, q, ck.sol_attn, strict)
 
 
-@pytest.mark.parametrize("name, env, gate", [("sol_attn", "H3_SOL", "sol_kernel_reason"),
-                                             ("fa3_fp8", "H3_FP8_ATTN", "_fa3_available")])
-def test_fallback_backend_is_part_of_availability(monkeypatch, name, env, gate):
+@pytest.mark.parametrize("name, prefix, gate", [("sol_attn", "sol", "sol_kernel_reason"),
+                                                ("fa3_fp8", "fp8_attn", "_fa3_available")])
+def test_fallback_backend_is_part_of_availability(monkeypatch, name, prefix, gate):
     """With its kernel runnable (gate patched open on the CPU), a backend with a documented fallback is available
     only when that fallback is another registered backend that can run here too; strict mode needs no fallback."""
     monkeypatch.setattr(A, gate, lambda like: None)
     like = torch.empty(0, dtype=torch.bfloat16)
-    monkeypatch.setenv(f"{env}_FALLBACK", "sdpa")
-    assert A.unavailable_reason(name, like) is None
-    monkeypatch.setenv(f"{env}_FALLBACK", "no_such_backend")
-    reason = A.unavailable_reason(name, like)
-    assert f"{env}_FALLBACK='no_such_backend'" in reason and "\n" not in reason
-    monkeypatch.setenv(f"{env}_FALLBACK", "fa3")  # registered, but not on the CPU
-    reason = A.unavailable_reason(name, like)
-    assert reason.startswith(f"its fallback {env}_FALLBACK='fa3' cannot run: ") and "\n" not in reason
-    if name == "fa3_fp8":  # itself: refused, not a recursion (sol_attn's option parser refuses it earlier)
-        monkeypatch.setenv(f"{env}_FALLBACK", name)
-        assert f"{env}_FALLBACK='fa3_fp8'" in A.unavailable_reason(name, like)
-    monkeypatch.setenv(f"{env}_STRICT", "1")
-    assert A.unavailable_reason(name, like) is None
+
+    def opts(**kw):
+        return Options.from_flat({"attention": name, **{f"{prefix}_{k}": v for k, v in kw.items()}}).attention
+
+    assert A.unavailable_reason(opts(fallback="sdpa"), like) is None
+    reason = A.unavailable_reason(opts(fallback="no_such_backend"), like)
+    assert f"{prefix}_fallback 'no_such_backend'" in reason and "\n" not in reason
+    reason = A.unavailable_reason(opts(fallback="fa3"), like)  # registered, but not on the CPU
+    assert reason.startswith(f"its fallback {prefix}_fallback 'fa3' cannot run: ") and "\n" not in reason
+    with pytest.raises(RequestError, match="another attention backend"):
+        opts(fallback=name)  # itself: refused by the option's own rule, never a recursion
+    assert A.unavailable_reason(opts(fallback="no_such_backend", strict=True), like) is None
 
 
 @pytest.mark.parametrize("name", ["fa3", "sage2", "cudnn_sdpa", "ck_int8"])
 def test_gpu_backends_say_why_on_cpu(name):
     reason = A.unavailable_reason(name, torch.empty(0, dtype=torch.bfloat16))
     assert reason is not None and "\n" not in reason
-    with pytest.raises(BackendUnavailable, match=f"attention backend '{name}' cannot run"):
+    with pytest.raises(BackendUnavailable, match=f"attention '{name}' cannot run"):
         A.check_backend(name, torch.empty(0, dtype=torch.bfloat16))
 
 

@@ -42,7 +42,7 @@ def _passing() -> dict:
     def path(name, s):
         spec = c["paths"][name]
         return {"status": "ok", "class": spec["class"], "s_per_step": s, "step_s": [s] * timed, "peak_gpu_gib": 13.9,
-                "settings": {"attention": spec["attention"], "attention_options": spec.get("options", {}),
+                "settings": {"attention": spec["attention"], "options": dict(spec.get("options", {})),
                              "fp8_linear": spec.get("fp8_linear", "off")}}
 
     w = c["workload"]
@@ -90,8 +90,8 @@ def _break(result: dict, where: str, value) -> dict:
     ("paths.exact.settings.attention", "sdpa", "FAIL rule   path exact settings: attention 'sdpa' (contract 'fa3')"),
     ("paths.exact.settings.fp8_linear", "stream",
      "FAIL rule   path exact settings: fp8_linear 'stream' (contract 'off')"),
-    ("paths.approximate.settings.attention_options", {"H3_SOL_TAU": "2.0", "H3_SOL_FALLBACK": "fa3"},
-     "FAIL rule   path approximate settings: attention_options"),
+    ("paths.approximate.settings.options", {"sol_tau": 2.0, "sol_fallback": "fa3"},
+     "FAIL rule   path approximate settings: options sol_tau 2.0 (contract 1.3)"),
     ("comfyui.configs.sage.settings", "oracle",
      "FAIL rule   ComfyUI sage settings: settings 'oracle' (contract 'user')"),
 ], ids=["smoke", "device", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
@@ -197,7 +197,7 @@ def test_contract_workload_is_the_performance_workload(tmp_path):
 def _run_contract(tmp_path, *extra: str, contract: Path | None = None) -> subprocess.CompletedProcess:
     if contract is None:
         c = json.loads(CONTRACT.read_text())
-        c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"H3_FUSED": "0"}},
+        c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"fused": False}},
                       "approximate": {"class": "approximate", "attention": "fa3"}}
         contract = tmp_path / "c.json"
         contract.write_text(json.dumps(c))
@@ -216,9 +216,10 @@ def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
     exact = r["paths"]["exact"]
     assert exact["status"] == "ok" and exact["s_per_step"] > 0 and len(exact["step_s"]) == 1
     assert exact["settings"]["attention"] == "sdpa" and exact["settings"]["fp8_linear"] == "off"
-    # the path's options are set while it runs and recorded (and nothing of another path's leaks into it)
-    assert exact["settings"]["attention_options"] == exact["settings"]["environment"] == {"H3_FUSED": "0"}
-    assert r["paths"]["approximate"]["settings"]["environment"] == {}
+    # the path's options are the ones it runs with, every one recorded (and nothing of another path's leaks into it)
+    assert exact["settings"]["options"]["fused"] is False and exact["settings"]["options"]["attention"] == "sdpa"
+    assert r["paths"]["approximate"]["settings"]["options"]["fused"] is True
+    assert set(exact["settings"]["options"]) >= {"sol_tau", "fp8_attn_smooth_v", "head_slice_size", "nvfp4_dequant"}
     assert {"fused_kernels", "nvfp4_mode", "nvfp4_dequant", "compute_dtype"} <= set(exact["settings"])
     assert r["paths"]["approximate"]["status"].startswith("unavailable:")  # fa3 needs a Hopper GPU
     assert r["hot_floor"]["status"] == "ok" and r["hot_floor"]["s_per_step"] > 0

@@ -68,7 +68,9 @@ def test_easycache_accumulates_h3_cache_does_not():
 
 
 def test_bad_settings():
-    with pytest.raises(H3Error):
-        caches.CacheSettings(mode="teacache")
-    with pytest.raises(H3Error):
+    from h3direct.app.request import GenerateRequest
+
+    with pytest.raises(H3Error, match="cache_mode 'teacache' is not supported"):  # the name: where a request gives it
+        GenerateRequest(cache_mode="teacache")
+    with pytest.raises(H3Error, match="need 0 ≤ start ≤ end ≤ 1"):
         caches.CacheSettings(mode="easycache", start_percent=0.9, end_percent=0.1)

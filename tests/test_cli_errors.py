@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from h3direct.app import cli, generate
+from h3direct.app import cli, cli_generate, models
 
 PY = os.environ.get("H3_PYTHON", sys.executable)
 
@@ -35,7 +35,7 @@ def no_models(monkeypatch):
     def tripwire(*a, **k):
         raise AssertionError("a model was loaded for a bad command line")
 
-    monkeypatch.setattr(generate, "load_pipeline", tripwire)
+    monkeypatch.setattr(models, "load_pipeline", tripwire)
     monkeypatch.setattr(pipeline.H3Pipeline, "from_files", tripwire)
     for mod, name in ((dit_loader, "load_dit"), (vae_loader, "load_video_vae"), (vae_loader, "load_audio_vae")):
         monkeypatch.setattr(mod, name, tripwire)
@@ -63,7 +63,7 @@ BAD = [  # (argv, words the one line must contain); paths relative to the `files
     (["generate", "--ref-image", "garbage.png", "-o", O], "not a readable image"),
     (["generate", "--ref-video", "garbage.png", "-o", O], "not a readable video"),
     (["generate", "--ref-audio", "garbage.png", "-o", O], "audio"),
-    (["generate", *["--ref-video", "garbage.png"] * 4, "-o", O], "--ref-video given 4 times; H3 takes at most 3"),
+    (["generate", *["--ref-video", "garbage.png"] * 4, "-o", O], "--ref-videos: 4 files; H3 takes at most 3"),
     (["generate", "--first-frame", "missing.png", "-o", O], "not found"),
     (["generate", "--cfg", "nan", "-o", O], "--cfg nan is not a finite number"),
     (["generate", "--cfg", "inf", "-o", O], "--cfg inf is not a finite number"),
@@ -135,13 +135,16 @@ def test_version(capsys):
 
 
 def test_help_shows_choices_and_defaults(capsys):
+    from h3direct.dit.options import BACKENDS
+    from h3direct.sampling.rules import CACHE_MODES, SAMPLERS, SCHEDULERS
+
     assert cli.main(["generate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for flag, choices, default in (("--sampler", generate.SAMPLERS, "euler"),
-                                   ("--scheduler", generate.SCHEDULERS, "simple"),
-                                   ("--cache-mode", generate.CACHE_MODES, "off"),
-                                   ("--vae-dtype", generate.VAE_DTYPES, "fp16 on CUDA, fp32 on CPU"),
-                                   ("--attention", generate.ATTENTION, "sdpa")):
+    for flag, choices, default in (("--sampler", SAMPLERS, "euler"),
+                                   ("--scheduler", SCHEDULERS, "simple"),
+                                   ("--cache-mode", CACHE_MODES, "off"),
+                                   ("--vae-dtype", models.VAE_DTYPES, "fp16 on CUDA, fp32 on CPU"),
+                                   ("--attention", BACKENDS, "sdpa")):
         assert f"{flag} {{{','.join(choices)}}}" in text, flag
         assert f"default: {default})" in text
     for flag in ("--seed", "--cache-threshold", "--cache-start-percent", "--max-steps", "--output FILE.mp4, -o"):
@@ -151,21 +154,24 @@ def test_help_shows_choices_and_defaults(capsys):
 
 
 def test_choices_match_the_runtime():
-    """The CLI names its choices without importing torch; they must be the runtime's own tables."""
+    """The CLI names its choices without importing torch; they must be the runtime's own tables (the sampler's
+    functions, the schedulers, the registered backends, the NVFP4 modes, the VAE dtypes, the cache defaults)."""
+    from h3direct.app.request import GenerateRequest
     from h3direct.dit.attention import backends
-    from h3direct.sampling.caches import CACHE_MODES, CacheSettings
-    from h3direct.sampling.conditioning import MAX_REF_AUDIOS, MAX_REF_IMAGES, MAX_REF_VIDEOS
-    from h3direct.sampling.sampler import SAMPLERS
-    from h3direct.sampling.schedules import SCHEDULERS
+    from h3direct.dit.linear import NVFP4_MODES
+    from h3direct.dit.options import BACKENDS
+    from h3direct.sampling import sampler, schedules
+    from h3direct.sampling.rules import SAMPLERS, SCHEDULERS, CacheSettings
     from h3direct.vae.api import VIDEO_DTYPES
 
-    assert generate.SAMPLERS == SAMPLERS and generate.SCHEDULERS == SCHEDULERS
-    assert generate.CACHE_MODES == CACHE_MODES and tuple(backends()) == generate.ATTENTION
-    assert set(generate.VAE_DTYPES) <= set(VIDEO_DTYPES)
-    defaults = CacheSettings()
-    assert generate.CACHE_DEFAULTS == {k: getattr(defaults, k) for k in generate.CACHE_DEFAULTS}
-    assert set(generate.CACHE_DEFAULTS) == {"threshold", "start_percent", "end_percent", "subsample_factor"}
-    assert generate.REF_CAPS == {"image": MAX_REF_IMAGES, "video": MAX_REF_VIDEOS, "audio": MAX_REF_AUDIOS}
+    assert set(sampler._SAMPLER_FNS) == set(SAMPLERS)
+    for name in SCHEDULERS:  # every name the request admits has a schedule
+        assert len(schedules.scheduler_sigmas(name, 3)) == 4
+    assert tuple(backends()) == BACKENDS and models.NVFP4_MODES == NVFP4_MODES
+    assert set(models.VAE_DTYPES) <= set(VIDEO_DTYPES)
+    defaults, request = CacheSettings(), GenerateRequest()
+    for k in ("threshold", "start_percent", "end_percent", "subsample_factor"):
+        assert getattr(request, f"cache_{k}") == getattr(defaults, k)
 
 
 def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_path):
@@ -174,10 +180,10 @@ def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_pat
     ckpt = bundled.ensure().dit
     p = cli.build_parser("generate")
     args = p.parse_args(["generate", "--checkpoint", str(ckpt), "--frames", "30", "-o", str(tmp_path / "x.mp4")])
-    notes = []
-    generate.resolve_args(args, notes)
-    assert (args.width, args.height, args.steps) == (bundled.DEFAULT_WIDTH, bundled.DEFAULT_HEIGHT,
-                                                     bundled.DEFAULT_STEPS)
+    job = cli_generate.parse(args)
+    notes = job.notes
+    assert (job.request.width, job.request.height, job.request.steps) == (bundled.DEFAULT_WIDTH,
+                                                                         bundled.DEFAULT_HEIGHT, bundled.DEFAULT_STEPS)
     assert any("--width/--height/--steps" in n and "96x64" in n for n in notes), notes
     assert any("--frames 30 snapped up to 39" in n for n in notes), notes
     from h3direct.sampling.conditioning import align_frame_count  # the grid the note and the pipeline use
@@ -226,9 +232,9 @@ def test_sigterm_during_the_write_leaves_no_temp_file(cache_env, tmp_path, monke
 
 def test_serve_output_root_is_checked_as_a_folder(tmp_path):
     """Any entry inside --output-root (here a folder named like an mp4) is no reason to refuse it."""
-    from h3direct.app.serve import Service
+    from h3direct.app.cli_serve import service_of
 
     (tmp_path / "probe.mp4").mkdir()
     args = cli.build_parser("serve").parse_args(["serve", "--output-root", str(tmp_path)])
-    Service(args).check_flags()
+    service_of(args).prepare()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.mp4"]  # the write probe left nothing behind

@@ -42,9 +42,12 @@ def test_bad_requests(w, h, n):
 
 
 def test_too_many_refs():
+    """The caps are checked where a request names its references (`app/request.py`), before anything is encoded."""
+    from h3direct.app.request import GenerateRequest
+
     img = torch.rand(1, 64, 64, 3)
     with pytest.raises(H3Error, match="at most 9"):
-        hc.ref2va(64, 64, 5, _enc_video, _enc_audio, images=[img] * 10)
+        GenerateRequest(ref_images=[img] * 10, width=64, height=64, frames=5)
 
 
 def test_ref2va_av_matches_oracle_node_conditioning():

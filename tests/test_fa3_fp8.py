@@ -138,11 +138,14 @@ def test_backend_is_registered_approximate_and_unavailable_on_the_cpu():
     reason = A.unavailable_reason("fa3_fp8", like)
     assert reason is not None and "\n" not in reason
     q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
-    with pytest.raises(BackendUnavailable, match="attention backend 'fa3_fp8' cannot run"):
+    with pytest.raises(BackendUnavailable, match="attention 'fa3_fp8' cannot run"):
         A.attention(q, q, q, "fa3_fp8")
 
 
-def test_head_dims_the_kernel_cannot_take_fall_back_counted_or_fail_strict(monkeypatch):
+def test_head_dims_the_kernel_cannot_take_fall_back_counted_or_fail_strict():
+    from h3direct.counts import counting
+    from h3direct.dit.options import AttentionOptions, FP8AttentionOptions
+
     q32 = torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)
     assert A.fp8_fallback_reason(q32) is None
     for d in (128, 256):  # the DiT's head_dim, and the largest the kernel takes
@@ -151,14 +154,13 @@ def test_head_dims_the_kernel_cannot_take_fall_back_counted_or_fail_strict(monke
     assert "head_dim 40" in A.fp8_fallback_reason(q40)
     for d in (272, 512):  # multiples of 16 above 256
         assert f"head_dim {d}" in A.fp8_fallback_reason(torch.zeros(1, 1, 1, d))
-    monkeypatch.setenv("H3_FP8_ATTN_FALLBACK", "sdpa")
-    A.reset_attention_stats()
-    assert torch.equal(A._fa3_fp8(q40, q40, q40), A._sdpa(q40, q40, q40))
-    assert A.attention_stats() == {"fa3_fp8": {"fallback to sdpa: head_dim": 1}}
-    monkeypatch.setenv("H3_FP8_ATTN_STRICT", "1")
-    with pytest.raises(BackendUnavailable, match="H3_FP8_ATTN_STRICT=1 forbids it"):
-        A._fa3_fp8(q40, q40, q40)
-    A.reset_attention_stats()
+    opts = AttentionOptions("fa3_fp8", fa3_fp8=FP8AttentionOptions(fallback="sdpa"))
+    with counting() as calls:
+        assert torch.equal(A._fa3_fp8(q40, q40, q40, opts), A._sdpa(q40, q40, q40))
+    assert calls.as_dict()["attention"] == {"fa3_fp8": {"fallback to sdpa: head_dim": 1}}
+    strict = AttentionOptions("fa3_fp8", fa3_fp8=FP8AttentionOptions(fallback="sdpa", strict=True))
+    with pytest.raises(BackendUnavailable, match="fp8_attn_strict forbids it"):
+        A._fa3_fp8(q40, q40, q40, strict)
 
 
 # ---- the kernels on an sm_90 GPU (`pytest -m gpu`) ------------------------------------------------------------------

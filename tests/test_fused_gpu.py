@@ -214,18 +214,18 @@ def test_dit_block_fp8_linears_take_e4m3_rows_on_cuda(monkeypatch):
     """The FP8 path of a block on the GPU: qkv_proj, fc1 and fc2 run torch._scaled_mm on the e4m3 rows the fused
     kernels write, out_proj quantizes the attention output itself; the block's output is bitwise that of the same
     block with every activation handed over as a bf16 tensor (fp8_blocks.e4m3_path_is_the_tensor_path).
-    H3_FUSED=0: the eager path, no e4m3 rows."""
+    The option `fused` off: the eager path, no e4m3 rows."""
     from fp8_blocks import e4m3_path_is_the_tensor_path
 
-    from h3direct.checkpoint.quant import w8a8
+    from h3direct.counts import counting
+    from h3direct.dit.options import KernelOptions, Options
 
     blk, inputs = _cuda_block(fp8=True)
     with torch.no_grad():
         ours = e4m3_path_is_the_tensor_path(blk, inputs, "scaled_mm")
-        monkeypatch.setenv("H3_FUSED", "0")
-        eager = blk(inputs[0].clone(), *inputs[1:])
-        stats = w8a8.fp8_linear_stats()
-        w8a8.reset_fp8_linear_stats()
+        with counting() as calls:
+            eager = blk(inputs[0].clone(), *inputs[1:], options=Options(kernels=KernelOptions(fused=False)))
+        stats = calls.fp8_linear
     assert stats == {"scaled_mm": 4}, stats
     assert eager.isfinite().all() and _rel(eager, ours.double()) < 5e-2
 

@@ -148,7 +148,7 @@ def test_dit_block_fused_path_matches_eager(monkeypatch):
         blk = blk.bfloat16()
         table = rotation_table(angles, torch.bfloat16)
         eager = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
-        monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+        monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: True)
         ours = blk(x.bfloat16(), t_emb.bfloat16(), runs, table)
     assert _rel(ours, ref) < 1.25 * _rel(eager, ref), (_rel(ours, ref), _rel(eager, ref))
     assert _rel(ours, eager.double()) < 2e-2
@@ -446,7 +446,7 @@ def test_dit_block_fused_residual_norm_is_the_two_kernels(monkeypatch):
     pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
     table = rotation_table(rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5)),
                            torch.bfloat16)
-    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: True)
     calls = []
     real = fused.residual_norm_modulate_
 
@@ -589,22 +589,22 @@ def test_dit_block_fp8_linears_take_e4m3_rows_bitwise(monkeypatch):
     hand fc1 a tensor."""
     from fp8_blocks import e4m3_path_is_the_tensor_path, make_fp8
 
-    from h3direct.checkpoint.quant import w8a8
+    from h3direct.counts import counting
+    from h3direct.dit.options import KernelOptions, Options
 
     blk = make_fp8(_block().bfloat16())
     inputs = _block_inputs()
-    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: on)
     with torch.no_grad():
         ours = e4m3_path_is_the_tensor_path(blk, inputs, "emulated (cpu)")
         hook = blk.mlp.register_forward_hook(lambda m, args, out: None)
         try:
-            mlp_hooked = blk(inputs[0].clone(), *inputs[1:])
-            assert w8a8.fp8_linear_stats() == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
+            with counting() as calls:
+                mlp_hooked = blk(inputs[0].clone(), *inputs[1:])
+            assert calls.fp8_linear == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
         finally:
             hook.remove()
-            w8a8.reset_fp8_linear_stats()
-        chunked = blk(inputs[0].clone(), *inputs[1:], mlp_chunks=2)
-        w8a8.reset_fp8_linear_stats()
+        chunked = blk(inputs[0].clone(), *inputs[1:], options=Options(kernels=KernelOptions(mlp_chunks=2)))
     assert torch.equal(ours, mlp_hooked)
     assert _rel(chunked, ours.double()) < 2e-2
 

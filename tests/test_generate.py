@@ -158,7 +158,7 @@ BAD = [
     (["--scheduler", "karras"], "karras"),
     (["--cache-mode", "lru"], "lru"),
     (["--cache-start-percent", "0.9", "--cache-end-percent", "0.1", "--cache-mode", "easycache"], "--cache-*: cache start_percent"),
-    (["--vae-tile-size", "-1"], "tile size"),
+    (["--vae-tile-size", "-1"], "--vae-tile-size -1"),
     (["--vae-dtype", "bf8"], "bf8"),
     (["--ffmpeg-loglevel", "loud"], "loud"),
     (["--mlp-chunks", "0"], "mlp-chunks"),
@@ -189,24 +189,24 @@ def test_env_vae_settings(cache_env, tmp_path, capsys, monkeypatch):
     assert _summary(stdout)["vae_dtype"] == "float16"
 
 
-def test_vae_settings_flags_over_environment(monkeypatch):
-    """One parser of H3_VAE_* for generate and decode-latent: a flag wins (its variable is then not read), a bad
-    variable is one ConfigError naming it."""
-    from h3direct.app import generate as gen
+def test_vae_settings_flags_over_environment():
+    """One reader of H3_VAE_* for generate, serve and decode-latent (`app/env.py`, at startup): a bad variable is one
+    ConfigError naming it, an empty one is unset, and a flag wins over it (`cli_generate.parse`)."""
+    from h3direct.app import cli_generate, models
+    from h3direct.app.env import read_settings
     from h3direct.errors import ConfigError
-    from h3direct.vae.config import VAE_DTYPES, video_vae_settings
+    from h3direct.vae.config import VAE_DTYPES
 
-    assert VAE_DTYPES == gen.VAE_DTYPES
-    monkeypatch.setenv("H3_VAE_DTYPE", "fp64")
-    monkeypatch.setenv("H3_VAE_TILE_SIZE", "junk")
-    assert video_vae_settings("fp32", 128) == ("fp32", 128)
+    assert VAE_DTYPES == models.VAE_DTYPES
     with pytest.raises(ConfigError, match="H3_VAE_DTYPE='fp64'"):
-        video_vae_settings(None, 128)
+        read_settings({"H3_VAE_DTYPE": "fp64"})
     with pytest.raises(ConfigError, match="H3_VAE_TILE_SIZE='junk'"):
-        video_vae_settings("fp16", None)
-    monkeypatch.setenv("H3_VAE_DTYPE", "")
-    monkeypatch.setenv("H3_VAE_TILE_SIZE", "0")
-    assert video_vae_settings() == (None, 0)
+        read_settings({"H3_VAE_TILE_SIZE": "junk"})
+    assert read_settings({"H3_VAE_DTYPE": "", "H3_VAE_TILE_SIZE": "0"}) == {"vae_tile_size": 0}
+    env = {"H3_VAE_DTYPE": "fp16", "H3_VAE_TILE_SIZE": "64"}
+    args = cli.build_parser("generate").parse_args(["generate", "--vae-dtype", "fp32", "-o", "/tmp/x.mp4"])
+    spec = cli_generate.parse(args, env=env).spec
+    assert (spec.vae_dtype, spec.vae_tile_size) == ("fp32", 64)
 
 
 @pytest.mark.parametrize("argv,needle", [(["--frames", "abc"], "abc"), (["--compute-dtype", "fp8"], "fp8")],

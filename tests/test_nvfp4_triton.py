@@ -166,20 +166,22 @@ def test_bad_storage_is_a_one_line_error():
         nvfp4_triton.dequantize_nvfp4_triton(*q, torch.int32)
 
 
-def test_backend_choice(monkeypatch):
-    """The CPU always decodes on the torch path; on CUDA the env var picks, and a bad value is a one-line error."""
+def test_backend_choice():
+    """The CPU always decodes on the torch path; on CUDA the option nvfp4_dequant picks (auto: Triton when
+    importable), and a bad value is a one-line error, at startup when it comes from the environment."""
+    from h3direct.app.env import read_options
+    from h3direct.errors import ConfigError
+
     assert nvfp4.dequant_backend("cpu") == "torch"
-    monkeypatch.setenv("H3_NVFP4_DEQUANT", "kitchen")
-    assert nvfp4.dequant_backend("cpu") == "torch"
-    monkeypatch.setenv("H3_NVFP4_DEQUANT", "triton")
-    assert nvfp4.dequant_backend("cuda") == "triton"
-    monkeypatch.setenv("H3_NVFP4_DEQUANT", "torch")
-    assert nvfp4.dequant_backend("cuda") == "torch"
-    monkeypatch.delenv("H3_NVFP4_DEQUANT")
+    assert nvfp4.dequant_backend("cpu", "kitchen") == "torch"
+    assert nvfp4.dequant_backend("cuda", "triton") == "triton"
+    assert nvfp4.dequant_backend("cuda", "torch") == "torch"
     assert nvfp4.dequant_backend("cuda") == "triton"  # Triton is importable here (module skip otherwise)
-    monkeypatch.setenv("H3_NVFP4_DEQUANT", "cutlass")
-    with pytest.raises(ValueError, match="H3_NVFP4_DEQUANT='cutlass'"):
-        nvfp4.dequant_backend("cuda")
+    with pytest.raises(ValueError, match="nvfp4_dequant 'cutlass'"):
+        nvfp4.dequant_backend("cuda", "cutlass")
+    assert read_options({"H3_NVFP4_DEQUANT": "torch"}) == {"nvfp4_dequant": "torch"}
+    with pytest.raises(ConfigError, match="H3_NVFP4_DEQUANT='cutlass'"):
+        read_options({"H3_NVFP4_DEQUANT": "cutlass"})
 
 
 @pytest.mark.parametrize("out_dtype", DTYPE_IDS)

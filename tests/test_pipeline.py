@@ -41,10 +41,16 @@ def pipe(bundle_dir):
 
 
 def _gen(pipe, **kw):
-    args = dict(width=W, height=H, frames=FRAMES, steps=2, seed=0, decode=False)
+    from h3direct.app.request import GenerateRequest
+
+    args = dict(width=W, height=H, frames=FRAMES, steps=2, seed=0, prompt="a red ball")
     args.update(kw)
-    prompt = args.pop("prompt", "a red ball")
-    return pipe.generate(prompt, **args)
+    run = {k: args.pop(k) for k in ("decode", "callback") if k in args}
+    cache = args.pop("cache", None)
+    if cache is not None:
+        args.update(cache_mode=cache.mode, cache_threshold=cache.threshold, cache_start_percent=cache.start_percent,
+                    cache_end_percent=cache.end_percent, cache_subsample_factor=cache.subsample_factor)
+    return pipe.generate(GenerateRequest(**args), decode=run.get("decode", False), callback=run.get("callback"))
 
 
 def _rel(a, b):
@@ -147,7 +153,7 @@ def test_same_seed_same_latents_other_seed_differs(pipe):
 
 
 def test_text_embeds_equal_encoding_the_prompt(pipe):
-    from h3direct.text.encoder import TextConditioning
+    from h3direct.text.presentation import TextConditioning
 
     text = pipe.text_states("a red ball")
     a = _gen(pipe, text_embeds=TextConditioning(text.states.clone(), text.tags.clone()))
@@ -194,7 +200,7 @@ def test_request_errors(pipe):
                     (dict(scheduler="karras"), "not supported")):
         with pytest.raises(H3Error, match=msg):
             _gen(pipe, **kw)
-    from h3direct.text.encoder import TextConditioning
+    from h3direct.text.presentation import TextConditioning
 
     with pytest.raises(H3Error, match="text_dim"):
         _gen(pipe, text_embeds=TextConditioning(torch.zeros(1, 4, 50), torch.ones(4, dtype=torch.long)))

@@ -73,13 +73,18 @@ def test_mask_keeps_latent_exactly():
 
 
 def test_bad_requests_are_one_line_errors():
+    """cfg > 1 needs a negative; sampler and scheduler names are checked where a request names them (the one
+    place: `app/request.py`), as choices (HTTP 422)."""
+    from h3direct.app.request import GenerateRequest
+    from h3direct.errors import RequestError
+
     nz = hnoise.initial_noise(0, VS, AS)
     with pytest.raises(H3Error):
         hs.sample(_fake_denoise(), nz.video, nz.audio, schedules.sigmas_for(2), cfg=3.0)
-    with pytest.raises(H3Error):
-        hs.sample(_fake_denoise(), nz.video, nz.audio, schedules.sigmas_for(2), sampler="nope")
-    with pytest.raises(H3Error):
-        schedules.sigmas_for(4, "karras_typo")
+    for field, name in (("sampler", "nope"), ("scheduler", "karras_typo")):
+        with pytest.raises(RequestError, match=f"{field} '{name}' is not supported") as e:
+            GenerateRequest(**{field: name})
+        assert e.value.kind == "choice"
 
 
 def test_noise_is_the_seeded_generators_draws_in_stream_order():

@@ -27,7 +27,8 @@ av = pytest.importorskip("av")
 
 from h3direct import __version__  # noqa: E402
 from h3direct.app import bundled, cli, limits  # noqa: E402
-from h3direct.app.serve import HTTPServer, Service, bind  # noqa: E402
+from h3direct.app.cli_serve import service_of  # noqa: E402
+from h3direct.app.serve import HTTPServer, bind  # noqa: E402
 
 TIMEOUT = 60  # seconds, every socket and wait in this file
 SMALL = {"width": 96, "height": 64, "frames": 22, "steps": 2}
@@ -68,8 +69,8 @@ def service(cache_env, roots):
     args = cli.build_parser("serve").parse_args(["serve", "--port", "0", "--output-root", str(roots["out"]),
                                                  "--input-root", str(roots["in"]), "--quiet"])
     threads = torch.get_num_threads()
-    svc = Service(args)
-    svc.check_flags()
+    svc = service_of(args)
+    svc.prepare()
     svc.load()
     yield svc
     svc.stop()
@@ -198,7 +199,7 @@ def test_provenance_in_summary_and_mp4(server, service, roots):
     want_weights = {k: {"file": getattr(b, k).name, "sha256": _sha(getattr(b, k))}
                     for k in ("dit", "video_vae", "audio_vae", "text_encoder")}
     assert tag["weights"] == want_weights
-    assert tag["references"] == [{"field": "--ref-image", "name": "ref.png", "sha256": _sha(roots["in"] / "ref.png")}]
+    assert tag["references"] == [{"field": "ref_images", "name": "ref.png", "sha256": _sha(roots["in"] / "ref.png")}]
     assert (tag["prompt"], tag["seed"], tag["steps"], tag["sampler"], tag["attention"], tag["h3direct"]) == (
         body["prompt"], 11, 1, "euler", "sdpa", __version__)
 
@@ -296,6 +297,14 @@ BAD = [  # (id, json body or raw bytes, status, words the one-line error must co
     ("output_name_too_long", {"output": "a" * 5000 + ".mp4"}, 400, "output"),
     ("output_component_too_long", {"output": "sub/" + "a" * 300 + ".mp4"}, 400, "output"),
     ("ref_name_too_long", {"ref_images": ["a" * 5000]}, 400, "ref_images[0]"),
+    # options: per-request ones are fields (checked by their own rules), the ones fixed at load are not
+    ("option_bad_value", {"sol_tau": -1.0}, 400, "sol_tau -1.0 must be a positive number"),
+    ("option_bad_type", {"fused": "yes"}, 422, "fused"),
+    ("option_fixed_at_load", {"fp8_linear": "stream"}, 422, "fp8_linear"),
+    ("option_unknown_backend_of_slices", {"attention": "kj_head_sliced", "head_slice_backend": "nope"}, 400,
+     "head_slice_backend 'nope' is not a usable inner backend"),
+    ("prompt_file_missing", {"prompt_file": "nope.txt"}, 400, "prompt_file 'nope.txt'"),
+    ("prompt_and_prompt_file", {"prompt": "x", "prompt_file": "ref.png"}, 400, "prompt/prompt_file"),
 ]
 
 
@@ -552,6 +561,62 @@ def test_mixed_requests_from_8_threads(server, service):
     _assert_ready(server)
 
 
+# ---- per-request options and counts -------------------------------------------------------------
+
+def test_ready_lists_the_options_a_request_may_set(server):
+    r = _assert_ready(server)
+    per_request, fixed = set(r["options"]["per_request"]), set(r["options"]["fixed_at_load"])
+    assert {"attention", "sol_tau", "fp8_attn_smooth_v", "head_slice_size", "fused", "mlp_chunks"} <= per_request
+    assert fixed == {"nvfp4_dequant", "fp8_linear", "fp8_strict"} and not per_request & fixed
+    assert r["options"]["defaults"]["attention"] == r["attention"]["default"] == "sdpa"
+    assert r["auth"] == "none"
+    schema = _call(server, "GET", "/openapi.json")[2]["components"]["schemas"]["GenerateRequest"]["properties"]
+    assert per_request <= set(schema) and not fixed & set(schema)
+    assert schema["sampler"]["enum"] == ["euler", "heun", "dpmpp_2m"]  # documented; checked by the request
+
+
+def test_two_jobs_count_their_own_calls(server, service, monkeypatch):
+    """Each job's summary counts the attention calls of that job only (the counts belong to the generation, not to
+    the process): two jobs of 1 and 3 steps, through one server, over a real socket."""
+    from h3direct.counts import count_attention
+    from h3direct.dit import attention as A
+
+    def counted(q, k, v):
+        count_attention("counted", "kernel")
+        return A._sdpa(q, k, v)
+
+    monkeypatch.setitem(A._REGISTRY, "counted", A.Backend("counted", counted, A._always, exact=False))
+    c = service.pipe.dit.config
+    before = _assert_ready(server)["attention"]["calls"].get("counted", {}).get("kernel", 0)
+    jobs = []
+    for steps in (1, 3):
+        code, _, job = _call(server, "POST", "/jobs", {**TINY, "steps": steps, "attention": "counted"})
+        assert code == 202, job
+        jobs.append((steps, job["id"]))
+    for steps, job_id in jobs:
+        _wait_for(lambda job_id=job_id: _call(server, "GET", f"/jobs/{job_id}")[2]["state"] == "done", "the job")
+        summary = _call(server, "GET", f"/jobs/{job_id}")[2]["summary"]
+        want = c.token_refiner_num_layers + c.num_layers * steps  # one text refine, the blocks of every step
+        assert summary["attention_calls"] == {"counted": {"kernel": want}}, (steps, summary["attention_calls"])
+    total = _assert_ready(server)["attention"]["calls"]["counted"]["kernel"]
+    assert total - before == 2 * c.token_refiner_num_layers + 4 * c.num_layers
+    code, _, plain = _call(server, "POST", "/generate", TINY)  # sdpa counts nothing: none reported
+    assert code == 200 and "attention_calls" not in plain
+
+
+def test_per_request_options_are_arguments_of_that_generation(server, service):
+    """A request's options change its own clip and nothing of the service: its provenance records them, the next
+    request runs the server's defaults again."""
+    code, _, a = _call(server, "POST", "/generate", {**TINY, "mlp_chunks": 2, "fused": False,
+                                                     "head_slice_size": 2})
+    assert code == 200, a
+    opts = a["provenance"]["options"]
+    assert (opts["mlp_chunks"], opts["fused"], opts["head_slice_size"]) == (2, False, 2)
+    code, _, b = _call(server, "POST", "/generate", TINY)
+    assert code == 200 and b["provenance"]["options"] == service.options.flat()
+    assert b["provenance"]["options"]["mlp_chunks"] == 1
+
+
 # ---- the command --------------------------------------------------------------------------------
 
 def _start_command(cache_env, cwd, *extra):
@@ -626,14 +691,14 @@ def test_fp8_linear_is_a_server_flag_reported_by_ready(cache_env, roots, capsys)
     parse = cli.build_parser("serve").parse_args
     base = ["serve", "--port", "0", "--output-root", str(roots["out"]), "--quiet"]
     assert parse(base + ["--fp8-linear"]).fp8_linear == "stream"
-    assert parse(base).fp8_linear == "off"
-    with pytest.raises(SystemExit) as e:
-        parse(base + ["--fp8-linear", "bogus"])
-    assert e.value.code == 2 and "--fp8-linear" in capsys.readouterr().err
+    assert parse(base).fp8_linear is None and service_of(parse(base)).options.kernels.fp8_linear == "off"
+    assert cli.main(base + ["--fp8-linear", "bogus"]) == 2  # refused before the socket is bound
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--fp8-linear 'bogus'" in err, err
     threads = torch.get_num_threads()
-    svc = Service(parse(base + ["--fp8-linear", "resident"]))
+    svc = service_of(parse(base + ["--fp8-linear", "resident"]))
     try:
-        svc.check_flags()
+        svc.prepare()
         svc.load()
         dit = svc.ready()["components"]["dit"]
         assert dit["fp8_linear"]["mode"] == "resident"
@@ -642,3 +707,49 @@ def test_fp8_linear_is_a_server_flag_reported_by_ready(cache_env, roots, capsys)
         svc.stop()
         svc.close()
         torch.set_num_threads(threads)
+
+
+# ---- beyond this machine: a bearer token -------------------------------------------------------------
+
+def test_binding_beyond_loopback_needs_a_token_or_insecure(tmp_path, capsys):
+    out = ["--output-root", str(tmp_path / "out"), "--port", "0"]
+    for host in ("0.0.0.0", "::", "192.0.2.7", "h3.example"):
+        assert cli.main(["serve", "--host", host, *out]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--auth-token-file" in err and "--insecure" in err, err
+    (tmp_path / "short").write_text("abc\n")
+    assert cli.main(["serve", "--host", "0.0.0.0", "--auth-token-file", str(tmp_path / "short"), *out]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+    parse = cli.build_parser("serve").parse_args
+    assert service_of(parse(["serve", "--host", "0.0.0.0", "--insecure", *out])).token is None
+    assert service_of(parse(["serve", "--host", "localhost", *out])).token is None
+
+
+def test_token_over_a_real_socket(cache_env, tmp_path):
+    """With a token every route but /health answers 401 without `Authorization: Bearer <token>` (or with a wrong
+    one), and serves with it."""
+    token = "s3cret-token-0123456789abcdef"
+    (tmp_path / "token").write_text(token + "\n")
+    proc, remote = _start_command(cache_env, tmp_path, "--host", "0.0.0.0", "--auth-token-file",
+                                  str(tmp_path / "token"))
+    remote.url = remote.url.replace("0.0.0.0", "127.0.0.1")
+    good = {"Authorization": f"Bearer {token}"}
+    try:
+        assert _call(remote, "GET", "/health")[:3:2] == (200, {"status": "ready"})  # liveness needs no token
+        for path, method, body in (("/ready", "GET", None), ("/jobs", "GET", None), ("/openapi.json", "GET", None),
+                                   ("/generate", "POST", TINY), ("/jobs/x", "DELETE", None)):
+            for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+                h = {"Content-Type": "application/json", **(headers or {})}
+                code, hdrs, payload = _call(remote, method, path, body, headers=h)
+                assert code == 401 and hdrs.get("www-authenticate", "").startswith("Bearer"), (path, headers, code)
+                _assert_error((code, hdrs, payload), 401, "Bearer")
+        code, _, r = _call(remote, "GET", "/ready", headers=good)
+        assert code == 200 and r["auth"] == "bearer"
+        code, _, s = _call(remote, "POST", "/generate", TINY, headers={"Content-Type": "application/json", **good})
+        assert code == 200 and s["frames"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(TIMEOUT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)

@@ -302,11 +302,10 @@ def _has_gpu(svc) -> bool:
 
 
 def runtime_env_names() -> set[str]:
-    """The seed's knobs the runtime reads: H3_VAE_*, H3_HEAD_SLICE_*, H3_SOL_* as they appear in h3direct/."""
-    names = set()
-    for f in (ROOT / "h3direct").rglob("*.py"):
-        names |= set(re.findall(r"\bH3_(?:VAE|HEAD_SLICE|SOL)_[A-Z0-9_]*[A-Z0-9]\b", f.read_text()))
-    return names
+    """Every H3_* variable the runtime reads at startup, from its own table (`h3direct.app.env.variables`)."""
+    from h3direct.app.env import variables
+
+    return set(variables())
 
 
 def compose_problems(doc: dict) -> list[str]:
@@ -361,6 +360,9 @@ def compose_problems(doc: dict) -> list[str]:
     if _flag(cmd, "--host") != "0.0.0.0":
         problems.append("h3-hot-runtime's serve does not listen on 0.0.0.0 inside the container "
                         "(the published port could not reach it)")
+    if _flag(cmd, "--auth-token-file") is None and "--insecure" not in cmd:
+        problems.append("h3-hot-runtime's serve on 0.0.0.0 has neither --auth-token-file nor --insecure "
+                        "(serve refuses to start)")
     port = _flag(cmd, "--port")
     if port != str(SERVICE_PORT):
         problems.append(f"h3-hot-runtime's serve listens on port {port}, not {SERVICE_PORT}")
@@ -786,6 +788,47 @@ def test_probe_follows_ready_over_a_real_socket(tmp_path, compose):
         server.shutdown()
         server.server_close()
     assert probe("--url", f"http://127.0.0.1:{port}/ready").returncode == 1  # nothing listens: unhealthy
+
+
+class _TokenReady(http.server.BaseHTTPRequestHandler):
+    token = "t0ken-of-this-test-0123456789"
+
+    def do_GET(self):  # noqa: N802
+        ok = self.headers.get("Authorization") == f"Bearer {type(self).token}"
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_probe_sends_the_services_bearer_token(tmp_path, compose):
+    """A service started with --auth-token-file answers /ready only with the token: the compose healthcheck sends
+    the one of its --token-file, an armed probe the one of the serve command's --auth-token-file."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TokenReady)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    token = tmp_path / "h3-token"
+    token.write_text(_TokenReady.token + "\n")
+    script = str(DOCKER_DIR / "healthcheck.py")
+    env = _cpu_env(H3_HEALTH_FILE=str(tmp_path / "serve.json"))
+
+    def probe(*args):
+        return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=60)
+
+    url = f"http://127.0.0.1:{port}/ready"
+    try:
+        assert probe("--url", url).returncode == 1  # no token: 401
+        assert probe("--url", url, "--token-file", str(tmp_path / "missing")).returncode == 1
+        hc = compose["services"]["h3-hot-runtime"]["healthcheck"]["test"]
+        assert hc[hc.index("--token-file") + 1] == "/secrets/h3-token"
+        assert probe("--url", url, "--token-file", str(token)).returncode == 0
+        cmd = ["h3direct", "serve", "--host", "0.0.0.0", "--port", str(port), "--auth-token-file", str(token)]
+        assert probe("arm", "--", *cmd).returncode == 0 and probe().returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- the real tools, where installed ---------------------------------------------------------------------------

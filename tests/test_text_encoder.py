@@ -10,7 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from h3direct.errors import H3Error
 from h3direct.sampling.conditioning import PresentationItem
-from h3direct.text import encoder as hte
+from h3direct.text import load as hl
+from h3direct.text import presentation as hp
+from h3direct.text import qwen as hq
 
 try:
     import comfy_goldens as goldens
@@ -24,48 +26,48 @@ ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
 
 def test_vision_pad_count_qwen_grid():
     # merged tokens = (H'/32)·(W'/32), H', W' rounded to 32; min 3136 px enforced by upscaling
-    assert hte.vision_pad_count(64, 96) == 6
-    assert hte.vision_pad_count(544, 960) == 17 * 30
-    assert hte.vision_pad_count(20, 20) == 4  # 20x20 < 3136 px → ceil to 64x64
+    assert hp.vision_pad_count(64, 96) == 6
+    assert hp.vision_pad_count(544, 960) == 17 * 30
+    assert hp.vision_pad_count(20, 20) == 4  # 20x20 < 3136 px → ceil to 64x64
 
 
 def test_presentation_structure_with_char_tokenizer():
     tok = lambda s: [ord(c) for c in s]  # noqa: E731
     items = [PresentationItem("image", torch.zeros(1, 64, 96, 3)), PresentationItem("audio"),
              PresentationItem("video", torch.zeros(3, 64, 64, 3), [0.0, 0.5, 1.0])]
-    p = hte.build_presentation("hi", items, tok)
+    p = hp.build_presentation("hi", items, tok)
     text = "".join(chr(t) if t > 0 and t < 1000 else "|" for t in p.token_ids)
     assert text.startswith("<Picture 1>: ||||||||<Audio 1>: <Video 1>: <0.2 seconds>||||||<1.0 seconds>||||||hi")
     assert p.tags.tolist().count(0) == (6 + 2) + 2 * (4 + 2)
-    assert hte.build_presentation("", [], tok).token_ids == [hte.PAD_ID]
+    assert hp.build_presentation("", [], tok).token_ids == [hp.PAD_ID]
 
 
 def test_tiny_encoder_and_comfy_key_roundtrip(tmp_path):
-    enc = hte.make_tiny_text_encoder(0)
-    pres = hte.Presentation([10, 20, hte.VISION_START, hte.VISION_PAD, hte.VISION_END, 30], torch.tensor([1, 1, 0, 0, 0, 1]))
+    enc = hq.make_tiny_text_encoder(0)
+    pres = hp.Presentation([10, 20, hp.VISION_START, hp.VISION_PAD, hp.VISION_END, 30], torch.tensor([1, 1, 0, 0, 0, 1]))
     out = enc.encode(pres)
     assert out.states.shape == (1, 6, 96) and out.tags.tolist() == [1, 1, 0, 0, 0, 1]
-    sd = {"text_encoders.qwen3vl_32b.transformer." + k: v for k, v in hte.comfy_state_dict(enc).items()}
+    sd = {"text_encoders.qwen3vl_32b.transformer." + k: v for k, v in hq.comfy_state_dict(enc).items()}
     sd["text_encoders.qwen3vl_32b.transformer.model.norm.weight"] = torch.ones(96)  # ComfyUI ignores it too
     save_file(sd, tmp_path / "te.safetensors")
-    enc2 = hte.load_text_encoder(tmp_path / "te.safetensors")
-    assert enc2.config == hte.tiny_config() and enc2.visual is None
+    enc2 = hl.load_text_encoder(tmp_path / "te.safetensors")
+    assert enc2.config == hq.tiny_config() and enc2.visual is None
     assert torch.equal(enc2.encode(pres).states, out.states)
     del sd["text_encoders.qwen3vl_32b.transformer.model.layers.1.mlp.up_proj.weight"]
     save_file(sd, tmp_path / "bad.safetensors")
     with pytest.raises(H3Error, match="missing.*layers.1.mlp.up_proj"):
-        hte.load_text_encoder(tmp_path / "bad.safetensors")
+        hl.load_text_encoder(tmp_path / "bad.safetensors")
 
 
 def test_bf16_file_stays_bf16_and_computes_in_fp32(tmp_path):
-    enc = hte.make_tiny_text_encoder(5)
-    save_file({k: v.to(torch.bfloat16) for k, v in hte.comfy_state_dict(enc).items()}, tmp_path / "te.safetensors")
-    enc16 = hte.load_text_encoder(tmp_path / "te.safetensors")
+    enc = hq.make_tiny_text_encoder(5)
+    save_file({k: v.to(torch.bfloat16) for k, v in hq.comfy_state_dict(enc).items()}, tmp_path / "te.safetensors")
+    enc16 = hl.load_text_encoder(tmp_path / "te.safetensors")
     assert {p.dtype for p in enc16.net.parameters()} == {torch.bfloat16}
-    pres = hte.build_presentation("bf16 weights", [], lambda s: [ord(c) for c in s])
+    pres = hp.build_presentation("bf16 weights", [], lambda s: [ord(c) for c in s])
     got = enc16.encode(pres).states
     # reference: the same bf16-rounded weights held in fp32
-    ref32 = hte.make_tiny_text_encoder(5)
+    ref32 = hq.make_tiny_text_encoder(5)
     ref32.net.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ref32.net.state_dict().items()})
     want = ref32.encode(pres).states
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
@@ -78,7 +80,7 @@ def _awq_file(tmp_path, enc, layers):
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
     g = torch.Generator().manual_seed(7)
-    sd = hte.comfy_state_dict(enc)
+    sd = hq.comfy_state_dict(enc)
     for layer in layers:
         w = sd.pop(f"{layer}.weight")
         s = 0.5 + torch.rand(w.shape[1], generator=g)  # AWQ smoothing: x·s, W/s
@@ -94,10 +96,10 @@ def _awq_file(tmp_path, enc, layers):
 def test_nvfp4_awq_linear_is_exact_decode_of_the_file(tmp_path):
     from h3direct.checkpoint.quant.nvfp4 import e2m1_table, unpack_codes, unswizzle_block_scales
 
-    enc = hte.make_tiny_text_encoder(1)
+    enc = hq.make_tiny_text_encoder(1)
     layer = "model.layers.0.mlp.gate_proj"
     path, sd = _awq_file(tmp_path, enc, [layer])
-    q = hte.load_text_encoder(path)
+    q = hl.load_text_encoder(path)
     lin = q.model.layers[0].mlp.gate_proj
     assert lin.quant_format == "nvfp4" and lin.weight.dtype == torch.uint8
     # independent decode: code value x block scale x global scale (fp32), then y = (x*s) W^T
@@ -110,8 +112,8 @@ def test_nvfp4_awq_linear_is_exact_decode_of_the_file(tmp_path):
     assert torch.allclose(lin(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
-def _with_weights(seed: int, weights: dict) -> hte.QwenTextEncoder:
-    enc = hte.make_tiny_text_encoder(seed)
+def _with_weights(seed: int, weights: dict) -> hq.QwenTextEncoder:
+    enc = hq.make_tiny_text_encoder(seed)
     sd = enc.net.state_dict()
     sd.update(weights)
     enc.net.load_state_dict(sd)
@@ -121,13 +123,13 @@ def _with_weights(seed: int, weights: dict) -> hte.QwenTextEncoder:
 def test_nvfp4_awq_encoder_vs_dense(tmp_path):
     from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
-    enc = hte.make_tiny_text_encoder(2)
+    enc = hq.make_tiny_text_encoder(2)
     layers = [f"model.layers.{i}.{m}" for i in range(2) for m in
               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     path, sd = _awq_file(tmp_path, enc, layers)
-    q = hte.load_text_encoder(path)
-    pres = hte.build_presentation("quantized weights, same model", [], lambda s: [ord(c) for c in s])
+    q = hl.load_text_encoder(path)
+    pres = hp.build_presentation("quantized weights, same model", [], lambda s: [ord(c) for c in s])
     got, dense = q.encode(pres).states, enc.encode(pres).states
 
     def decoded(layer):
@@ -162,7 +164,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     ("not_json", "unreadable comfy_quant"),
 ], ids=lambda v: v if " " not in v else "")
 def test_malformed_quantized_file_one_line_error(tmp_path, breakage, message):
-    enc = hte.make_tiny_text_encoder(3)
+    enc = hq.make_tiny_text_encoder(3)
     layer = "model.layers.1.self_attn.o_proj"
     path, sd = _awq_file(tmp_path, enc, [layer])
     if breakage == "drop_scale2":
@@ -175,17 +177,17 @@ def test_malformed_quantized_file_one_line_error(tmp_path, breakage, message):
         sd[f"{layer}.comfy_quant"] = torch.tensor(list(b"nvfp4"), dtype=torch.uint8)
     save_file({k: v.contiguous() for k, v in sd.items()}, path)
     with pytest.raises(H3Error, match=message) as info:
-        hte.load_text_encoder(path)
+        hl.load_text_encoder(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
 def test_not_a_text_encoder_file(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(H3Error, match="safetensors"):
-        hte.load_text_encoder(tmp_path / "junk.safetensors")
+        hl.load_text_encoder(tmp_path / "junk.safetensors")
     save_file({"foo.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
     with pytest.raises(H3Error, match="not a Qwen3-VL text encoder"):
-        hte.load_text_encoder(tmp_path / "other.safetensors")
+        hl.load_text_encoder(tmp_path / "other.safetensors")
 
 
 # ---- reference-audio resampling (media.resample = torchaudio.functional.resample defaults) -------
@@ -253,11 +255,11 @@ def test_load_audio_resamples_like_resample(tmp_path):
 
 def test_text_embeds_file(tmp_path):
     save_file({"text_states": torch.randn(1, 5, 8), "token_tags": torch.ones(5, dtype=torch.long)}, tmp_path / "e.safetensors")
-    e = hte.load_text_embeds(tmp_path / "e.safetensors")
+    e = hl.load_text_embeds(tmp_path / "e.safetensors")
     assert e.states.shape == (1, 5, 8) and e.tags.dtype == torch.long
     save_file({"text_states": torch.randn(1, 5, 8)}, tmp_path / "b.safetensors")
     with pytest.raises(H3Error, match="token_tags"):
-        hte.load_text_embeds(tmp_path / "b.safetensors")
+        hl.load_text_embeds(tmp_path / "b.safetensors")
 
 
 @needs_comfy
@@ -280,7 +282,7 @@ def test_presentation_matches_oracle_token_ids(task, ndarrays_regression, data_r
     nc = json.loads(man.read_text())["node_conditioning"]
     want = load_file(str(inp))
     spec = nc["geometry"]["task_spec"]
-    p = hte.build_presentation(spec["prompt"], _presentation_items(task), tok)
+    p = hp.build_presentation(spec["prompt"], _presentation_items(task), tok)
     # ComfyUI's presentation (recorded by ComfyUI's MiniMaxH3Tokenizer into the shared inputs) and its tokenizer's ids
     goldens.record(ndarrays_regression, f"presentation_{task}", {"token_ids": want["token_ids"],
                                                                   "token_tags": want["token_tags"]})
@@ -305,6 +307,6 @@ def test_presentation_matches_comfy_golden(task):
     want = goldens.load(f"presentation_{task}")
     spec = yaml.safe_load((goldens.GOLDENS / f"presentation_{task}_tokens.yml").read_text())
     tokens = {e["text"]: e["ids"] for e in spec["tokens"]}
-    p = hte.build_presentation(spec["prompt"], _presentation_items(task), lambda s: list(tokens[s]))
+    p = hp.build_presentation(spec["prompt"], _presentation_items(task), lambda s: list(tokens[s]))
     assert p.token_ids == want["token_ids"].tolist()
     assert torch.equal(p.tags, want["token_tags"].long())

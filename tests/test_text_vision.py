@@ -19,7 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from h3direct.sampling.conditioning import PresentationItem
-from h3direct.text import encoder as hte
+from h3direct.text import load as hl
+from h3direct.text import presentation as hp
+from h3direct.text import qwen as hq
 from h3direct.text import vision as qv
 
 try:
@@ -59,7 +61,7 @@ def test_patchify_grid_and_token_count(hw):
         assert (hh, ww) == (round(h / 32) * 32, round(w / 32) * 32)
     assert grid == (1, hh // 16, ww // 16)
     assert patches.shape == (grid[1] * grid[2], 3 * 2 * 16 * 16)
-    assert hte.vision_pad_count(h, w) == (hh // 32) * (ww // 32) == patches.shape[0] // 4
+    assert hp.vision_pad_count(h, w) == (hh // 32) * (ww // 32) == patches.shape[0] // 4
 
 
 def test_patch_layout_matches_direct_indexing():
@@ -85,7 +87,7 @@ def test_image_repeats_its_frame_in_the_temporal_patch():
 
 def test_mrope_positions_by_hand():
     # 2 text, a 2x3 block, 1 text, a 1x2 block, 2 text
-    pos = hte.mrope_positions(2 + 6 + 1 + 2 + 2, [(2, 2, 3), (9, 1, 2)])
+    pos = hq.mrope_positions(2 + 6 + 1 + 2 + 2, [(2, 2, 3), (9, 1, 2)])
     t, h, w = pos.tolist()
     assert t == [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 6, 8, 9]
     assert h == [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 6, 8, 9]
@@ -93,9 +95,9 @@ def test_mrope_positions_by_hand():
 
 
 def test_rope_interleaves_h_and_w_frequencies():
-    cfg = hte.PRESETS["qwen3vl_32b"]
+    cfg = hq.PRESETS["qwen3vl_32b"]
     pos = torch.tensor([[3.0], [5.0], [7.0]])
-    cos, _ = hte.rope_cos_sin(cfg, pos)
+    cos, _ = hq.rope_cos_sin(cfg, pos)
     inv = 1.0 / (5000000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     axis = [1 if (j % 3 == 1 and j < 60) else 2 if (j % 3 == 2 and j < 60) else 0 for j in range(64)]
     want = torch.tensor([math.cos(pos[a, 0].item() * inv[j].item()) for j, a in enumerate(axis)])
@@ -104,17 +106,17 @@ def test_rope_interleaves_h_and_w_frequencies():
 
 
 def test_vision_tower_shapes_and_deepstack():
-    enc = hte.make_tiny_text_encoder(1, vision=True)
+    enc = hq.make_tiny_text_encoder(1, vision=True)
     out = enc.visual.encode_frames(torch.rand(1, 70, 100, 3))
-    n = hte.vision_pad_count(70, 100)
+    n = hp.vision_pad_count(70, 100)
     assert out.merged.shape == (n, 96) and len(out.deepstack) == 2
     assert all(d.shape == (n, 96) for d in out.deepstack)
 
 
 def test_vision_changes_only_positions_at_and_after_the_image():
-    enc = hte.make_tiny_text_encoder(2, vision=True)
-    a = hte.build_presentation("after", [PresentationItem("image", torch.rand(1, 64, 64, 3))], char_tok)
-    b = hte.build_presentation("after", [PresentationItem("image", torch.rand(1, 64, 64, 3))], char_tok)
+    enc = hq.make_tiny_text_encoder(2, vision=True)
+    a = hp.build_presentation("after", [PresentationItem("image", torch.rand(1, 64, 64, 3))], char_tok)
+    b = hp.build_presentation("after", [PresentationItem("image", torch.rand(1, 64, 64, 3))], char_tok)
     sa, sb = enc.encode(a).states, enc.encode(b).states
     first = a.vision[0].start
     assert torch.equal(sa[:, :first], sb[:, :first])  # causal: the label before the image is untouched
@@ -166,7 +168,7 @@ COMFY_CHILD = textwrap.dedent('''
     save_file(out, work + "/comfy_out.safetensors")
 ''')
 
-COMFY_TEST_CONFIG = hte.TextEncoderConfig(
+COMFY_TEST_CONFIG = hq.TextEncoderConfig(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
     head_dim=128, vision=qv.VisionConfig(hidden_size=32, intermediate_size=64, depth=3, num_heads=2,
                                         deepstack_visual_indexes=(0, 2), out_hidden_size=64))
@@ -181,7 +183,7 @@ def _awq_state_dict(enc) -> dict:
     from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 
     g = torch.Generator().manual_seed(9)
-    sd = hte.comfy_state_dict(enc)
+    sd = hq.comfy_state_dict(enc)
     for layer in AWQ_LAYERS:
         w = sd.pop(f"{layer}.weight")
         s = 0.5 + torch.rand(w.shape[1], generator=g)
@@ -198,8 +200,8 @@ def comfy_run(tmp_path_factory):
     if not os.environ.get("H3_COMFY_ROOT"):
         pytest.skip("H3_COMFY_ROOT is not set (path of the ComfyUI snapshot)")
     work = tmp_path_factory.mktemp("comfy_te")
-    enc = hte.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
-    save_file(hte.comfy_state_dict(enc), work / "te.safetensors")
+    enc = hq.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
+    save_file(hq.comfy_state_dict(enc), work / "te.safetensors")
     g = torch.Generator().manual_seed(4)
     inputs = {"image": torch.rand(1, 70, 100, 3, generator=g), "video": torch.rand(3, 64, 80, 3, generator=g)}
     save_file(inputs, work / "inputs.safetensors")
@@ -224,13 +226,13 @@ def _qwen_tokenize():
 def test_last_layer_matches_comfy(comfy_run, case):
     enc, inputs, want, work = comfy_run
     # through the file loader, as the pipeline does
-    enc = hte.load_text_encoder(work / "te.safetensors", config=COMFY_TEST_CONFIG)
+    enc = hl.load_text_encoder(work / "te.safetensors", config=COMFY_TEST_CONFIG)
     prompt, items = {
         "text": ("a red fox jumps over the lazy dog", []),
         "image": ("the fox from picture one runs", [PresentationItem("image", inputs["image"]), PresentationItem("audio")]),
         "video": ("the clip continues", [PresentationItem("video", inputs["video"], [0.0, 0.5, 1.0])]),
     }[case]
-    got = enc.encode(hte.build_presentation(prompt, items, _qwen_tokenize()))
+    got = enc.encode(hp.build_presentation(prompt, items, _qwen_tokenize()))
     assert torch.equal(got.tags, want[f"{case}.tags"].long())
     ref = want[f"{case}.states"]
     assert got.states.shape == ref.shape
@@ -238,9 +240,9 @@ def test_last_layer_matches_comfy(comfy_run, case):
     print(f"{case}: rel-L2 {err:.3e} over {tuple(ref.shape)}")
     assert err <= TOLERANCES[("comfy_parity", "fp32")], f"{case}: rel-L2 {err:.3e}"
     if case != "text":  # the vision path is exercised: pads alone would give other states
-        no_vision = hte.QwenTextEncoder(enc.net)
+        no_vision = hq.QwenTextEncoder(enc.net)
         no_vision.visual = None
-        pads = no_vision.encode(hte.build_presentation(prompt, items, _qwen_tokenize()))
+        pads = no_vision.encode(hp.build_presentation(prompt, items, _qwen_tokenize()))
         assert rel_l2(pads.states, ref) > 100 * TOLERANCES[("comfy_parity", "fp32")]
 
 
@@ -248,9 +250,9 @@ def test_last_layer_matches_comfy(comfy_run, case):
 @pytest.mark.comfy
 def test_nvfp4_awq_file_matches_comfy(comfy_run):
     _, inputs, want, work = comfy_run
-    enc = hte.load_text_encoder(work / "te_awq.safetensors", config=COMFY_TEST_CONFIG)
+    enc = hl.load_text_encoder(work / "te_awq.safetensors", config=COMFY_TEST_CONFIG)
     assert enc.model.layers[3].mlp.down_proj.quant_format == "nvfp4"
-    got = enc.encode(hte.build_presentation("quantized", [PresentationItem("image", inputs["image"])], _qwen_tokenize()))
+    got = enc.encode(hp.build_presentation("quantized", [PresentationItem("image", inputs["image"])], _qwen_tokenize()))
     err = rel_l2(got.states, want["awq.states"])
     print(f"awq: rel-L2 {err:.3e}")
     assert err <= TOLERANCES[("comfy_parity", "fp32")], f"awq: rel-L2 {err:.3e}"
@@ -281,7 +283,7 @@ def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regres
         return seen[text]
 
     for prompt, items in CASES.values():
-        hte.build_presentation(prompt, items(inputs), recording)
+        hp.build_presentation(prompt, items(inputs), recording)
     from parity_tests.budgets import load_budgets
 
     rel = load_budgets().rules["fp32_limit"]  # the fp32 rule
@@ -297,8 +299,8 @@ def comfy_golden(tmp_path_factory):
     g = goldens.load("text_encoder")
     tokens = {e["text"]: e["ids"] for e in yaml.safe_load(TOKENS.read_text())["tokens"]}
     work = tmp_path_factory.mktemp("te_golden")
-    enc = hte.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
-    save_file(hte.comfy_state_dict(enc), work / "te.safetensors")
+    enc = hq.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
+    save_file(hq.comfy_state_dict(enc), work / "te.safetensors")
     save_file(_awq_state_dict(enc), work / "te_awq.safetensors")
     inputs = {k.removeprefix("input."): v for k, v in g.items() if k.startswith("input.")}
 
@@ -313,10 +315,10 @@ def comfy_golden(tmp_path_factory):
 def test_encoder_matches_comfy_golden(comfy_golden, case):
     """Our Qwen3-VL encoder (text only, image, video, NVFP4-AWQ file) against ComfyUI's recorded states and tags."""
     inputs, want, work, tokenize = comfy_golden
-    enc = hte.load_text_encoder(work / ("te_awq.safetensors" if case == "awq" else "te.safetensors"),
+    enc = hl.load_text_encoder(work / ("te_awq.safetensors" if case == "awq" else "te.safetensors"),
                                 config=COMFY_TEST_CONFIG)
     prompt, items = CASES[case]
-    got = enc.encode(hte.build_presentation(prompt, items(inputs), tokenize))
+    got = enc.encode(hp.build_presentation(prompt, items(inputs), tokenize))
     if f"{case}.tags" in want:
         assert torch.equal(got.tags, want[f"{case}.tags"].long())
     ref = want[f"{case}.states"]

@@ -4,7 +4,7 @@ encoder, made deterministically from a seed on first use and cached on disk.
 Nothing is downloaded and nothing is read from outside the package: the DiT comes from `make_checkpoint`'s
 recipe (preset `tiny`, seed 0 -> bit for bit the oracle's `h3_tiny_bf16.safetensors`), the VAEs from
 `vae.synthetic.make_state_dict` with the `tiny` presets of `vae.config` (the constructor numbers of the oracle's
-`vae_config_public.json`), the text encoder from `text_encoder.make_tiny_text_encoder` (hidden 96 = the tiny
+`vae_config_public.json`), the text encoder from `text.qwen.make_tiny_text_encoder` (hidden 96 = the tiny
 DiT's text_dim). The models are random: the clip they produce is noise-like, but every stage of the real
 pipeline runs on them.
 
@@ -57,11 +57,6 @@ def cache_dir() -> Path:
     return cache_root() / f"bundled-{VERSION}"
 
 
-def byte_tokenize(text: str) -> list[int]:
-    """The bundled tokenizer: the UTF-8 bytes of `text` as token ids (0..255)."""
-    return list(text.encode("utf-8"))
-
-
 def _bundle(root: Path) -> Bundle:
     return Bundle(root, *(root / FILES[k] for k in ("dit", "video_vae", "audio_vae", "text_encoder")))
 
@@ -71,7 +66,7 @@ def _write_all(dest: Path, seed: int) -> None:
 
     from h3direct.checkpoint.synthetic import write_dit_checkpoint, write_state_dict
     from h3direct.config import H3Config
-    from h3direct.text.encoder import make_tiny_text_encoder
+    from h3direct.text.qwen import make_tiny_text_encoder
     from h3direct.vae.synthetic import make_state_dict
 
     write_dit_checkpoint(dest / FILES["dit"], H3Config.from_name(DIT_PRESET), seed=seed)

@@ -1,10 +1,14 @@
-"""`h3direct` command line: one subcommand per module, each with `add_arguments(parser)` and `run(args) -> int`.
+"""`h3direct` command line: one subcommand per module, each with `add_arguments(parser)` and `run`.
 
+The command line's edge is `h3direct/app/cli*.py`: `cli_generate`, `cli_serve`, `cli_trace` and `cli_decode` turn
+their flags (and the `H3_*` environment, read once: `app/env.py`) into typed objects; the other commands' modules
+take their flags as keyword arguments (`run(**flags)`), so no argparse Namespace leaves this package.
 Subcommands are imported lazily so `h3direct inspect` never pays for importing the model code.
-User errors (`H3Error`) become one line on stderr and a non-zero exit; everything else is a bug.
-Before a command runs, the files its flags name are checked (`FILE_CHECKS`): outputs writable with the right
-extension, inputs readable (safetensors inputs: their header parses), so a typo costs no compute.
-SIGTERM is handled as Ctrl-C: cleanup code runs and no temporary file is left behind (`serve` has its own).
+User errors (`H3Error`) become one line on stderr and a non-zero exit (a `RequestError` names the field as its
+flag); everything else is a bug. Before a command runs, the files its flags name are checked (`FILE_CHECKS`):
+outputs writable with the right extension, inputs readable (safetensors inputs: their header parses), so a typo
+costs no compute. SIGTERM is handled as Ctrl-C: cleanup code runs and no temporary file is left behind (`serve`
+has its own).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-from h3direct.errors import H3Error
+from h3direct.errors import H3Error, RequestError, flag_name
 
 # command -> [(dest, flag, what)]: "out:.ext" an output file, "dir" an output folder (made if missing), "in" an
 # input file, "safetensors" an input whose header must parse. Checked here, before the command's module runs
@@ -21,24 +25,23 @@ from h3direct.errors import H3Error
 FILE_CHECKS: dict[str, list[tuple[str, str, str]]] = {
     "inspect": [("out", "--out", "dir")],
     "make-checkpoint": [("out", "--output", "out:.safetensors")],
-    "decode-latent": [("latent", "LATENT", "safetensors"), ("vae", "--vae", "safetensors"),
-                      ("audio_vae", "--audio-vae", "safetensors"), ("vae_config", "--vae-config", "in"),
-                      ("out", "--output", "out:.mp4")],
+    "decode-latent": [("latent", "LATENT", "safetensors"), ("out", "--output", "out:.mp4")],
     "trace": [("checkpoint", "--checkpoint", "in"), ("inputs", "--inputs", "safetensors"),
               ("out", "--out", "out:.safetensors")],
     "trace-vae": [("weights", "--weights", "safetensors"), ("inputs", "--inputs", "safetensors"),
                   ("config", "--config", "in"), ("out", "--out", "out:.safetensors")],
 }
 
-# name -> (module, one-line help)
+# name -> (module, one-line help); the app's modules (`h3direct.app.cli_*`) take the parsed flags, the others
+# keyword arguments
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("h3direct.checkpoint.inspect", "validate a checkpoint header; report its H3 layout and config"),
     "make-checkpoint": ("h3direct.checkpoint.synthetic", "write a seeded synthetic checkpoint in ComfyUI's format"),
-    "trace": ("h3direct.traces.trace_dit", "one denoiser evaluation from an inputs file, traced per layer"),
+    "trace": ("h3direct.app.cli_trace", "one denoiser evaluation from an inputs file, traced per layer"),
     "trace-vae": ("h3direct.traces.trace_vae", "run every VAE case of an inputs file and record a trace"),
-    "decode-latent": ("h3direct.vae.decode_latent", "decode a video (+ audio) latent file to an mp4"),
-    "generate": ("h3direct.app.generate", "generate a clip with stereo audio from a prompt and references"),
-    "serve": ("h3direct.app.serve", "serve generations over HTTP with the models kept loaded"),
+    "decode-latent": ("h3direct.app.cli_decode", "decode a video (+ audio) latent file to an mp4"),
+    "generate": ("h3direct.app.cli_generate", "generate a clip with stereo audio from a prompt and references"),
+    "serve": ("h3direct.app.cli_serve", "serve generations over HTTP with the models kept loaded"),
 }
 
 
@@ -90,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         _check_files(args)
         if args.command != "serve":
             previous = _sigterm_as_interrupt()
-        return int(importlib.import_module(args._module).run(args) or 0)
+        module = importlib.import_module(args._module)
+        if args._module.startswith("h3direct.app.cli_"):
+            return int(module.run(args) or 0)
+        flags = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+        return int(module.run(**flags) or 0)
+    except RequestError as exc:
+        print(f"h3direct {args.command}: error: {exc.render(flag_name)}", file=sys.stderr)
+        return exc.exit_code
     except H3Error as exc:
         print(f"h3direct {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -124,8 +134,8 @@ def _check_files(args: argparse.Namespace) -> None:
             try:
                 read_header(value, check=True)
             except H3Error as e:
-                raise H3Error(f"{flag}: not a readable safetensors file ({str(e).removeprefix(str(value) + ': ')})",
-                              path=value) from None
+                raise RequestError(flag, f": not a readable safetensors file "
+                                   f"({str(e).removeprefix(str(value) + ': ')})", path=value) from None
 
 
 def _sigterm_as_interrupt():

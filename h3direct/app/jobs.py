@@ -38,7 +38,7 @@ class Stop(Exception):
 @dataclass
 class Job:
     id: str
-    args: Any  # the `h3direct generate` Namespace this request stands for
+    work: Any  # what the job runs (the service's: its request, options and uploads folder)
     output: Path
     created: float = field(default_factory=time.time)
     state: str = "queued"
@@ -96,7 +96,7 @@ class JobQueue:
         """Seconds until a place is likely free: the last job's duration times the jobs ahead."""
         return max(1, int(self._last_seconds * (len(self._waiting) + 1) + 0.999))
 
-    def submit(self, args, output: Path) -> Job:
+    def submit(self, work, output: Path, steps: int) -> Job:
         """Queue a job; raises Full when the line is full, Stopping when the server is shutting down."""
         with self._cv:
             if self.stopping:
@@ -104,8 +104,8 @@ class JobQueue:
             busy = self.running is not None or bool(self._waiting)  # an idle worker takes a job even at size 0
             if busy and len(self._waiting) >= self.size:
                 raise Full(self._retry_after())
-            job = Job(f"{next(self._ids):06d}-{secrets.token_hex(4)}", args, output)
-            job.steps = args.steps
+            job = Job(f"{next(self._ids):06d}-{secrets.token_hex(4)}", work, output)
+            job.steps = steps
             self.jobs[job.id] = job
             self._waiting.append(job)
             self._forget_old()
@@ -161,7 +161,7 @@ class JobQueue:
         job.finished = time.time()
         if self._on_finish is not None:
             self._on_finish(job)
-        job.args = None  # the request (maybe text-embedding tensors) is not needed any more
+        job.work = None  # the request (maybe text-embedding tensors) is not needed any more
         if state == "done":
             job.stage = "done"
         job.version += 1

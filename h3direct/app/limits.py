@@ -8,64 +8,51 @@ the requests that would hold a GPU, or the CPU, for hours or allocate far beyond
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, fields
 
-from h3direct.errors import H3Error
+from h3direct.errors import RequestError
+from h3direct.fields import check as check_fields
+from h3direct.fields import field
+
+_AT_LEAST_1 = {"rule": lambda v: v >= 1, "expect": "at least 1"}
 
 
 @dataclass(frozen=True)
 class Limits:
-    max_steps: int = 100
-    max_frames: int = 481  # 20 s at 24 fps
-    max_pixel_frames: int = 1344 * 768 * 241  # width × height × frames
-    max_prompt_chars: int = 4096
-    max_references: int = 9  # reference images + videos + audios, together
+    max_steps: int = field(100, "most sampling steps a request may ask for", **_AT_LEAST_1)
+    max_frames: int = field(481, "most frames a request may ask for (before snapping to 17k+5; 481: 20 s at 24 fps)",
+                            **_AT_LEAST_1)
+    max_pixel_frames: int = field(1344 * 768 * 241, "most width × height × frames a request may ask for",
+                                  **_AT_LEAST_1)
+    max_prompt_chars: int = field(4096, "longest prompt (and negative prompt), in characters", **_AT_LEAST_1)
+    max_references: int = field(9, "most reference files (images + videos + audios) in one request", **_AT_LEAST_1)
 
     def __post_init__(self):
-        for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise H3Error(f"--{f.name.replace('_', '-')} {getattr(self, f.name)} must be >= 1")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Limits:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        check_fields(self)
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-HELP = {
-    "max_steps": "most sampling steps a request may ask for",
-    "max_frames": "most frames a request may ask for (before snapping to 17k+5)",
-    "max_pixel_frames": "most width × height × frames a request may ask for",
-    "max_prompt_chars": "longest prompt (and negative prompt), in characters",
-    "max_references": "most reference files (images + videos + audios) in one request",
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("limits (requests beyond them are refused before any compute)")
-    for f in fields(Limits):
-        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, metavar="N",
-                       help=HELP[f.name])
-
-
 def check(limits: Limits, *, steps: int, frames: int, width: int, height: int, prompts: dict[str, str],
-          references: int, name=lambda field: "--" + field.replace("_", "-")) -> None:
-    """Raise H3Error naming the first value beyond `limits`; `name` spells a field (a flag or a JSON field)."""
+          references: int) -> None:
+    """A RequestError naming the first value beyond `limits` (and the server flag that sets that limit)."""
     if steps > limits.max_steps:
-        raise H3Error(f"{name('steps')} {steps} is over the limit of {limits.max_steps} (--max-steps)")
+        raise RequestError("steps", f" {steps} is over the limit of {limits.max_steps} (--max-steps)")
     if frames > limits.max_frames:
-        raise H3Error(f"{name('frames')} {frames} is over the limit of {limits.max_frames} (--max-frames)")
+        raise RequestError("frames", f" {frames} is over the limit of {limits.max_frames} (--max-frames)")
     px = width * height * frames
     if px > limits.max_pixel_frames:
-        raise H3Error(f"{name('width')} × {name('height')} × {name('frames')} = {width}×{height}×{frames} = {px} "
-                      f"is over the limit of {limits.max_pixel_frames} (--max-pixel-frames)")
-    for field, text in prompts.items():
-        if len(text) > limits.max_prompt_chars:
-            raise H3Error(f"{name(field)} has {len(text)} characters, over the limit of {limits.max_prompt_chars} "
-                          f"(--max-prompt-chars)")
+        raise RequestError("width × height × frames", f" = {width}×{height}×{frames} = {px} is over the limit of "
+                           f"{limits.max_pixel_frames} (--max-pixel-frames)")
+    for name, text in prompts.items():
+        check_prompt(limits, name, text)
     if references > limits.max_references:
-        raise H3Error(f"{references} reference files is over the limit of {limits.max_references} "
-                      f"(--max-references)")
+        raise RequestError("", f"{references} reference files is over the limit of {limits.max_references} "
+                           f"(--max-references)")
+
+
+def check_prompt(limits: Limits, name: str, text: str) -> None:
+    if len(text) > limits.max_prompt_chars:
+        raise RequestError(name, f" has {len(text)} characters, over the limit of {limits.max_prompt_chars} "
+                           f"(--max-prompt-chars)")

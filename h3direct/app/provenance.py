@@ -75,3 +75,55 @@ def weights(files: dict[str, str | None]) -> dict:
 def references(items: list[tuple[str, str]]) -> list[dict]:
     """[(field, path)] -> [{"field", "name", "sha256"}]."""
     return [{"field": f, "name": Path(p).name, "sha256": sha256_file(p)} for f, p in items]
+
+
+# the request fields a clip's provenance records (its files as `references`, its output not at all)
+REQUEST_FIELDS = ("prompt", "negative_prompt", "seed", "width", "height", "frames", "steps", "sampler", "scheduler",
+                  "cfg", "ref_image_size", "cache_mode", "cache_threshold", "cache_start_percent", "cache_end_percent",
+                  "cache_subsample_factor")
+FILE_FIELDS = ("ref_images", "ref_videos", "ref_audios", "first_frame", "last_frame", "text_embeds")
+
+
+def provenance_of(request, options, pipe) -> dict:
+    """What a clip was made from, enough to make it again (`h3direct generate --from-provenance`): the request (its
+    prompt's text, its files by name and sha256), every option (`dit.options.Options.flat`), the settings the models
+    were loaded with, the weights (names and sha256) and the h3direct version."""
+    fields = request.fields()
+    out = {"h3direct": version(), **{k: fields[k] for k in REQUEST_FIELDS}, "prompt": request.prompt_text,
+           "attention": options.attention.backend}
+    out["references"] = references([(name, f.path) for name in FILE_FIELDS for f in request.inputs(name)
+                                    if f.path is not None])
+    out["options"] = options.flat()
+    out["settings"] = settings_of(pipe)
+    out["weights"] = weights(pipe.files)
+    return out
+
+
+def settings_of(pipe) -> dict:
+    """How the models were loaded: compute dtype, NVFP4 mode, video VAE dtype and tile, device type."""
+    dtypes = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+    modes = sorted({m.mode for m in pipe.dit.modules() if type(m).__name__ == "NVFP4Linear"})
+    return {"compute_dtype": dtypes[str(pipe.dit.compute_dtype)], "nvfp4_mode": modes[0] if modes else None,
+            "vae_dtype": dtypes[str(pipe.vae_dtype)], "vae_tile_size": pipe.vae_tile_size,
+            "device": pipe.device.type}
+
+
+def read_mp4(path: str | os.PathLike) -> dict:
+    """The provenance in an mp4's `comment` tag (a RequestError naming the file when there is none)."""
+    import av
+
+    from h3direct.errors import RequestError
+
+    try:
+        with av.open(str(path)) as box:
+            comment = box.metadata.get("comment")
+    except (av.error.FFmpegError, OSError) as e:
+        raise RequestError("from_provenance", f": not a readable mp4 ({e.__class__.__name__})", path=path) from None
+    try:
+        prov = json.loads(comment) if comment else None
+    except ValueError:
+        prov = None
+    if not isinstance(prov, dict) or "h3direct" not in prov or "options" not in prov:
+        raise RequestError("from_provenance", ": its comment tag holds no h3direct provenance with options (made "
+                           "by another program, or by an h3direct before the provenance recorded them)", path=path)
+    return prov

@@ -449,8 +449,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"folder for the full report <stem>.json (default {DEFAULT_OUT})")
 
 
-def run(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.checkpoint)
-    target = write_report(report, Path(args.out) if args.out else DEFAULT_OUT)
+def run(*, checkpoint: str, out: str | None = None) -> int:
+    report = inspect_checkpoint(checkpoint)
+    target = write_report(report, Path(out) if out else DEFAULT_OUT)
     print(json.dumps(summary(report, target)))
     return 0

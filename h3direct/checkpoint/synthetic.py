@@ -381,7 +381,25 @@ def write_dit_checkpoint(path: str | os.PathLike, config, quant: str = "none", s
 
 # ---------------------------------------------------------------- CLI
 
-def _make_vae(args) -> int:
+@dataclass(frozen=True)
+class MakeCheckpoint:
+    """What `h3direct make-checkpoint` was asked for (its flags, by name)."""
+
+    out: str
+    component: str = "dit"
+    preset: str = "tiny"
+    config: str | None = None
+    quant: str = "none"
+    nvfp4_layers: str = "all"
+    adaln: str | None = None
+    seed: int = 0
+    attention_structure: str = "random"
+    attention_strength: float = LOCAL_STRENGTH
+    attention_shift: float = LOCAL_SHIFT
+    device: str = "cpu"
+
+
+def _make_vae(args: MakeCheckpoint) -> int:
     try:
         from h3direct.vae import synthetic
     except ModuleNotFoundError as exc:
@@ -401,9 +419,10 @@ def _make_vae(args) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(**flags) -> int:
     import torch
 
+    args = MakeCheckpoint(**flags)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise H3Error("--device cuda: no CUDA device is available (use --device cpu)")
     out = Path(args.out)

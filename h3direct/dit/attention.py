@@ -1,7 +1,10 @@
 """The attention seam: `attention(q, k, v, backend)` and the backend registry.
 
-Every attention call of the DiT (and of the token refiner) goes through `attention()`; backends are
-selected per call by name, no reload needed. q, k, v: [B, H, S, D]; returns [B, S, H·D].
+Every attention call of the DiT (and of the token refiner) goes through `attention()`; `backend` is a name (that
+backend with its default options) or an `AttentionOptions` (the backend and every backend's options, passed down by
+the caller: `dit/options.py`), so a backend is chosen per call, no reload needed. q, k, v: [B, H, S, D]; returns
+[B, S, H·D]. A backend that takes options is registered with its options class (diffusers' registry does the same
+with a backend's constraints); its function and availability check get the call's `AttentionOptions`.
 
 | name            | what                                                                                      |
 |-----------------|-------------------------------------------------------------------------------------------|
@@ -11,14 +14,14 @@ selected per call by name, no reload needed. q, k, v: [B, H, S, D]; returns [B, 
 | fa3             | FlashAttention-3 forward (`fa3-fwd`, extra `fa3`): Hopper (sm_90) only, bf16; exact       |
 | fa3_fp8         | FA3's FP8 e4m3 forward, approximate: per-(batch, head) scales, K (and V) smoothing over    |
 |                 | tokens (fp8_attention.py); sm_90, bf16 inputs. head_dim not a multiple of 16 (or > 256)  |
-|                 | runs `H3_FP8_ATTN_FALLBACK` (fa3), counted; `H3_FP8_ATTN_STRICT=1` makes it an error.    |
+|                 | runs its `fallback` (fa3), counted; `strict` makes it an error (`FP8AttentionOptions`).   |
 | sage2           | SageAttention 2 (`sageattention.sageattn`: INT8 QK, FP8 PV on sm_89/sm_90/sm_12x), built   |
 |                 | from source by `tools/build_sageattention.sh`; SageAttention 1 (PyPI 1.x) is refused      |
 | ck_int8         | comfy-kitchen `int8_attention` (INT8 Q/K/V, approximate)                                  |
-| kj_head_sliced  | heads in slices of `H3_HEAD_SLICE_SIZE` (8) through `H3_HEAD_SLICE_BACKEND` (sage2)       |
-| sol_attn        | comfy-kitchen >= 0.2.40 `sol_attn` (sparse, INT8); options `H3_SOL_*` (sol_options.py).   |
-|                 | A call shorter than `H3_SOL_MIN_TOKENS` or with head_dim != 128 runs `H3_SOL_FALLBACK`;   |
-|                 | such calls are counted (`attention_stats()`) and `H3_SOL_STRICT=1` makes them errors.     |
+| kj_head_sliced  | heads in slices of `size` (8) through `backend` (sage2) (`HeadSliceOptions`)              |
+| sol_attn        | comfy-kitchen >= 0.2.40 `sol_attn` (sparse, INT8); `SolOptions` (sol_options.py).         |
+|                 | A call shorter than `min_tokens` or with head_dim != 128 runs its `fallback`; such calls  |
+|                 | are counted (`h3direct.counts`) and `strict` makes them errors.                           |
 |                 | No kernel (CPU, old comfy-kitchen, < sm_80) = unavailable, never a substitute.            |
 
 An unknown or unavailable backend raises `BackendUnavailable` with the reason and the list of backends
@@ -31,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,18 +41,25 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from h3direct.dit.sol_options import SOL_HEAD_DIM, sol_options
+from h3direct.counts import count_attention
+from h3direct.dit.options import BACKEND_OPTIONS, DEFAULT_BACKEND, AttentionOptions
+from h3direct.dit.sol_options import SOL_HEAD_DIM
 from h3direct.errors import BackendUnavailable
-
-DEFAULT_BACKEND = "sdpa"
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B,H,S,D] -> [B,H,S,D] (any strides)
-    available: Callable[[torch.Tensor | None], str | None]  # None if it can run, else the reason
+    fn: Callable  # (q, k, v) -> [B,H,S,D] (any strides); with `options`: (q, k, v, AttentionOptions)
+    available: Callable  # (like) -> None if it can run, else the reason; with `options`: (like, AttentionOptions)
     exact: bool  # same math as fp32 softmax attention up to rounding
+    options: type | None = None  # the options class registered with the backend (`dit/options.py`)
+
+    def run(self, q, k, v, opts: AttentionOptions):
+        return self.fn(q, k, v) if self.options is None else self.fn(q, k, v, opts)
+
+    def reason(self, like, opts: AttentionOptions) -> str | None:
+        return self.available(like) if self.options is None else self.available(like, opts)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -60,23 +68,29 @@ _REGISTRY: dict[str, Backend] = {}
 # backends that treat them specially (sol_attn's sink blocks). None: unknown (e.g. a teacher-forced layer).
 _PREFIX_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3_attention_prefix_rows", default=None)
 
-# Per-backend call counts: {"sol_attn": Counter({"kernel": n, "fallback to <backend>: <reason>": m})}, fa3_fp8 alike.
-_STATS: dict[str, Counter] = {}
 
-
-def register(name: str, fn, available, exact: bool):
-    _REGISTRY[name] = Backend(name, fn, available, exact)
+def register(name: str, fn, available, exact: bool, options: type | None = None):
+    if options is not BACKEND_OPTIONS.get(name):
+        raise ValueError(f"backend {name!r}: its options class must be AttentionOptions.{name}'s "
+                         f"({BACKEND_OPTIONS.get(name)})")
+    _REGISTRY[name] = Backend(name, fn, available, exact, options)
 
 
 def backends() -> list[str]:
     return list(_REGISTRY)
 
 
-def is_exact(name: str) -> bool:
+def as_options(backend: str | AttentionOptions) -> AttentionOptions:
+    """A backend name -> that backend with every option at its default; AttentionOptions as given."""
+    return backend if isinstance(backend, AttentionOptions) else AttentionOptions(backend=backend)
+
+
+def is_exact(backend: str | AttentionOptions) -> bool:
     """Same math as fp32 softmax attention up to rounding (kj_head_sliced: as exact as its inner backend)."""
-    if name == "kj_head_sliced":
-        return _REGISTRY[_slice_settings()[0]].exact
-    return _REGISTRY[name].exact
+    opts = as_options(backend)
+    if opts.backend == "kj_head_sliced":
+        return _REGISTRY[opts.kj_head_sliced.backend].exact
+    return _REGISTRY[opts.backend].exact
 
 
 @contextlib.contextmanager
@@ -90,48 +104,43 @@ def sequence_hints(prefix_rows: int | None):
         _PREFIX_ROWS.reset(token)
 
 
-def attention_stats() -> dict[str, dict[str, int]]:
-    """Calls per backend that count them (sol_attn, fa3_fp8: kernel vs each documented fallback reason)."""
-    return {name: dict(c) for name, c in _STATS.items() if c}
+def unavailable_reason(backend: str | AttentionOptions, like: torch.Tensor | None = None) -> str | None:
+    opts = as_options(backend)
+    if opts.backend not in _REGISTRY:
+        return f"unknown attention backend {opts.backend!r}"
+    return _REGISTRY[opts.backend].reason(like, opts)
 
 
-def reset_attention_stats() -> None:
-    _STATS.clear()
+def available_backends(like: torch.Tensor | None = None, options: AttentionOptions | None = None) -> list[str]:
+    opts = options or AttentionOptions()
+    return [n for n in _REGISTRY if unavailable_reason(opts.using(n), like) is None]
 
 
-def _count(backend: str, what: str) -> None:
-    _STATS.setdefault(backend, Counter())[what] += 1
-
-
-def unavailable_reason(name: str, like: torch.Tensor | None = None) -> str | None:
-    if name not in _REGISTRY:
-        return f"unknown attention backend {name!r}"
-    return _REGISTRY[name].available(like)
-
-
-def available_backends(like: torch.Tensor | None = None) -> list[str]:
-    return [n for n, b in _REGISTRY.items() if b.available(like) is None]
-
-
-def check_backend(name: str, like: torch.Tensor | None = None) -> None:
-    reason = unavailable_reason(name, like)
+def check_backend(backend: str | AttentionOptions, like: torch.Tensor | None = None) -> None:
+    """BackendUnavailable (a RequestError of the field `attention`): why the backend cannot run here, what can."""
+    opts = as_options(backend)
+    reason = unavailable_reason(opts, like)
     if reason is not None:
-        raise BackendUnavailable(f"attention backend {name!r} cannot run: {reason}; "
-                                 f"available here: {', '.join(available_backends(like)) or 'none'}")
+        kind = "choice" if opts.backend not in _REGISTRY else "value"
+        available = ", ".join(available_backends(like, opts)) or "none"
+        raise BackendUnavailable(f" {opts.backend!r} cannot run: {reason}; available here: {available}",
+                                 field="attention", kind=kind)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              backend: str | AttentionOptions = DEFAULT_BACKEND) -> torch.Tensor:
     """Softmax attention, no mask. q, k, v: [B, H, S, D] -> [B, S, H·D]."""
-    b = _REGISTRY.get(backend)
+    opts = as_options(backend)
+    b = _REGISTRY.get(opts.backend)
     if b is None:
-        check_backend(backend, q)
+        check_backend(opts, q)
     try:
-        out = b.fn(q, k, v)
+        out = b.run(q, k, v, opts)
     except (ImportError, RuntimeError) as exc:
-        reason = b.available(q)
+        reason = b.reason(q, opts)
         if reason is not None:  # it could not run here: say why, as one line
-            check_backend(backend, q)
-        if backend == "cudnn_sdpa":
+            check_backend(opts, q)
+        if opts.backend == "cudnn_sdpa":
             raise BackendUnavailable(f"attention backend 'cudnn_sdpa' cannot run these inputs "
                                      f"({str(exc).splitlines()[0]}); it never falls back") from None
         raise
@@ -183,8 +192,8 @@ def dense_rows(t: torch.Tensor) -> torch.Tensor:
 def _dense_v(fn):
     """A backend that wants v dense: the copy is made here, not by every caller."""
     @functools.wraps(fn)
-    def wrapped(q, k, v):
-        return fn(q, k, dense_rows(v))
+    def wrapped(q, k, v, *options):
+        return fn(q, k, dense_rows(v), *options)
     return wrapped
 
 
@@ -284,29 +293,23 @@ def _ck_int8_available(like):
     return None
 
 
-def _slice_settings():
-    return os.environ.get("H3_HEAD_SLICE_BACKEND", "sage2"), int(os.environ.get("H3_HEAD_SLICE_SIZE", "8"))
+def slice_backend(backend: str | AttentionOptions = "kj_head_sliced") -> str:
+    """The inner backend kj_head_sliced hands its head slices to under these options."""
+    return as_options(backend).kj_head_sliced.backend
 
 
-def slice_backend() -> str:
-    """The inner backend kj_head_sliced hands its head slices to."""
-    return _slice_settings()[0]
-
-
-def _head_sliced(q, k, v):
-    inner, size = _slice_settings()
-    fn = _REGISTRY[inner].fn
-    return torch.cat([fn(q[:, i:i + size], k[:, i:i + size], v[:, i:i + size])
+def _head_sliced(q, k, v, opts: AttentionOptions):
+    inner, size = opts.kj_head_sliced.backend, opts.kj_head_sliced.size
+    b = _REGISTRY[inner]
+    return torch.cat([b.run(q[:, i:i + size], k[:, i:i + size], v[:, i:i + size], opts)
                       for i in range(0, q.shape[1], size)], dim=1)
 
 
-def _head_sliced_available(like):
-    inner, size = _slice_settings()
+def _head_sliced_available(like, opts: AttentionOptions):
+    inner = opts.kj_head_sliced.backend
     if inner == "kj_head_sliced" or inner not in _REGISTRY:
-        return f"H3_HEAD_SLICE_BACKEND={inner!r} is not a usable inner backend"
-    if size <= 0:
-        return f"H3_HEAD_SLICE_SIZE must be positive, got {size}"
-    return _REGISTRY[inner].available(like)
+        return f"head_slice_backend {inner!r} is not a usable inner backend"
+    return _REGISTRY[inner].reason(like, opts)
 
 
 def sol_kernel_reason(like: torch.Tensor | None) -> str | None:
@@ -330,17 +333,17 @@ def sol_fallback_reason(q: torch.Tensor, min_tokens: int) -> str | None:
     if q.shape[-1] != SOL_HEAD_DIM:
         return f"head_dim {q.shape[-1]} != {SOL_HEAD_DIM}"
     if q.shape[2] < min_tokens:
-        return f"{q.shape[2]} tokens < H3_SOL_MIN_TOKENS={min_tokens}"
+        return f"{q.shape[2]} tokens < sol_min_tokens={min_tokens}"
     return None
 
 
-def _sol(q, k, v):
+def _sol(q, k, v, opts: AttentionOptions):
     reason = _sol_kernel_reason_cached(q.device)
     if reason is not None:  # no kernel here: unavailable, never a substitute (not even for short calls)
         raise BackendUnavailable(f"attention backend 'sol_attn' cannot run: {reason}")
     import comfy_kitchen as ck
 
-    return sol_call(q, k, v, ck.sol_attn)
+    return sol_call(q, k, v, ck.sol_attn, opts)
 
 
 @functools.lru_cache(maxsize=8)
@@ -348,47 +351,48 @@ def _sol_kernel_reason_cached(device: torch.device) -> str | None:
     return sol_kernel_reason(torch.empty(0, device=device))
 
 
-def sol_call(q, k, v, kernel):
+def sol_call(q, k, v, kernel, options: str | AttentionOptions = "sol_attn"):
     """One sol_attn call through `kernel` (comfy_kitchen.sol_attn): q, k, v [B, H, S, D] -> [B, H, S, D] view.
 
-    Calls the kernel cannot take run H3_SOL_FALLBACK, counted in attention_stats(); H3_SOL_STRICT=1 raises."""
-    opts = sol_options()
-    why = sol_fallback_reason(q, opts.min_tokens)
+    Calls the kernel cannot take run the options' fallback, counted (`h3direct.counts`); `strict` raises."""
+    opts = as_options(options)
+    sol = opts.sol_attn
+    why = sol_fallback_reason(q, sol.min_tokens)
     if why is not None:
-        return _run_fallback("sol_attn", "H3_SOL_STRICT", opts.fallback, opts.strict, why,
-                             "head_dim" if why.startswith("head") else "short", q, k, v)
-    _count("sol_attn", "kernel")
+        return _run_fallback("sol_attn", "sol_strict", sol.fallback, sol.strict, why,
+                             "head_dim" if why.startswith("head") else "short", q, k, v, opts)
+    count_attention("sol_attn", "kernel")
     # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **opts.kernel_kwargs(_PREFIX_ROWS.get()))
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **sol.kernel_kwargs(_PREFIX_ROWS.get()))
     return out.transpose(1, 2)
 
 
-def _sol_available(like):
-    opts = sol_options()
+def _sol_available(like, opts: AttentionOptions):
     reason = sol_kernel_reason(like) or _half_only(like)
     if reason is not None:
         return reason
-    if opts.strict:
+    if opts.sol_attn.strict:
         return None  # calls that cannot run the kernel raise, one by one
-    return _fallback_unavailable("sol_attn", "H3_SOL_FALLBACK", opts.fallback, like)
+    return _fallback_unavailable("sol_attn", "sol_fallback", opts.sol_attn.fallback, like, opts)
 
 
-def _run_fallback(name: str, strict_env: str, fallback: str, strict: bool, why: str, tag: str, q, k, v):
+def _run_fallback(name: str, strict_name: str, fallback: str, strict: bool, why: str, tag: str, q, k, v,
+                  opts: AttentionOptions):
     """A call backend `name`'s kernel cannot take (`why`): runs its documented `fallback` backend, counted as
     "fallback to <fallback>: <tag>"; in strict mode a one-line error instead."""
     if strict:
         raise BackendUnavailable(f"attention backend {name!r} would fall back to {fallback!r} ({why}); "
-                                 f"{strict_env}=1 forbids it")
-    _count(name, f"fallback to {fallback}: {tag}")
-    return _REGISTRY[fallback].fn(q, k, v)
+                                 f"{strict_name} forbids it")
+    count_attention(name, f"fallback to {fallback}: {tag}")
+    return _REGISTRY[fallback].run(q, k, v, opts)
 
 
-def _fallback_unavailable(name: str, env: str, fallback: str, like) -> str | None:
-    """Why backend `name`'s documented fallback (set by `env`) cannot take its calls here (None: it can)."""
+def _fallback_unavailable(name: str, option: str, fallback: str, like, opts: AttentionOptions) -> str | None:
+    """Why backend `name`'s documented fallback (its option `option`) cannot take its calls here (None: it can)."""
     if fallback not in _REGISTRY or fallback == name:
-        return f"{env}={fallback!r} is not another attention backend"
-    reason = _REGISTRY[fallback].available(like)
-    return None if reason is None else f"its fallback {env}={fallback!r} cannot run: {reason}"
+        return f"{option} {fallback!r} is not another attention backend"
+    reason = _REGISTRY[fallback].reason(like, opts)
+    return None if reason is None else f"its fallback {option} {fallback!r} cannot run: {reason}"
 
 
 def fp8_fallback_reason(q: torch.Tensor) -> str | None:
@@ -401,29 +405,24 @@ def fp8_fallback_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def _fp8_settings() -> tuple[str, bool]:
-    return os.environ.get("H3_FP8_ATTN_FALLBACK", "fa3"), os.environ.get("H3_FP8_ATTN_STRICT", "0") == "1"
-
-
-def _fa3_fp8(q, k, v):
+def _fa3_fp8(q, k, v, opts: AttentionOptions):
     from h3direct.dit.fp8_attention import fa3_fp8_attention
 
-    fallback, strict = _fp8_settings()
+    fp8 = opts.fa3_fp8
     why = fp8_fallback_reason(q)
     if why is not None:
-        return _run_fallback("fa3_fp8", "H3_FP8_ATTN_STRICT", fallback, strict, why, "head_dim", q, k, v)
-    _count("fa3_fp8", "kernel")
-    return fa3_fp8_attention(q, k, v)
+        return _run_fallback("fa3_fp8", "fp8_attn_strict", fp8.fallback, fp8.strict, why, "head_dim", q, k, v, opts)
+    count_attention("fa3_fp8", "kernel")
+    return fa3_fp8_attention(q, k, v, smooth_v=fp8.smooth_v)
 
 
-def _fa3_fp8_available(like):
+def _fa3_fp8_available(like, opts: AttentionOptions):
     reason = _fa3_available(like)
     if reason is not None:
         return reason
-    fallback, strict = _fp8_settings()
-    if strict:
+    if opts.fa3_fp8.strict:
         return None
-    return _fallback_unavailable("fa3_fp8", "H3_FP8_ATTN_FALLBACK", fallback, like)
+    return _fallback_unavailable("fa3_fp8", "fp8_attn_fallback", opts.fa3_fp8.fallback, like, opts)
 
 
 # fa3 reads a v with unit last-dim stride as it comes (FA3 requires only stride(-1) == 1); every other backend gets
@@ -431,8 +430,8 @@ def _fa3_fp8_available(like):
 register("sdpa", _dense_v(_sdpa), _always, exact=True)
 register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)
-register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False)  # its quantizer reads strided v
+register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False, options=BACKEND_OPTIONS["fa3_fp8"])
 register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
-register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
-register("sol_attn", _dense_v(_sol), _sol_available, exact=False)
+register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False, options=BACKEND_OPTIONS["kj_head_sliced"])
+register("sol_attn", _dense_v(_sol), _sol_available, exact=False, options=BACKEND_OPTIONS["sol_attn"])

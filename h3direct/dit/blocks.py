@@ -6,14 +6,15 @@ Each sublayer of a DiT block computes, for the rows of one modulation run with a
 
 with the modulation applied in place on the norm output and the gated residual accumulated into the stream
 in place. That order (multiply, then add, then addcmul into x) is also the oracle's, so bf16 results round
-the same way. On CUDA with Triton (`fused.py`, unless H3_FUSED=0) the norm + modulation and the gated residual
-are one pass each over all rows, fp32 inside and rounded once: closer to fp32 than that eager order, which the
-exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge. The attention's gated residual and the
-MLP's norm + modulation share one pass there (`fused.residual_norm_modulate_`, bitwise the two kernels in turn).
-When a fused kernel feeds an FP8 linear (qkv_proj, fc1, fc2 with `--fp8-linear`) and no hook wants the activation,
-it writes the linear's e4m3 input rows instead of a bf16 tensor (`w8a8.E4M3Rows`: the codes and scales the linear
-would have made from that tensor, bit for bit); nothing else reads those activations (the residual stream x is still
-updated in place). out_proj's input comes from the attention kernel and is quantized by the linear itself.
+the same way. On CUDA with Triton (`fused.py`, unless the generation's option `fused` is off) the norm +
+modulation and the gated residual are one pass each over all rows, fp32 inside and rounded once: closer to fp32
+than that eager order, which the exact parity budgets (ratio rule against ComfyUI's fp32 trace) judge. The
+attention's gated residual and the MLP's norm + modulation share one pass there (`fused.residual_norm_modulate_`,
+bitwise the two kernels in turn). When a fused kernel feeds an FP8 linear (qkv_proj, fc1, fc2 with `--fp8-linear`)
+and no hook wants the activation, it writes the linear's e4m3 input rows instead of a bf16 tensor (`w8a8.E4M3Rows`:
+the codes and scales the linear would have made from that tensor, bit for bit); nothing else reads those
+activations (the residual stream x is still updated in place). out_proj's input comes from the attention kernel and
+is quantized by the linear itself.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from h3direct.dit import fused
-from h3direct.dit.attention import DEFAULT_BACKEND, attention
+from h3direct.dit.attention import attention
 from h3direct.dit.linear import FP8Linear, Linear
+from h3direct.dit.options import DEFAULT_OPTIONS, Options
 from h3direct.dit.rope import rms_norm_rope_
 from h3direct.dit.timesteps import ModRun
 
@@ -53,7 +55,7 @@ class Attention(nn.Module):
         self.tracer = None  # set by tracing.Tracer to record rope'd q/k
 
     def forward(self, x, rope_table: torch.Tensor | None = None, *,
-                backend: str = DEFAULT_BACKEND, sp=None) -> torch.Tensor:
+                options: Options = DEFAULT_OPTIONS, sp=None) -> torch.Tensor:
         # x: [S, hidden] (or its e4m3 rows for an FP8 qkv_proj) -> [S, hidden]. The projection's features are
         # q | k | v, each split into heads.
         qkv = self.qkv_proj(x)
@@ -63,7 +65,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         else:
             # q and k stay views into the projection output; the kernel normalises and rotates them there
-            rms_norm_rope_(q[None], k[None], self.q_norm.weight, self.k_norm.weight, rope_table, self.q_norm.eps)
+            rms_norm_rope_(q[None], k[None], self.q_norm.weight, self.k_norm.weight, rope_table, self.q_norm.eps,
+                           fuse=options.kernels.fused)
             if self.tracer is not None:
                 self.tracer.record_tensor(self, "rope_q", q)
                 self.tracer.record_tensor(self, "rope_k", k)
@@ -71,7 +74,7 @@ class Attention(nn.Module):
         q, k, v = (rearrange(t, "s h d -> 1 h s d") for t in (q, k, v))
         # sp: a `parallel.SequenceParallel` when x is this rank's slice of the sequence (all-to-all around attention)
         attend = attention if sp is None else sp.attention
-        return self.out_proj(attend(q, k, v, backend)[0])
+        return self.out_proj(attend(q, k, v, options.attention)[0])
 
 
 class MLP(nn.Module):
@@ -84,17 +87,17 @@ class MLP(nn.Module):
         self.fc1 = Linear(hidden, 2 * ffn, bias=False)
         self.fc2 = Linear(ffn, hidden, bias=False)
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self._swiglu_taking([x])
+    def _swiglu(self, x: torch.Tensor, fuse: bool) -> torch.Tensor:
+        return self._swiglu_taking([x], fuse)
 
-    def _swiglu_taking(self, box: list) -> torch.Tensor:
+    def _swiglu_taking(self, box: list, fuse: bool = True) -> torch.Tensor:
         # box: [x]; x is taken out of the list and released once fc1 has read it (when the caller keeps no other
         # reference). SwiGLU is written over the gate half of fc1's output, which fc2 reads as a strided view
         # (row stride 2F): no [S, F] buffer. Eager: silu_ then mul_ in place, the same two roundings as before.
         x = box.pop()
         a = self.fc1(x)
         del x
-        if fused.enabled(a, whole_rows=False):  # SwiGLU tiles its columns: any width
+        if fused.enabled(a, whole_rows=False, on=fuse):  # SwiGLU tiles its columns: any width
             if a.shape[-1] // 2 <= fused.MAX_HIDDEN and takes_e4m3(self.fc2):  # FP8 fc2: its e4m3 input rows
                 q = fused.swiglu_e4m3(a)
                 del a  # fc1's output is not needed while fc2 runs
@@ -103,28 +106,28 @@ class MLP(nn.Module):
         gate, up = a.chunk(2, dim=-1)
         return self.fc2(F.silu(gate, inplace=True).mul_(up))
 
-    def forward_taking(self, box: list, *, chunks: int = 1) -> torch.Tensor:
+    def forward_taking(self, box: list, *, chunks: int = 1, fuse: bool = True) -> torch.Tensor:
         """`forward` on box's one tensor, taken out of the list so that it is freed as soon as fc1 has read it
         (a module call keeps its arguments alive until it returns). With module hooks (the tracer) or chunks
         it is an ordinary call."""
         if chunks > 1 or self._forward_hooks or self._forward_pre_hooks or _global_hooks():
-            return self(box.pop(), chunks=chunks)
-        return self._swiglu_taking(box)
+            return self(box.pop(), chunks=chunks, fuse=fuse)
+        return self._swiglu_taking(box, fuse)
 
-    def forward(self, x: torch.Tensor, *, chunks: int = 1) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, chunks: int = 1, fuse: bool = True) -> torch.Tensor:
         # x: [S, hidden] -> [S, hidden]. Chunk boundaries fall on multiples of CHUNK_ALIGN rows and the last
         # chunk takes the remainder, so no GEMM runs on a sliver of rows (BLAS switches kernels for tiny M,
         # which would break bitwise equality with the unchunked product).
         s = x.shape[0]
         if chunks <= 1 or s < 2 * self.CHUNK_ALIGN:
-            return self._swiglu(x)
+            return self._swiglu(x, fuse)
         step = max(self.CHUNK_ALIGN, -(-s // chunks) // self.CHUNK_ALIGN * self.CHUNK_ALIGN)
         bounds = list(range(0, s, step))[:chunks] + [s]
         if bounds[-2] >= s - self.CHUNK_ALIGN // 2 and len(bounds) > 2:
             bounds.pop(-2)
         out = torch.empty(s, self.fc2.out_features, dtype=x.dtype, device=x.device)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            out[a:b] = self._swiglu(x[a:b])
+            out[a:b] = self._swiglu(x[a:b], fuse)
         return out
 
 
@@ -167,10 +170,10 @@ class RefinerBlock(nn.Module):
         self.attn = Attention(hidden, heads, head_dim, qk_eps)
         self.mlp = MLP(hidden, ffn)
 
-    def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, options: Options = DEFAULT_OPTIONS) -> torch.Tensor:
         # x: [L, hidden] -> [L, hidden]; x ← sublayer(norm(x)) + x, the sum taken into the fresh output
-        x = self.attn(self.norm1(x), backend=backend).add_(x)
-        return self.mlp(self.norm2(x)).add_(x)
+        x = self.attn(self.norm1(x), options=options).add_(x)
+        return self.mlp(self.norm2(x), fuse=options.kernels.fused).add_(x)
 
 
 class TokenRefiner(nn.Module):
@@ -180,10 +183,10 @@ class TokenRefiner(nn.Module):
                                     for _ in range(num_layers))
         self.final_norm = RMSNorm(hidden, final_eps)
 
-    def forward(self, x: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, options: Options = DEFAULT_OPTIONS) -> torch.Tensor:
         # x: [L, hidden] text features -> refined [L, hidden]
         for block in self.blocks:
-            x = block(x, backend=backend)
+            x = block(x, options=options)
         return self.final_norm(x)
 
 
@@ -197,16 +200,16 @@ class DiTBlock(nn.Module):
         self.adaln_proj = AdalnProj(t_dim, hidden, 6, 3, curve)
 
     def forward(self, x: torch.Tensor, t_emb: torch.Tensor, runs: list[ModRun], rope_table: torch.Tensor, *,
-                backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, sp=None) -> torch.Tensor:
+                options: Options = DEFAULT_OPTIONS, sp=None) -> torch.Tensor:
         # x: [S, hidden] (updated in place), t_emb: [n_t, k], rope_table: [1, S, 1, R, 2, 2]
         # (with sp, S is this rank's slice and runs / rope_table are cut to it: parallel.SequenceParallel.split)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_proj(t_emb)  # attention's, then MLP's
-        fuse = fused.enabled(x)  # Triton: norm+modulation and the gated residual as one pass each
+        fuse = fused.enabled(x, on=options.kernels.fused)  # Triton: norm+modulation, gated residual: one pass each
         # FP8 qkv_proj / fc1 (and no hooks): the kernels write their e4m3 input rows; fc1's not under row chunks
         qkv_e4m3 = fuse and takes_e4m3(self.attn.qkv_proj, self.attn)
-        fc1_e4m3 = fuse and mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1, self.mlp)
+        fc1_e4m3 = fuse and options.kernels.mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1, self.mlp)
         h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse, e4m3=qkv_e4m3)
-        attn_out = self.attn(h, rope_table, backend=backend, sp=sp)
+        attn_out = self.attn(h, rope_table, options=options, sp=sp)
         del h
         if fuse:  # attention's gated residual, then norm2 + the MLP's modulation, in one pass over x
             h = fused.residual_norm_modulate_(x, gate_a, attn_out, self.norm2.weight, self.norm2.eps, shift_m,
@@ -217,7 +220,8 @@ class DiTBlock(nn.Module):
         del attn_out
         box = [h]  # the MLP frees it after fc1 (peak memory)
         del h
-        return _add_gated(x, gate_m, self.mlp.forward_taking(box, chunks=mlp_chunks), runs, fuse)
+        mlp_out = self.mlp.forward_taking(box, chunks=options.kernels.mlp_chunks, fuse=options.kernels.fused)
+        return _add_gated(x, gate_m, mlp_out, runs, fuse)
 
 
 def _global_hooks() -> bool:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h3direct.dit.attention import DEFAULT_BACKEND
 from h3direct.dit.model import Conditioning, H3DiT, StepInvariants
+from h3direct.dit.options import DEFAULT_OPTIONS, Options
 from h3direct.dit.timesteps import host_stream_times, sigma_from_timestep
 from h3direct.sampling import host_sigma
 from h3direct.sampling.schedules import audio_sigma
@@ -64,7 +64,7 @@ class AudioCarry:
 
 def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                   context: torch.Tensor, cond: Conditioning, *, audio_scale: float,
-                  backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1, layout=None,
+                  options: Options = DEFAULT_OPTIONS, layout=None,
                   invariants: StepInvariants | None = None, times: tuple[float, float] | None = None):
     """One model call on sampler-space (carried) audio: audio in and out are the sampler's variable y.
     `invariants`, `times`: see `H3DiT.forward_inner`."""
@@ -72,9 +72,8 @@ def model_forward(model: H3DiT, video: torch.Tensor, audio: torch.Tensor, timest
     own_audio = audio if carry is None else carry.own(audio)
     for name, tensor in (("video", video), ("audio", own_audio), ("timestep", timestep), ("context", context)):
         model._record(f"dit_inner.in.{name}", tensor)
-    out_v, out_a = model.forward_inner(video, own_audio, timestep, context, cond, backend=backend,
-                                       mlp_chunks=mlp_chunks, layout=layout, invariants=invariants,
-                                       times=times)
+    out_v, out_a = model.forward_inner(video, own_audio, timestep, context, cond, options=options, layout=layout,
+                                       invariants=invariants, times=times)
     model._record("dit_inner.out.video", out_v)
     model._record("dit_inner.out.audio", out_a)
     if carry is not None:
@@ -90,8 +89,7 @@ class Denoiser:
     context: torch.Tensor  # [1, L, hidden] refined text (preprocess_text output), compute dtype
     cond: Conditioning
     audio_scale: float
-    backend: str = DEFAULT_BACKEND
-    mlp_chunks: int = 1
+    options: Options = DEFAULT_OPTIONS  # the generation's attention and kernel options
 
     def __post_init__(self):
         self._invariants = StepInvariants()
@@ -114,8 +112,8 @@ class Denoiser:
         m._record("dit_forward.in.timestep", timestep)
         with torch.no_grad():
             out_v, out_a = model_forward(m, v_in, a_in, timestep, self.context, self.cond,
-                                         audio_scale=self.audio_scale, backend=self.backend,
-                                         mlp_chunks=self.mlp_chunks, invariants=self._invariants, times=times)
+                                         audio_scale=self.audio_scale, options=self.options,
+                                         invariants=self._invariants, times=times)
         m._record("dit_forward.out.video", out_v)
         m._record("dit_forward.out.audio", out_a)
         s = sigma.reshape(1, *([1] * (x_video.ndim - 1)))

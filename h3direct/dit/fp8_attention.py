@@ -11,7 +11,7 @@ q_descale·k_descale into the softmax scale and v_descale into the output. Three
   constant along the softmax row, so the attention weights are unchanged while the common channel offset of the keys
   (which would take e4m3's range) is removed before quantizing;
 - V smoothing: v' = v − mean over tokens of v; every softmax row sums to one, so attn(v') + mean = attn(v). The mean
-  is added back to FA3's bf16 output (H3_FP8_ATTN_SMOOTH_V=0 turns it off).
+  is added back to FA3's bf16 output (option `fp8_attn_smooth_v` off turns it off).
 
 Quantization of one tensor is two passes: per-channel sum, min and max over tokens (torch reductions, which read the
 strided q/k views of the qkv projection in place), then one Triton pass that subtracts the mean, scales, rounds to
@@ -26,7 +26,6 @@ max_t fl(x_t − m) = fl(max_t x_t − m) and the head's amax is max_c max(fl(ma
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +43,6 @@ P_OFFSET_LOG2 = 8.0
 # head dims FA3's FP8 kernels take: a multiple of 16 (16-byte rows of e4m3), at most 256
 FP8_HEAD_DIM_ALIGN = 16
 FP8_MAX_HEAD_DIM = 256
-
-
-def smooth_v_enabled() -> bool:
-    return os.environ.get("H3_FP8_ATTN_SMOOTH_V", "1") != "0"
 
 
 @dataclass
@@ -167,12 +162,11 @@ def quantize_qkv(q, k, v, smooth_k: bool = True, smooth_v: bool = True, per_head
 
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
-                      smooth_v: bool | None = None, per_head: bool = True) -> torch.Tensor:
+                      smooth_v: bool = True, per_head: bool = True) -> torch.Tensor:
     """q, k, v [B, H, S, D] bf16 on an sm_90 GPU -> [B, H, S, D] bf16 (a view of FA3's [B, S, H, D] output).
-    `smooth_v` None: H3_FP8_ATTN_SMOOTH_V (default on); `smooth_k=False` / `per_head=False`: the coarser variants,
-    for measurements."""
-    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k,
-                              smooth_v=smooth_v_enabled() if smooth_v is None else smooth_v, per_head=per_head)
+    `smooth_v`: the backend's option (`FP8AttentionOptions.smooth_v`); `smooth_k=False` / `per_head=False`: the
+    coarser variants, for measurements."""
+    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v, per_head=per_head)
     return fa3_fp8_call(qq, kq, vq, q.shape[-1])
 
 

@@ -20,7 +20,8 @@ the same bits. The adaLN kernels are not bitwise equal to eager: they are closer
 the parity gate's exact budgets (ratio rule against ComfyUI's fp32 trace) judge them, as the numerical contract
 says.
 
-Used on CUDA when Triton is importable; `H3_FUSED=0` selects the eager, op-by-op path (bitwise ComfyUI's order).
+Used on CUDA when Triton is importable; the option `fused` off (`--no-fused`, `H3_FUSED=0` at startup) selects the
+eager, op-by-op path (bitwise ComfyUI's order).
 The kernels are built on first use (`triton.jit` at that moment), so `TRITON_INTERPRET=1` set by a CPU test runs
 them in Triton's interpreter on CPU tensors.
 """
@@ -28,7 +29,6 @@ them in Triton's interpreter on CPU tensors.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -47,10 +47,11 @@ MAX_HIDDEN = 16384  # one program holds a whole row of the norm (block = next po
 _MAX_TILE = 32768  # values per program of the norm kernels: ROWS is cut to fit
 
 
-def enabled(x: torch.Tensor, *, whole_rows: bool = True) -> bool:
-    """The fused path runs for this activation: CUDA, Triton present, H3_FUSED not 0, a float compute dtype, and
-    (for the kernels that hold one whole row per program, `whole_rows`) rows of at most MAX_HIDDEN features."""
-    return (triton is not None and x.is_cuda and os.environ.get("H3_FUSED", "1") != "0"
+def enabled(x: torch.Tensor, *, whole_rows: bool = True, on: bool = True) -> bool:
+    """The fused path runs for this activation: `on` (the generation's `KernelOptions.fused`), CUDA, Triton present,
+    a float compute dtype, and (for the kernels that hold one whole row per program, `whole_rows`) rows of at most
+    MAX_HIDDEN features."""
+    return (on and triton is not None and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (not whole_rows or x.shape[-1] <= MAX_HIDDEN))
 

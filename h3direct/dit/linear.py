@@ -59,12 +59,14 @@ class Linear(nn.Module):
 class NVFP4Linear(nn.Module):
     """NVFP4 block-quantized linear (ComfyUI mixed-precision layout); `mode` picks W4A4 or W4A16."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "w4a16"):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, mode: str = "w4a16",
+                 dequant: str = "auto"):
         super().__init__()
         from h3direct.checkpoint.quant.nvfp4 import storage_shapes
 
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode = mode
+        self.dequant = dequant  # the dequantization path on CUDA (option nvfp4_dequant, fixed when loaded)
         shapes = storage_shapes((out_features, in_features))  # rows/cols zero-padded to 16, scales to 128x4 tiles
         self.register_buffer("weight", torch.empty(shapes["weight"], dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.empty(shapes["weight_scale"], dtype=torch.float8_e4m3fn))
@@ -82,7 +84,7 @@ class NVFP4Linear(nn.Module):
                                   out_features=self.out_features)
         else:
             y = nvfp4.linear_w4a16(x2, self.weight, self.weight_scale, self.weight_scale_2, self.bias, x.dtype,
-                                   out_features=self.out_features)
+                                   out_features=self.out_features, dequant=self.dequant)
         return y.reshape(*lead, self.out_features)
 
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
@@ -97,7 +99,6 @@ class NVFP4Linear(nn.Module):
 
 # ---------------------------------------------------------------- FP8 W8A8 (opt-in approximate path)
 
-FP8_LINEAR_MODES = ("off", "stream", "resident")
 FP8_WEIGHTS_KEY = "fp8_w8a8"  # the budgets table's `weights` key of comparisons made with FP8 linears
 
 
@@ -117,20 +118,21 @@ class FP8Linear(nn.Module):
     ``stream`` (NVFP4 sources only): the NVFP4 tensors stay resident and the e4m3 weight is made on every call (one
     Triton pass on CUDA) under per-channel scales computed once from the fp32-decoded rows."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str, source: str):
+    def __init__(self, in_features: int, out_features: int, mode: str, source: str, strict: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode, self.source = mode, source
+        self.strict = strict  # option fp8_strict (fixed when loaded): an emulated GEMM on CUDA is an error
         self.bias = None
 
     @classmethod
-    def from_module(cls, layer: nn.Module, mode: str) -> FP8Linear:
+    def from_module(cls, layer: nn.Module, mode: str, strict: bool = False) -> FP8Linear:
         from h3direct.checkpoint.quant import w8a8
 
         if mode not in ("stream", "resident"):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
         if isinstance(layer, NVFP4Linear):
-            new = cls(layer.in_features, layer.out_features, mode, "nvfp4")
+            new = cls(layer.in_features, layer.out_features, mode, "nvfp4", strict)
             scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2)
             if mode == "stream":
                 new.register_buffer("packed", layer.weight)
@@ -142,7 +144,8 @@ class FP8Linear(nn.Module):
                 new.register_buffer("weight8", q[: layer.out_features, : layer.in_features].contiguous())
                 new.register_buffer("w_scale", scales[: layer.out_features].contiguous())
         elif isinstance(layer, Linear):
-            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""))
+            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""),
+                      strict)
             q, s = w8a8.quantize_rows(layer.weight.detach())
             new.register_buffer("weight8", q)
             new.register_buffer("w_scale", s)
@@ -169,31 +172,30 @@ class FP8Linear(nn.Module):
         from h3direct.checkpoint.quant import w8a8
 
         w8, s = self.fp8_weight()
-        return w8a8.linear_w8a8(x, w8, s, self.bias)
+        return w8a8.linear_w8a8(x, w8, s, self.bias, strict=self.strict)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, fp8 e4m3 w8a8 {self.mode} (from {self.source})"
 
 
 def check_fp8_linear(mode: str | None) -> str:
-    """None/"off" -> "off"; a known mode passes; anything else is a one-line `ConfigError`."""
-    mode = mode or "off"
-    if mode not in FP8_LINEAR_MODES:
-        from h3direct.errors import ConfigError
+    """None/"off" -> "off"; a known mode passes; anything else is a one-line `RequestError` (the rule of the
+    option `fp8_linear`)."""
+    from h3direct.dit.options import KernelOptions
 
-        raise ConfigError(f"unknown fp8 linear mode {mode!r}; choose one of {', '.join(FP8_LINEAR_MODES)}")
-    return mode
+    return KernelOptions(fp8_linear=mode or "off").fp8_linear
 
 
-def apply_fp8_linears(model: nn.Module, mode: str) -> int:
+def apply_fp8_linears(model: nn.Module, mode: str, strict: bool = False) -> int:
     """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
-    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
+    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident");
+    `strict`: the option fp8_strict."""
     if check_fp8_linear(mode) == "off":
         return 0
     names = block_linear_names(model)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode))
+        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode, strict))
     model.fp8_linear = mode
     return len(names)

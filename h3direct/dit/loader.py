@@ -121,18 +121,22 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
 
 
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
-             device: str | torch.device = "cpu", fp8_linear: str | None = None) -> H3DiT:
-    """`fp8_linear` "stream"/"resident": the 200 (full model) block linears become FP8 W8A8 layers after loading
-    (`linear.apply_fp8_linears`; opt-in, approximate); None/"off": as stored."""
+             device: str | torch.device = "cpu", fp8_linear: str | None = None, nvfp4_dequant: str = "auto",
+             fp8_strict: bool = False) -> H3DiT:
+    """The kernel options fixed when the weights load (`KernelOptions.load_time()`): `fp8_linear` "stream"/"resident":
+    the 200 (full model) block linears become FP8 W8A8 layers after loading (`linear.apply_fp8_linears`; opt-in,
+    approximate; None/"off": as stored), `fp8_strict` their strictness, `nvfp4_dequant` the NVFP4 layers'
+    dequantization path on CUDA."""
     compute = parse_compute_dtype(compute_dtype)
     check_fp8_linear(fp8_linear)
     sd, _meta = read_state_dict(path)
     return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path,
-                           fp8_linear=fp8_linear)
+                           fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict)
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
-                    nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None) -> H3DiT:
+                    nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None,
+                    nvfp4_dequant: str = "auto", fp8_strict: bool = False) -> H3DiT:
     fp8_linear = check_fp8_linear(fp8_linear)
     formats = quant_formats(sd, source)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
@@ -184,11 +188,13 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
     for mod_name, module in model.named_modules():
         if isinstance(module, NVFP4Linear):  # the JSON marker's length is the file's
             module.comfy_quant = torch.empty_like(state[f"{mod_name}.comfy_quant"], device="meta")
+            module.dequant = nvfp4_dequant
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
     model.fp8_linear = "off"
     del state
-    apply_fp8_linears(model, fp8_linear)  # after the strict load: the checkpoint's names are checked as stored
+    # after the strict load: the checkpoint's names are checked as stored
+    apply_fp8_linears(model, fp8_linear, fp8_strict)
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:

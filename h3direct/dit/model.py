@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3direct.config import H3Config
-from h3direct.dit.attention import DEFAULT_BACKEND, sequence_hints
+from h3direct.dit.attention import sequence_hints
 from h3direct.dit.blocks import DiTBlock, FinalLayer, TokenRefiner
 from h3direct.dit.embed import (
     TimeEmbedder,
@@ -28,6 +28,7 @@ from h3direct.dit.embed import (
 )
 from h3direct.dit.host import upload
 from h3direct.dit.linear import Linear
+from h3direct.dit.options import DEFAULT_OPTIONS, Options
 from h3direct.dit.rope import rope_angles, rotation_table
 from h3direct.dit.sequence import AUDIO_KINDS, VIDEO_KINDS, PackedLayout, build_layout
 from h3direct.dit.timesteps import AUDIO_COND_TIMESTEP, VISUAL_COND_TIMESTEP, host_tags, plan_timesteps
@@ -138,12 +139,12 @@ class H3DiT(nn.Module):
         self.parallel = None  # a parallel.SequenceParallel: the blocks run on this rank's slice of the sequence
 
     # ---- text ------------------------------------------------------------------------------
-    def preprocess_text(self, text_states: torch.Tensor, *, backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+    def preprocess_text(self, text_states: torch.Tensor, *, options: Options = DEFAULT_OPTIONS) -> torch.Tensor:
         """[1, L, text_dim] Qwen3-VL layer-50 states -> [1, L, hidden] refined (once per sampling run)."""
         text_states = text_states.to(self.compute_dtype)  # ComfyUI casts to the inference dtype first
         if text_states.shape[-1] == self.config.hidden_size:
             return text_states  # ComfyUI treats hidden-sized states as already refined
-        return self.token_refiner(self.condition_proj(text_states[0]), backend=backend).unsqueeze(0)
+        return self.token_refiner(self.condition_proj(text_states[0]), options=options).unsqueeze(0)
 
     # ---- pieces of the forward -------------------------------------------------------------
     def layout_for(self, context_len: int, video: torch.Tensor, audio: torch.Tensor,
@@ -209,11 +210,12 @@ class H3DiT(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward_inner(self, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor, cond: Conditioning | None = None, *,
-                      backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1,
-                      layout: PackedLayout | None = None, invariants: StepInvariants | None = None,
+                      options: Options = DEFAULT_OPTIONS, layout: PackedLayout | None = None,
+                      invariants: StepInvariants | None = None,
                       times: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ComfyUI's `_forward`. video [1,C,T,H,W], audio [1,Ca,2,Ta] (own σ_a), timestep [1] = 1000·σ_v,
-        context [1, L, hidden] refined text -> (−v_video, −v_audio) in the inputs' dtypes.
+        context [1, L, hidden] refined text -> (−v_video, −v_audio) in the inputs' dtypes. `options`: the
+        generation's attention and kernel options (`dit/options.py`).
 
         `invariants`: the caller's `StepInvariants` (layout, rope table, condition rows, tags: made once, reused);
         `times`: (t_video, t_audio) of `timestep` from `timesteps.host_stream_times`. With both, a call after the first
@@ -227,7 +229,7 @@ class H3DiT(nn.Module):
         pad = (0, (pw - orig_w % pw) % pw, 0, (ph - orig_h % ph) % ph, 0, 0)
         video_p = F.pad(video, pad, mode="circular") if any(pad) else video
         if context.shape[-1] != c.hidden_size:
-            context = self.preprocess_text(context, backend=backend)
+            context = self.preprocess_text(context, options=options)
         inv = invariants
         if layout is None and inv is not None:
             layout = inv.packed_layout(self, context.shape[1], video_p, audio, cond)
@@ -248,12 +250,12 @@ class H3DiT(nn.Module):
         with sequence_hints(layout.segment("video").start):  # rows before the target video: conditioning
             if sp is None:
                 for block in self.blocks:
-                    h = block(h, t_emb, runs, rope_table, backend=backend, mlp_chunks=mlp_chunks)
+                    h = block(h, t_emb, runs, rope_table, options=options)
             else:  # Ulysses: this rank's rows; attention sees every row (a head slice), so the hint stays global
                 h, rope_table, runs = sp.split(h, rope_table, runs)
                 with _tracer_hook(self.tracer, sp.record_hook):
                     for block in self.blocks:
-                        h = block(h, t_emb, runs, rope_table, backend=backend, mlp_chunks=mlp_chunks, sp=sp)
+                        h = block(h, t_emb, runs, rope_table, options=options, sp=sp)
                 h = sp.gather(h)
 
         vs, aseg = layout.segment("video"), layout.segment("audio")

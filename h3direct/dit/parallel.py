@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from h3direct.dit.attention import DEFAULT_BACKEND, attention
+from h3direct.dit.attention import attention
+from h3direct.dit.options import DEFAULT_BACKEND, AttentionOptions
 from h3direct.dit.timesteps import ModRun
 from h3direct.errors import H3Error
 
@@ -144,7 +145,7 @@ class SequenceParallel:
         return out
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  backend: str = DEFAULT_BACKEND) -> torch.Tensor:
+                  backend: str | AttentionOptions = DEFAULT_BACKEND) -> torch.Tensor:
         """`attention()` on the slice: q, k, v [1, H, c, D] (this rank's rows, all heads) -> [1, c, H·D]."""
         sh, w = self.shard, self.world
         qkv = torch.stack((q[0], k[0], v[0]))  # [3, H, c, D]

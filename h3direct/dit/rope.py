@@ -8,8 +8,8 @@ The rotation table is [1, S, 1, 3L, 2, 2] in the compute dtype — what ComfyUI 
 `rms_rope_split_half_` kernel (and what the oracle traces store as `blocks.N.in.3`). The arithmetic here
 follows that kernel's eager form op for op (RMSNorm in the input dtype, rotation in the table's dtype) so
 CPU results are bit-identical. On CUDA, `rms_norm_rope_` runs h3direct's Triton kernel in place (`fused.py`:
-fp32 inside, one rounding; judged by the exact budgets), or with H3_FUSED=0 comfy-kitchen's fused kernel when
-comfy-kitchen is installed — the very kernel ComfyUI runs on GPUs — and the eager form otherwise.
+fp32 inside, one rounding; judged by the exact budgets), or with the option `fused` off comfy-kitchen's fused kernel
+when comfy-kitchen is installed — the very kernel ComfyUI runs on GPUs — and the eager form otherwise.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def rms_norm_rope(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tenso
 
 
 def rms_norm_rope_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                   table: torch.Tensor, eps: float) -> None:
+                   table: torch.Tensor, eps: float, *, fuse: bool = True) -> None:
     """In place on q, k [1, S, H, D] (views into the qkv buffer): per-head RMSNorm + partial split-half rope.
 
-    CUDA: h3direct's Triton kernel (`fused.qk_norm_rope_`: fp32 inside, one rounding) unless H3_FUSED=0, else
+    CUDA: h3direct's Triton kernel (`fused.qk_norm_rope_`: fp32 inside, one rounding) unless `fuse` is off, else
     comfy-kitchen's kernel when installed; the eager form otherwise."""
-    if fused.enabled(q) and fused.qk_norm_rope_supported(q, table):
+    if fused.enabled(q, on=fuse) and fused.qk_norm_rope_supported(q, table):
         fused.qk_norm_rope_(q, k, q_weight, k_weight, table, eps)
         return
     kernel = kitchen_op("rms_rope_split_half_") if q.is_cuda else None

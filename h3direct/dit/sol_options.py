@@ -1,37 +1,40 @@
-"""`H3_SOL_*` environment options of the `sol_attn` backend, mapped onto comfy-kitchen's `sol_attn` arguments.
+"""The options of the `sol_attn` backend (`SolOptions`, registered with it in `attention.py`), mapped onto
+comfy-kitchen's `sol_attn` arguments.
 
 comfy-kitchen >= 0.2.40 `sol_attn(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
 coarse_gate, token_aug)` over [B, T, H, 128] bf16/fp16 tensors: every 64-token query block attends its routed key
 blocks exactly (the diagonal block always, the sink blocks always) and every other key block through one pooled
 term, so all keys stay in the softmax denominator. Its arithmetic is fixed (INT8 QK MMA); there is no precision switch.
 
-| variable              | default | maps to                                                                          |
-|-----------------------|---------|----------------------------------------------------------------------------------|
-| `H3_SOL_TAU`          | 1.3     | `tau` (routing threshold in sigmas of the proxy row; higher = sparser)           |
-| `H3_SOL_THRESH_TYPE`  | diag    | `diag`: tau threshold (diagonal and sinks always exact); `topk`: `topk_ratio`     |
-| `H3_SOL_TOPK_RATIO`   | 0.1     | `topk_ratio` when `H3_SOL_THRESH_TYPE=topk` (fraction of key blocks kept, (0, 1)) |
-| `H3_SOL_SINKS`        | prefix  | `sink_blocks`: `prefix` = the key blocks holding the rows before the target video |
-|                       |         | (text, references, keyframes, target audio) when the DiT says where they end;     |
-|                       |         | `none` = no sinks                                                                 |
-| `H3_SOL_EXACT_ROWS`   | 1       | `sink_q`: 1 = the query blocks of the rows before the target video attend every   |
-|                       |         | key exactly (the sparse routing assumes video locality, which text, reference and |
-|                       |         | audio queries lack); 0 = every query block is routed                             |
-| `H3_SOL_TAIL`         | 1       | `tail` (0 drops the pooled term of unrouted blocks)                              |
-| `H3_SOL_TOKEN_AUG`    | 0       | `token_aug` (0 or a multiple of 64 up to 256)                                    |
-| `H3_SOL_MIN_TOKENS`   | 4096    | below this sequence length the call runs `H3_SOL_FALLBACK` (documented fallback) |
-| `H3_SOL_FALLBACK`     | sage2   | the backend of those calls (and of calls whose head_dim is not 128)              |
-| `H3_SOL_STRICT`       | 0       | 1: a call that would fall back raises instead                                    |
-| `H3_SOL_INT8_QK`,     |         | no counterpart: the kernel's precision is fixed; setting either is an error       |
-| `H3_SOL_INT8_PV`      |         |                                                                                  |
+Each option is a request field `sol_<name>`, a flag `--sol-<name>` and, read once at startup, an environment
+variable `H3_SOL_<NAME>` (the flag or field wins):
+
+| option        | default | maps to                                                                            |
+|---------------|---------|------------------------------------------------------------------------------------|
+| `tau`         | 1.3     | `tau` (routing threshold in sigmas of the proxy row; higher = sparser)             |
+| `thresh_type` | diag    | `diag`: tau threshold (diagonal and sinks always exact); `topk`: `topk_ratio`       |
+| `topk_ratio`  | 0.1     | `topk_ratio` when `thresh_type` is topk (fraction of key blocks kept, (0, 1))       |
+| `sinks`       | prefix  | `sink_blocks`: `prefix` = the key blocks holding the rows before the target video   |
+|               |         | (text, references, keyframes, target audio) when the DiT says where they end;       |
+|               |         | `none` = no sinks                                                                   |
+| `exact_rows`  | on      | `sink_q`: the query blocks of the rows before the target video attend every key     |
+|               |         | exactly (the sparse routing assumes video locality, which text, reference and      |
+|               |         | audio queries lack); off = every query block is routed                             |
+| `tail`        | on      | `tail` (off drops the pooled term of unrouted blocks)                              |
+| `token_aug`   | 0       | `token_aug` (0 or a multiple of 64 up to 256)                                      |
+| `min_tokens`  | 4096    | below this sequence length the call runs `fallback` (documented fallback)          |
+| `fallback`    | sage2   | the backend of those calls (and of calls whose head_dim is not 128)                |
+| `strict`      | off     | a call that would fall back raises instead                                         |
+
+`H3_SOL_INT8_QK` / `H3_SOL_INT8_PV` have no counterpart (the kernel's precision is fixed): setting either is an error.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
-from h3direct.errors import ConfigError
+from h3direct.fields import check, field, positive
 
 SOL_BLOCK = 64  # query/key block size of the kernel
 SOL_HEAD_DIM = 128  # the only head size the kernel takes
@@ -39,16 +42,29 @@ SOL_HEAD_DIM = 128  # the only head size the kernel takes
 
 @dataclass(frozen=True)
 class SolOptions:
-    tau: float = 1.3
-    thresh_type: str = "diag"
-    topk_ratio: float = 0.1
-    sinks: str = "prefix"
-    exact_rows: bool = True
-    tail: bool = True
-    token_aug: int = 0
-    min_tokens: int = 4096
-    fallback: str = "sage2"
-    strict: bool = False
+    PREFIX = "sol"
+
+    tau: float = field(1.3, "routing threshold in sigmas of the proxy row (higher = sparser)", rule=positive,
+                       expect="a positive number", env=True)
+    thresh_type: str = field("diag", "diag: the tau threshold; topk: keep topk_ratio of the key blocks",
+                             choices=("diag", "topk"), env=True)
+    topk_ratio: float = field(0.1, "fraction of key blocks kept when thresh_type is topk",
+                              rule=lambda v: 0.0 < v < 1.0, expect="a fraction in (0, 1)", env=True)
+    sinks: str = field("prefix", "prefix: the key blocks of the rows before the target video always attend exactly; "
+                       "none: no sinks", choices=("prefix", "none"), env=True)
+    exact_rows: bool = field(True, "the query rows before the target video attend every key exactly", env=True)
+    tail: bool = field(True, "keep the pooled term of unrouted key blocks", env=True)
+    token_aug: int = field(0, "token routing augmentation (0 or a multiple of 64 up to 256)",
+                           rule=lambda v: 0 <= v <= 256 and v % 64 == 0, expect="0 or a multiple of 64 up to 256",
+                           env=True)
+    min_tokens: int = field(4096, "shorter calls run the fallback backend (counted)", rule=lambda v: v >= 0,
+                            expect="a non-negative integer", env=True)
+    fallback: str = field("sage2", "the backend of calls the kernel cannot take", rule=lambda v: v != "sol_attn",
+                          expect="another attention backend", env=True)
+    strict: bool = field(False, "a call that would fall back is an error instead", env=True)
+
+    def __post_init__(self):
+        check(self, "sol_")
 
     def kernel_kwargs(self, prefix_rows: int | None) -> dict:
         """Keyword arguments of `comfy_kitchen.sol_attn` (besides q, k, v) for one call.
@@ -61,48 +77,3 @@ class SolOptions:
         if self.exact_rows and prefix_rows:
             kw["sink_q"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
         return kw
-
-
-def _get(env, name, default, conv, check, expect):
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = conv(raw)
-    except ValueError:
-        value = None
-    if value is None or not check(value):
-        raise ConfigError(f"{name}={raw!r}: expected {expect}")
-    return value
-
-
-def _bool(raw: str) -> bool:
-    if raw not in ("0", "1"):
-        raise ValueError(raw)
-    return raw == "1"
-
-
-def sol_options(env=None) -> SolOptions:
-    """Parse `H3_SOL_*` from `env` (default os.environ); a bad value is one ConfigError line."""
-    env = os.environ if env is None else env
-    for name in ("H3_SOL_INT8_QK", "H3_SOL_INT8_PV"):
-        if env.get(name):
-            raise ConfigError(f"{name}={env[name]!r}: comfy-kitchen's sol_attn has no precision switch (its QK "
-                              f"product is always INT8); unset {name}")
-    d = SolOptions()
-    return SolOptions(
-        tau=_get(env, "H3_SOL_TAU", d.tau, float, lambda v: math.isfinite(v) and v > 0, "a positive number"),
-        thresh_type=_get(env, "H3_SOL_THRESH_TYPE", d.thresh_type, str, lambda v: v in ("diag", "topk"),
-                         "diag or topk"),
-        topk_ratio=_get(env, "H3_SOL_TOPK_RATIO", d.topk_ratio, float, lambda v: 0.0 < v < 1.0,
-                        "a fraction in (0, 1)"),
-        sinks=_get(env, "H3_SOL_SINKS", d.sinks, str, lambda v: v in ("prefix", "none"), "prefix or none"),
-        exact_rows=_get(env, "H3_SOL_EXACT_ROWS", d.exact_rows, _bool, lambda v: True, "0 or 1"),
-        tail=_get(env, "H3_SOL_TAIL", d.tail, _bool, lambda v: True, "0 or 1"),
-        token_aug=_get(env, "H3_SOL_TOKEN_AUG", d.token_aug, int, lambda v: 0 <= v <= 256 and v % 64 == 0,
-                       "0 or a multiple of 64 up to 256"),
-        min_tokens=_get(env, "H3_SOL_MIN_TOKENS", d.min_tokens, int, lambda v: v >= 0, "a non-negative integer"),
-        fallback=_get(env, "H3_SOL_FALLBACK", d.fallback, str, lambda v: v != "sol_attn",
-                      "another attention backend"),
-        strict=_get(env, "H3_SOL_STRICT", d.strict, _bool, lambda v: True, "0 or 1"),
-    )

@@ -25,28 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3direct.errors import H3Error
 from h3direct.sampling import host_sigma
+from h3direct.sampling.rules import CACHE_MODES, CacheSettings  # noqa: F401  (re-exported)
 from h3direct.sampling.schedules import SHIFT_AUDIO, SHIFT_VIDEO, FlowSigmas, audio_scale, audio_sigma
-
-CACHE_MODES = ("off", "easycache", "h3_cache")
-
-
-@dataclass
-class CacheSettings:
-    mode: str = "off"
-    threshold: float = 0.2
-    start_percent: float = 0.15
-    end_percent: float = 0.95
-    subsample_factor: int = 8
-
-    def __post_init__(self):
-        if self.mode not in CACHE_MODES:
-            raise H3Error(f"cache mode {self.mode!r}: use one of {', '.join(CACHE_MODES)}")
-        if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
-            raise H3Error(f"cache start_percent={self.start_percent}, end_percent={self.end_percent}: need 0 ≤ start ≤ end ≤ 1")
-        if self.threshold < 0 or self.subsample_factor < 1:
-            raise H3Error(f"cache threshold={self.threshold} must be ≥ 0 and subsample_factor={self.subsample_factor} ≥ 1")
 
 
 @dataclass

@@ -22,6 +22,14 @@ import numpy as np
 import torch
 
 from h3direct.errors import H3Error
+from h3direct.sampling.rules import (  # noqa: F401  (re-exported: the grid and the caps are the rules' facts)
+    CANVAS_MULTIPLE,
+    MAX_REF_AUDIOS,
+    MAX_REF_IMAGES,
+    MAX_REF_VIDEOS,
+    align_frame_count,
+    check_canvas,
+)
 
 # time: pixel frames per second, audio latent frames per second, audio samples per second
 FPS = 24
@@ -30,11 +38,9 @@ AUDIO_SAMPLE_RATE = 32000
 # space: the generation canvas and reference image sizes, in pixels
 BASE_SHORT_EDGE = 768
 MAX_PIXELS = BASE_SHORT_EDGE * 1344
-CANVAS_MULTIPLE = 32
 REF_IMAGE_SHORT_EDGE = 2048
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)
 FRAME_RESCALE = 5.0 / 3.0  # pixel frames → audio latent frames on the shared time axis
-MAX_REF_IMAGES, MAX_REF_VIDEOS, MAX_REF_AUDIOS = 9, 3, 3
 
 EncodeVideo = Callable[[torch.Tensor], torch.Tensor]
 EncodeAudio = Callable[[torch.Tensor], torch.Tensor]
@@ -116,11 +122,6 @@ class H3Conditioning:
 
 # ---- geometry -------------------------------------------------------------------------------
 
-def align_frame_count(n: int) -> int:
-    """Smallest frame count of the form 17k + 5 that is ≥ n."""
-    return n + (5 - n) % 17
-
-
 def video_latent_frames(frame_count: int) -> int:
     """Video latent length T for 17k + 5 pixel frames: 2 + 5k (5 frames -> 2, 22 -> 7, 39 -> 12, …)."""
     k = max(0, (frame_count - 5) // 17)
@@ -162,17 +163,9 @@ def adapt_canvas(width: int, height: int) -> tuple:
     return _round32(edges[0]), _round32(edges[1])
 
 
-def check_request(width: int, height: int, length: int) -> None:
-    for name, v in (("width", width), ("height", height)):
-        if v < CANVAS_MULTIPLE or v % CANVAS_MULTIPLE:
-            raise H3Error(f"{name}={v} must be a positive multiple of 32 (e.g. {_round32(max(v, 1))})")
-    if length < 5:
-        raise H3Error(f"frames={length} is too short: H3 needs at least 5 frames (17k+5, e.g. 5, 22, ..., 124)")
-
-
 def latent_shapes(width: int, height: int, length: int) -> tuple:
     """(frame_count, video shape [1,24,T,H/16,W/16], audio shape [1,32,2,Ta])."""
-    check_request(width, height, length)
+    check_canvas(width, height, length)
     frames, t, ta = temporal_shape(length)
     return frames, (1, 24, t, height // 16, width // 16), (1, 32, 2, ta)
 
@@ -292,10 +285,6 @@ def ref2va(width: int, height: int, length: int, encode_video: EncodeVideo, enco
            video_audios: Sequence[dict | None] = (), audios: Sequence[dict] = (),
            sizing: str = "match") -> H3Conditioning:
     """MiniMaxH3ReferenceToVideo. `video_audios[k]` is the optional soundtrack of `videos[k]`."""
-    for name, items, cap in (("ref images", images, MAX_REF_IMAGES), ("ref videos", videos, MAX_REF_VIDEOS),
-                             ("ref audios", audios, MAX_REF_AUDIOS)):
-        if len(items) > cap:
-            raise H3Error(f"{len(items)} {name} given; H3 takes at most {cap}")
     if len(video_audios) > len(videos):
         raise H3Error(f"{len(video_audios)} ref video soundtracks for {len(videos)} ref videos")
     cond = t2va(width, height, length)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from h3direct.dit.attention import DEFAULT_BACKEND
 from h3direct.dit.denoiser import Denoiser, audio_scale_of
 from h3direct.dit.model import Conditioning, H3DiT
+from h3direct.dit.options import DEFAULT_BACKEND, Options, options_of
 from h3direct.traces.inputs import H3Inputs
 
 
@@ -36,15 +36,17 @@ def expand_mask(mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return mask
 
 
-def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str = DEFAULT_BACKEND, mlp_chunks: int = 1,
+def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str | Options = DEFAULT_BACKEND,
              device="cpu") -> dict[str, torch.Tensor]:
-    """Returns {name: tensor} for the sampler-level records; the model's tracer (if any) gets the rest."""
+    """Returns {name: tensor} for the sampler-level records; the model's tracer (if any) gets the rest.
+    `backend`: an attention backend's name (every option at its default) or the run's `Options`."""
     record = model._record
     scale = audio_scale_of(model)
+    options = options_of(backend)
     text = inputs["text_states"].to(device)
-    context = model.preprocess_text(text, backend=backend)
+    context = model.preprocess_text(text, options=options)
     cond = conditioning_of(inputs)
-    denoiser = Denoiser(model, context, cond, scale, backend=backend, mlp_chunks=mlp_chunks)
+    denoiser = Denoiser(model, context, cond, scale, options=options)
 
     sigma = torch.tensor([inputs.sigma], dtype=torch.float32)
     if "sigma" in inputs.tensors:
@@ -77,7 +79,7 @@ def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str = DEFAULT_BACKEND, 
     return out
 
 
-def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend: str = DEFAULT_BACKEND,
+def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend: str | Options = DEFAULT_BACKEND,
                      device="cpu") -> dict[str, torch.Tensor]:
     """The generation a `kind: generate` trace records (`python -m oracle record-generate`), run by h3direct's
     sampler and denoiser on the same inputs, sampler, scheduler, shift, steps and step cache: {name: tensor} under
@@ -103,8 +105,9 @@ def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend:
         masks = {"mask_video": expand_mask(inputs.denoise_mask["video"].to(device), tuple(lat_v.shape)),
                  "mask_audio": expand_mask(inputs.denoise_mask["audio"].to(device), tuple(lat_a.shape))}
     with torch.no_grad():
-        context = model.preprocess_text(inputs["text_states"].to(device), backend=backend)
-        denoiser = Denoiser(model, context, conditioning_of(inputs), scale, backend=backend)
+        options = options_of(backend)
+        context = model.preprocess_text(inputs["text_states"].to(device), options=options)
+        denoiser = Denoiser(model, context, conditioning_of(inputs), scale, options=options)
         step_cache = None
         if m.get("cache"):  # ComfyUI ran with its EasyCache node: h3direct's cache with the same settings
             from h3direct.sampling.caches import CacheSettings, with_cache

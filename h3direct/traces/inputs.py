@@ -126,3 +126,29 @@ def load_inputs(path: str | Path) -> H3Inputs:
     return H3Inputs(task=meta["task"], variant=meta.get("variant", meta["task"]), sigma=sigma,
                     seed=int(meta.get("sampler_seed", 0)), tensors=tensors, refs=refs, keyframes=keyframes,
                     denoise_mask=mask, meta=meta, path=str(path))
+
+
+def check_fits(inputs: H3Inputs, config, what: str = "--inputs") -> None:
+    """H3Error (one line) unless the inputs fit a DiT of `config` (an `H3Config`, e.g. from the checkpoint's header):
+    text states [1, L, text_dim] (or already refined, hidden_size), video latents with latents_dim channels, audio
+    latents with audio_latents_dim, and the same for every reference and keyframe latent. Checked before any
+    compute, so a mismatched pair is this line and not a traceback from a matrix product."""
+    c = config
+    text = inputs.text_states
+    if text.shape[-1] not in (c.text_dim, c.hidden_size):
+        raise H3Error(f"{what}: text_states {list(text.shape)} are {text.shape[-1]} wide; the checkpoint takes "
+                      f"[1, L, {c.text_dim}] (its text_dim): these inputs are for another model", path=inputs.path)
+    latents = [("video_latent", inputs["video_latent"], 5, c.latents_dim),
+               ("video_noise", inputs["video_noise"], 5, c.latents_dim),
+               ("audio_latent", inputs["audio_latent"], 4, c.audio_latents_dim),
+               ("audio_noise", inputs["audio_noise"], 4, c.audio_latents_dim)]
+    for kind, items in (("refs", inputs.refs), ("keyframes", inputs.keyframes)):
+        for i, item in enumerate(items):
+            if item.get("latent") is not None:
+                latents.append((f"{kind}[{i}].latent", item["latent"], 5, c.latents_dim))
+            if item.get("audio_latent") is not None:
+                latents.append((f"{kind}[{i}].audio_latent", item["audio_latent"], 4, c.audio_latents_dim))
+    for name, t, ndim, channels in latents:
+        if t.ndim != ndim or t.shape[1] != channels:
+            raise H3Error(f"{what}: {name} {list(t.shape)} does not fit the checkpoint (needs {ndim} dims with "
+                          f"{channels} channels): these inputs are for another model", path=inputs.path)

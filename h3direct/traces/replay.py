@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from h3direct.dit.attention import DEFAULT_BACKEND, attention, sequence_hints
+from h3direct.dit.attention import attention, sequence_hints
 from h3direct.dit.blocks import gated_residual_, modulate_
 from h3direct.dit.embed import condition_rows, pack_audio, patchify_video, sinusoid_features
 from h3direct.dit.model import Conditioning, H3DiT
+from h3direct.dit.options import DEFAULT_BACKEND, Options, options_of
 from h3direct.dit.rope import rms_norm_rope, rope_angles, rotation_table
 from h3direct.dit.timesteps import plan_timesteps
 
@@ -92,9 +93,10 @@ class TraceView:
 
 
 def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | None = None, *,
-          backend: str = DEFAULT_BACKEND, device="cpu", dtypes_from=None, compute_dtype=None,
+          backend: str | Options = DEFAULT_BACKEND, device="cpu", dtypes_from=None, compute_dtype=None,
           view: TraceView | None = None) -> Iterator[Site]:
-    """Every teacher-forced site of `model` for this trace, in execution order (available or not).
+    """Every teacher-forced site of `model` for this trace, in execution order (available or not). `backend`: an
+    attention backend's name (every option at its default) or the run's `Options`.
 
     dtypes_from, compute_dtype: see TraceView (a bf16 model against an fp32 trace). `view`: the TraceView the sites
     read (and register their derivable inputs in); default a new one."""
@@ -118,7 +120,7 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
         yield site(f"{p}.norm2.out", "norm", [prev, f"{p}.attn.out_proj.out"],
                    lambda blk=blk, residual=residual: blk.norm2(residual()), lambda residual=residual: [residual()])
         yield from _mlp_sites(p, blk.mlp, T)
-        yield site(f"{p}.out", "block", [prev], lambda blk=blk, prev=prev: blk(T(prev), backend=backend),
+        yield site(f"{p}.out", "block", [prev], lambda blk=blk, prev=prev: blk(T(prev), options=options_of(backend)),
                    lambda prev=prev: [T(prev)])
         prev = f"{p}.out"
     yield site("token_refiner.final_norm.out", "norm", [prev],
@@ -222,7 +224,7 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
 
         def whole(blk=blk, x_in=x_in):
             runs = layout_and_plan()[1].runs
-            return blk(T(x_in).clone(), T(temb), runs, T(table), backend=backend)
+            return blk(T(x_in).clone(), T(temb), runs, T(table), options=options_of(backend))
 
         def runs():  # ComfyUI's non-tensor block input: the modulation runs as (start, stop, adaLN row)
             return [(r.start, r.stop, r.row) for r in layout_and_plan()[1].runs]
@@ -271,7 +273,7 @@ def sites(model: H3DiT, trace, cond: Conditioning, text_states: torch.Tensor | N
     # ---- the whole inner forward from the recorded stream-level inputs --------------------------
     def inner_forward(k):
         out = model.forward_inner(T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.timestep"),
-                                  T("dit_inner.in.context"), cond, backend=backend)
+                                  T("dit_inner.in.context"), cond, options=options_of(backend))
         return out[k]
 
     yield site("dit_inner.out.video", "model", inner, lambda: inner_forward(0))
@@ -351,13 +353,13 @@ def _attention_sites(p, blk, T, H, D, backend, *, rope: bool, table: str | None 
     def attend():
         q, k, v, rows = operands()
         with sequence_hints(rows):
-            return attention(q, k, v, backend)[0]
+            return attention(q, k, v, options_of(backend).attention)[0]
 
     yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, qn, kn), attend, operands=operands)
     yield Site(f"{p}.attn.out_proj.out", "linear", (f"{p}.attn.out_proj.in",),
                lambda: attn.out_proj(T(f"{p}.attn.out_proj.in")), lambda: [T(f"{p}.attn.out_proj.in")])
     yield Site(f"{p}.attn.out", "attention", src_needs + ((table,) if rope else ()),
-               lambda: attn(src_fn(), T(table) if rope else None, backend=backend), lambda: [src_fn()])
+               lambda: attn(src_fn(), T(table) if rope else None, options=options_of(backend)), lambda: [src_fn()])
 
 
 def _mlp_sites(p, mlp, T, src: tuple[Callable[[], torch.Tensor], tuple[str, ...]] | None = None) -> Iterator[Site]:

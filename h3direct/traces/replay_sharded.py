@@ -17,12 +17,13 @@ from collections.abc import Iterator
 import torch
 
 from h3direct.dit.model import Conditioning, H3DiT
+from h3direct.dit.options import Options, options_of
 from h3direct.dit.parallel import SequenceParallel, local_runs
 from h3direct.traces.replay import INNER, Site, TraceView, layout_and_plan_of
 
 
-def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel, *, backend: str = "sdpa",
-                  device="cpu") -> Iterator[Site]:
+def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel, *,
+                  backend: str | Options = "sdpa", device="cpu") -> Iterator[Site]:
     c, T = model.config, TraceView(trace, device)
     H, D = c.num_attention_heads, c.attention_head_dim
     table = "blocks.0.in.3"
@@ -43,14 +44,15 @@ def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel,
         def core(qkv=qkv, rq=rq, rk=rk):
             q, k = rows(rq), rows(rk)  # [c, H, D]
             v = rows(qkv)[:, 2 * H * D:].reshape(-1, H, D)
-            out = sp.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], backend)
+            out = sp.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                               options_of(backend).attention)
             return sp.gather(out[0])
 
         yield Site(f"{p}.attn.out_proj.in", "attention", (qkv, rq, rk), core)
 
         def attn(p=p, blk=blk):
             x = rows(f"{p}.attn.in.0")
-            return sp.gather(blk.attn(x, sp.take(T(table), 1), backend=backend, sp=sp))
+            return sp.gather(blk.attn(x, sp.take(T(table), 1), options=options_of(backend), sp=sp))
 
         yield Site(f"{p}.attn.out", "attention", (f"{p}.attn.in.0", table), attn)
 
@@ -60,7 +62,7 @@ def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel,
             x = rows(x_in)
             sh = sp.shard
             out = blk(x, T("blocks.0.in.1"), local_runs(runs(), sh.lo, sh.hi), sp.take(T(table), 1),
-                      backend=backend, sp=sp)
+                      options=options_of(backend), sp=sp)
             return sp.gather(out)
 
         yield Site(f"{p}.out", "block", (x_in, "blocks.0.in.1", table, *INNER), whole)
@@ -69,7 +71,7 @@ def sharded_sites(model: H3DiT, trace, cond: Conditioning, sp: SequenceParallel,
         if model.parallel is not sp:
             raise ValueError("the model must be attached to the group (SequenceParallel.attach)")
         out = model.forward_inner(T("dit_inner.in.video"), T("dit_inner.in.audio"), T("dit_inner.in.timestep"),
-                                  T("dit_inner.in.context"), cond, backend=backend)
+                                  T("dit_inner.in.context"), cond, options=options_of(backend))
         return out[k]
 
     yield Site("dit_inner.out.video", "model", INNER, lambda: inner(0))

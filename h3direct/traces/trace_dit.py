@@ -1,44 +1,38 @@
-"""`h3direct trace`: one denoiser evaluation from an inputs file, recorded under the oracle's names."""
+"""One denoiser evaluation from an inputs file, recorded under the oracle's names (`h3direct trace`; its command
+line: `app/cli_trace.py`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="H3 DiT safetensors (ComfyUI layout; bf16 or NVFP4)")
-    p.add_argument("--inputs", required=True, help="self-describing inputs file (h3_inputs metadata)")
-    p.add_argument("--compute-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--attention", default="sdpa", help="attention backend (see h3direct.dit.attention)")
-    p.add_argument("--nvfp4-mode", default="auto", choices=["auto", "w4a4", "w4a16"],
-                   help="NVFP4 compute: auto = as ComfyUI on this device (w4a4 on compute capability >= 10, "
-                        "else w4a16: Hopper and older, and the CPU)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--mlp-chunks", type=int, default=1)
-    p.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
-                   help="Ulysses sequence parallelism over N processes (default under torchrun: its whole world; "
-                        "run as torchrun --nproc-per-node N ... trace); N must divide the attention heads")
-    p.add_argument("--out", required=True, help="trace .safetensors (a .json manifest is written beside it)")
-
-
-def run(args) -> int:
+def trace(*, checkpoint: str, inputs: str, out: str, options=None, compute_dtype: str = "fp32",
+          nvfp4_mode: str = "auto", device: str = "cpu", sequence_parallel: int | None = None) -> int:
+    """Load, evaluate once with `options` (`dit.options.Options`; default: sdpa, every option at its default), write
+    the trace and its manifest. The inputs are checked against the checkpoint's header before anything loads."""
     import torch
 
+    from h3direct.checkpoint.inspect import inspect_checkpoint
+    from h3direct.config import H3Config
     from h3direct.dit import parallel
+    from h3direct.dit.options import Options
     from h3direct.errors import H3Error
+    from h3direct.traces.inputs import check_fits, load_inputs
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise H3Error(f"--device {args.device}: no CUDA device is available")
-    sp = parallel.init_from_env(args.sequence_parallel, args.device)
+    options = options or Options()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise H3Error(f"--device {device}: no CUDA device is available")
+    loaded = load_inputs(inputs)
+    check_fits(loaded, H3Config.from_dict(inspect_checkpoint(checkpoint)["config"]))
+    sp = parallel.init_from_env(sequence_parallel, device)
     try:
-        return _trace(args, sp)
+        return _trace(checkpoint, inputs, loaded, out, options, compute_dtype, nvfp4_mode, device, sp)
     finally:
         parallel.shutdown()
 
 
-def _trace(args, sp) -> int:
+def _trace(checkpoint, inputs_path, inputs, out, options, compute_dtype, nvfp4_mode, device, sp) -> int:
     import torch
 
     from h3direct.dit import parallel
@@ -48,34 +42,33 @@ def _trace(args, sp) -> int:
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
     from h3direct.traces.format import save_trace
-    from h3direct.traces.inputs import load_inputs
 
-    device = str(sp.device) if sp is not None else args.device  # each rank on its own GPU (cuda:LOCAL_RANK)
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.compute_dtype]
-    check_backend(args.attention, torch.empty(0, device=device, dtype=compute))
-    inputs = load_inputs(args.inputs)
-    model = load_dit(args.checkpoint, compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode,
-                     device=device)
+    run_device = str(sp.device) if sp is not None else device  # each rank on its own GPU (cuda:LOCAL_RANK)
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_dtype]
+    check_backend(options.attention, torch.empty(0, device=run_device, dtype=compute))
+    model = load_dit(checkpoint, compute_dtype=compute_dtype, nvfp4_mode=nvfp4_mode, device=run_device,
+                     **options.kernels.load_time())
     with Tracer(model) as tracer:
-        one_step(model, inputs, backend=args.attention, mlp_chunks=args.mlp_chunks, device=device)
+        one_step(model, inputs, backend=options, device=run_device)
     if not parallel.is_writer():
         return 0  # rank 0 holds the same gathered trace and writes it
     manifest = {
         "producer": "h3direct",
-        "checkpoint": str(args.checkpoint),
-        "inputs": str(args.inputs),
+        "checkpoint": str(checkpoint),
+        "inputs": str(inputs_path),
         "task": inputs.task,
         "variant": inputs.variant,
         "sigma": inputs.sigma,
         "seed": inputs.seed,
-        "compute_dtype_requested": args.compute_dtype,
-        "nvfp4_mode": resolve_nvfp4_mode(args.nvfp4_mode, args.device),
-        "attention": args.attention,
-        "device": args.device,
+        "compute_dtype_requested": compute_dtype,
+        "nvfp4_mode": resolve_nvfp4_mode(nvfp4_mode, device),
+        "attention": options.attention.backend,
+        "options": options.flat(),
+        "device": device,
         **parallel.manifest_fields(),
         "config": model.config.comfy_dict(),
     }
-    path = save_trace(args.out, tracer.tensors, manifest)
+    path = save_trace(out, tracer.tensors, manifest)
     print(json.dumps({"trace": str(path), "manifest": str(path.with_suffix(".json")),
                       "tensors": len(tracer.tensors)}), file=sys.stdout)
     return 0

@@ -89,7 +89,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="trace .safetensors to write (a .json manifest goes beside it)")
 
 
-def run(args: argparse.Namespace) -> int:
+def check_fits(inputs: dict, cfg, kind: str, path) -> None:
+    """H3Error (one line) unless every case of `inputs` fits the VAE (`cfg`): decode latents with its latent channels,
+    video pixels with 3 colour channels, stereo waveforms. Checked before any case runs."""
+    from h3direct.errors import H3Error
+
+    want = {"video_decode": ("latent", 5, 1, cfg.embed_dim if kind == "video" else None),
+            "audio_decode": ("latent", 4, 1, getattr(cfg, "vae_latent_channels", None)),
+            "video_encode": ("pixels", 4, -1, 3), "audio_encode": ("waveform", 3, -1, 2)}
+    for what, cases in inputs.items():
+        if what not in want or not what.startswith(kind):
+            continue
+        name, ndim, axis, size = want[what]
+        for case, fields in cases.items():
+            t = fields.get(name)
+            if t is None or t.ndim != ndim or t.shape[axis] != size:
+                got = None if t is None else list(t.shape)
+                raise H3Error(f"--inputs: {what}.{case}.{name} {got} does not fit this {kind} VAE (needs {ndim} "
+                              f"dims with {size} channels): these inputs are for another VAE or config", path=path)
+
+
+def run(*, weights: str, inputs: str, out: str, config: str | None = None, dtype: str = "fp32",
+        only: str | None = None) -> int:
     import json
 
     import torch
@@ -100,35 +121,36 @@ def run(args: argparse.Namespace) -> int:
     from h3direct.vae.audio import AudioVAE
     from h3direct.vae.loader import load_vae, read_constructor_args
 
-    constructor_args = read_constructor_args(args.config)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[args.dtype]
-    vae = load_vae(args.weights, constructor_args, dtype=dtype)
+    constructor_args = read_constructor_args(config)
+    compute = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    vae = load_vae(weights, constructor_args, dtype=compute)
     kind = "audio" if isinstance(vae, AudioVAE) else "video"
-    if kind == "audio" and args.dtype != "fp32":
-        raise H3Error(f"the audio VAE runs in fp32 only (got --dtype {args.dtype})", path=args.weights)
-    inputs = load_vae_inputs(args.inputs)
+    if kind == "audio" and dtype != "fp32":
+        raise H3Error(f"the audio VAE runs in fp32 only (got --dtype {dtype})", path=weights)
+    cases_in = load_vae_inputs(inputs)
+    check_fits(cases_in, vae.cfg, kind, inputs)
     runs = {
-        "video_decode": lambda d: decode_video(vae, d["latent"], dtype=dtype),
-        "video_encode": lambda d: encode_video(vae, d["pixels"], dtype=dtype),
+        "video_decode": lambda d: decode_video(vae, d["latent"], dtype=compute),
+        "video_encode": lambda d: encode_video(vae, d["pixels"], dtype=compute),
         "audio_decode": lambda d: decode_audio(vae, d["latent"]),
         "audio_encode": lambda d: encode_audio(vae, d["waveform"]),
     }
-    ops = (args.only,) if args.only else ("decode", "encode")
-    wanted = [f"{kind}_{op}" for op in ops if f"{kind}_{op}" in inputs]
+    ops = (only,) if only else ("decode", "encode")
+    wanted = [f"{kind}_{op}" for op in ops if f"{kind}_{op}" in cases_in]
     if not wanted:
         names = " or ".join(f"{kind}_{op}.*" for op in ops)
-        raise H3Error(f"no {names} cases (found kinds: {sorted(inputs)})", path=args.inputs)
+        raise H3Error(f"no {names} cases (found kinds: {sorted(cases_in)})", path=inputs)
 
     items, cases = [], {}
     for what in wanted:
         rec = Recorder(vae, SITES[what])
         try:
-            for case, fields in inputs[what].items():
+            for case, fields in cases_in[what].items():
                 rec.case(case)
-                out = runs[what](fields)
-                rec.add(f"{case}.vae_{what.split('_')[1]}.out", out)
+                result = runs[what](fields)
+                rec.add(f"{case}.vae_{what.split('_')[1]}.out", result)
                 cases.setdefault(what, {})[case] = {
-                    "input": {k: list(v.shape) for k, v in fields.items()}, "output": list(out.shape)}
+                    "input": {k: list(v.shape) for k, v in fields.items()}, "output": list(result.shape)}
         finally:
             rec.close()
         items += rec.items
@@ -137,15 +159,15 @@ def run(args: argparse.Namespace) -> int:
     manifest = {
         "producer": "h3direct trace-vae",
         "kind": kind,
-        "compute_dtype": args.dtype,
-        "weights": str(args.weights),
-        "inputs": str(args.inputs),
+        "compute_dtype": dtype,
+        "weights": str(weights),
+        "inputs": str(inputs),
         "constructor_args": constructor_args.get("constructor_args", constructor_args),
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "attention": "torch.nn.functional.scaled_dot_product_attention",
         "cases": cases,
     }
-    path = save_trace(args.out, items, manifest)
-    print(json.dumps({"out": str(path), "kind": kind, "dtype": args.dtype, "tensors": len(items),
+    path = save_trace(out, items, manifest)
+    print(json.dumps({"out": str(path), "kind": kind, "dtype": dtype, "tensors": len(items),
                       "cases": {k: sorted(v) for k, v in cases.items()}}))
     return 0

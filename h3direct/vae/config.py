@@ -227,20 +227,23 @@ AUDIO_PRESETS: dict[str, AudioVAEConfig] = {
 }
 
 
-# ---- run settings of the video VAE from the environment ----------------------------------------------------------
 VAE_DTYPES = ("fp32", "fp16")  # compute dtypes of the video VAE (the audio VAE runs fp32)
-DTYPE_ENV, TILE_ENV = "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE"
 
 
-def video_vae_settings(dtype: str | None = None, tile_size: int | None = None) -> tuple[str | None, int | None]:
-    """The video VAE's compute dtype name and spatial tile size (px, 0 = untiled): the given values, else
-    $H3_VAE_DTYPE / $H3_VAE_TILE_SIZE, else None (the caller's default). An environment value that is not fp32/fp16
-    or not an integer is a one-line `ConfigError` naming the variable."""
-    if dtype is None and (dtype := os.environ.get(DTYPE_ENV) or None) not in (None, *VAE_DTYPES):
-        raise ConfigError(f"{DTYPE_ENV}={dtype!r} is not fp32 or fp16")
-    if tile_size is None and (raw := os.environ.get(TILE_ENV)):
-        try:
-            tile_size = int(raw)
-        except ValueError:
-            raise ConfigError(f"{TILE_ENV}={raw!r} is not an integer") from None
-    return dtype, tile_size
+def resolve_vae_config(kind: str, spec):
+    """A VAE config from None (the released sizes), a preset name, a JSON file (vae_config_public.json layout),
+    a constructor-args dict or a config dataclass."""
+    from h3direct.vae.loader import read_constructor_args
+
+    cls, presets = (VideoVAEConfig, VIDEO_PRESETS) if kind == "video" else (AudioVAEConfig, AUDIO_PRESETS)
+    if spec is None:
+        return cls()
+    if isinstance(spec, cls):
+        return spec
+    if isinstance(spec, dict):
+        return cls.from_constructor_args(spec)
+    if isinstance(spec, str) and spec in presets:
+        return presets[spec]
+    if isinstance(spec, str | os.PathLike):
+        return cls.from_constructor_args(read_constructor_args(spec))
+    raise ConfigError(f"{kind} VAE config {spec!r}: give a preset ({', '.join(presets)}), a JSON file or a dict")

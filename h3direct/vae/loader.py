@@ -35,6 +35,22 @@ def detect_kind(keys) -> str:
     raise CheckpointError(f"not an H3 video or audio VAE: none of {VIDEO_MARKERS + AUDIO_MARKERS} present")
 
 
+def preset_of(path: str | Path, kind: str) -> str | None:
+    """The preset (`vae.config` tiny / full) whose tensor shapes a `kind` (video / audio) VAE file has, read from its
+    header (None: none has them; then pass its config)."""
+    from h3direct.checkpoint.safetensors_header import read_header
+    from h3direct.vae.config import AUDIO_PRESETS, VIDEO_PRESETS
+
+    shapes = read_header(path, check=True).shapes()
+    presets, cls = (VIDEO_PRESETS, VideoVAE) if kind == "video" else (AUDIO_PRESETS, AudioVAE)
+    for name, cfg in presets.items():
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in cls(cfg).state_dict().items()}
+        if set(shapes) <= set(want) and all(want[k] == tuple(s) for k, s in shapes.items()):
+            return name
+    return None
+
+
 def read_constructor_args(path: str | Path | None) -> Mapping[str, Any]:
     """A JSON file in `vae_config_public.json` layout (or just its `constructor_args`); None -> {} (real sizes)."""
     if path is None:

@@ -40,12 +40,10 @@ def _noisy(eps: float):
 
 @pytest.fixture
 def test_backends(monkeypatch):
-    from h3direct.app import generate
     from h3direct.dit import attention as A
 
-    def add(name, fn):  # registered for this test only, and a choice of generate's --attention
+    def add(name, fn):  # registered for this test only (generate's --attention takes any registered backend)
         monkeypatch.setitem(A._REGISTRY, name, A.Backend(name, fn, A._always, exact=False))
-        monkeypatch.setattr(generate, "ATTENTION", (*generate.ATTENTION, name))
     add("int8qk_emul", _int8_qk)
     for eps in (1e-3, 3e-2):
         add(f"noisy_{eps:g}", _noisy(eps))

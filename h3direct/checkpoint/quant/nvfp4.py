@@ -12,7 +12,7 @@ Decoded value = e2m1(code) * (global * block_scale), where the scale product and
 done in the output dtype (comfy-kitchen's `dequantize_nvfp4`, which ComfyUI calls via
 `QuantizedTensor.dequantize`): the results here are bitwise equal to its CPU path (the oracle's traces) for fp32,
 bf16 and fp16. On CUDA the decode runs in our Triton kernel (`nvfp4_triton`, same bits as the torch path) unless
-``H3_NVFP4_DEQUANT`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel rounds some of the bf16 values of a
+the option ``nvfp4_dequant`` says otherwise; comfy-kitchen 0.2.40's CUDA kernel rounds some of the bf16 values of a
 quantized weight one ulp away from both, which is why it is not the default.
 
 Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_precision_ops` +
@@ -37,7 +37,6 @@ Which linear mode runs where (ComfyUI snapshot 0f1fa67a, `comfy/ops.py` `mixed_p
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import einops
@@ -179,29 +178,29 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 DEQUANT_BACKENDS = ("triton", "kitchen", "torch")
 
 
-def dequant_backend(device: torch.device | str) -> str:
+def dequant_backend(device: torch.device | str, want: str = "auto") -> str:
     """The implementation `dequantize_nvfp4` runs for tensors on `device`. The CPU always takes the torch path
-    (what the shared CPU traces were recorded with). On CUDA, ``H3_NVFP4_DEQUANT`` = triton | kitchen | torch
-    picks one; unset, it is our Triton kernel (`nvfp4_triton`: the torch path's bits in one pass) when Triton is
+    (what the shared CPU traces were recorded with). On CUDA, `want` (the option `nvfp4_dequant`) = triton | kitchen |
+    torch picks one; auto is our Triton kernel (`nvfp4_triton`: the torch path's bits in one pass) when Triton is
     importable, else comfy-kitchen's CUDA kernel when it loads, else the torch path. Triton and torch give the same
     bits; comfy-kitchen 0.2.40's kernel rounds some values one ulp away (see the module docstring)."""
     if torch.device(device).type != "cuda":
         return "torch"
-    want = os.environ.get("H3_NVFP4_DEQUANT", "")
-    if want and want not in DEQUANT_BACKENDS:
-        raise ValueError(f"H3_NVFP4_DEQUANT={want!r}: expected one of {', '.join(DEQUANT_BACKENDS)} (or unset)")
+    if want not in ("auto", *DEQUANT_BACKENDS):
+        raise ValueError(f"nvfp4_dequant {want!r}: expected auto or one of {', '.join(DEQUANT_BACKENDS)}")
+    want = "" if want == "auto" else want
     if want in ("", "triton"):
         from h3direct.checkpoint.quant import nvfp4_triton
 
         if nvfp4_triton.triton is not None:
             return "triton"
         if want:
-            raise RuntimeError("H3_NVFP4_DEQUANT=triton: Triton is not importable here")
+            raise RuntimeError("nvfp4_dequant triton: Triton is not importable here")
     if want in ("", "kitchen"):
         if kitchen_op("dequantize_nvfp4") is not None:
             return "kitchen"
         if want:
-            raise RuntimeError("H3_NVFP4_DEQUANT=kitchen: comfy-kitchen is not installed or does not load here")
+            raise RuntimeError("nvfp4_dequant kitchen: comfy-kitchen is not installed or does not load here")
     return "torch"
 
 
@@ -308,16 +307,18 @@ def _out_features(packed: torch.Tensor, bias: torch.Tensor | None, out_features:
 
 def linear_w4a16(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None, compute_dtype: torch.dtype,
-                 out_features: int | None = None) -> torch.Tensor:
+                 out_features: int | None = None, dequant: str = "auto") -> torch.Tensor:
     """ComfyUI's NVFP4 Linear where FP4 compute is off (CPU, compute capability < 10): dequantize the weight
     to `compute_dtype`, then `F.linear` in that dtype (bias cast to it). Any leading dims of x are kept.
-    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16."""
+    `out_features` (default: the bias length, else the stored rows) drops the rows ComfyUI padded to 16;
+    `dequant`: the dequantization path (`dequant_backend`)."""
     # x [..., K] -> [..., N] compute_dtype
     k = x.shape[-1]
     n = _out_features(packed, bias, out_features)
     if k > 2 * packed.shape[1]:
         raise ValueError(f"input has {k} features, NVFP4 weight holds {2 * packed.shape[1]}")
-    w = dequantize_nvfp4(packed, block_scale, global_scale, compute_dtype)
+    w = dequantize_nvfp4(packed, block_scale, global_scale, compute_dtype,
+                         backend=dequant_backend(packed.device, dequant))
     if w.shape != (n, k):
         w = w[:n, :k]
     b = None if bias is None else bias.to(compute_dtype)

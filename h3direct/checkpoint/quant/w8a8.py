@@ -18,47 +18,32 @@ Activations come as a tensor (quantized here, per row) or already quantized, as 
 that produce the block linears' inputs (`h3direct.dit.fused`) write e4m3 codes and per-row scales directly, by the
 same rule and bit for bit what quantizing their rounded output gives.
 
-Where the GEMM runs (`linear_w8a8`), counted per call in :func:`fp8_linear_stats`:
+Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped collector (`h3direct.counts`):
 
 - ``scaled_mm``: CUDA, bf16 activations, compute capability >= 8.9, K and N multiples of 16, Triton importable:
   Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
   out_dtype=bf16)` (bias added after the GEMM); ``scaled_mm, e4m3 input``: the same GEMM on an :class:`E4M3Rows`;
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
-  path by design; on CUDA it is a fallback with its reason, and ``H3_FP8_STRICT=1`` turns it into an error.
+  path by design; on CUDA it is a fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it
+  into an error.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass
 
 import einops
 import torch
 
 from h3direct.checkpoint.quant.nvfp4 import BLOCK, e2m1_table, unswizzle_block_scales
+from h3direct.counts import count_fp8_linear
 from h3direct.errors import ConfigError
 
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: K and N multiples of 16
 _ROW_CHUNK = 4096  # rows per step when quantizing a whole weight (bounds the fp32 temporaries)
-
-_STATS: Counter = Counter()
-
-
-def fp8_linear_stats() -> dict[str, int]:
-    """Calls per path since the last reset: {"scaled_mm": n, "emulated (cpu)": n, ...}."""
-    return dict(_STATS)
-
-
-def reset_fp8_linear_stats() -> None:
-    _STATS.clear()
-
-
-def strict() -> bool:
-    return os.environ.get("H3_FP8_STRICT", "0") not in ("", "0")
-
 
 # ---------------------------------------------------------------- torch quantization (the reference math)
 
@@ -193,9 +178,10 @@ def _gpu_reason(x: torch.Tensor, dtype: torch.dtype, k: int, n: int) -> str | No
 
 
 def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row (here, or
-    already: `E4M3Rows`). Output in x's dtype, x's leading dims kept."""
+    already: `E4M3Rows`). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an
+    error."""
     # x [..., K] -> [..., N]
     pre = isinstance(x, E4M3Rows)
     codes = x.data if pre else x
@@ -205,10 +191,10 @@ def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"input has {k} features, the fp8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
     reason = _gpu_reason(x2, x.dtype, k, n)
+    if reason is not None and x2.is_cuda and strict:
+        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (fp8_strict is on)")
     path = "scaled_mm" if reason is None else f"emulated ({reason})"
-    if reason is not None and x2.is_cuda and strict():
-        raise ConfigError(f"fp8 linear [{k} -> {n}] cannot use torch._scaled_mm: {reason} (H3_FP8_STRICT=1)")
-    _STATS[f"{path}, e4m3 input" if pre else path] += 1
+    count_fp8_linear(f"{path}, e4m3 input" if pre else path)
     # the Triton quantizer makes a column-strided x contiguous itself
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2)
     if reason is None:

@@ -1,0 +1,195 @@
+"""How one generation computes, as typed options passed down by argument (nothing here reads the environment):
+
+- `AttentionOptions`: the attention backend and each backend's own options, registered with it in `attention.py`
+  (sol_attn: `SolOptions`; fa3_fp8: `FP8AttentionOptions`; kj_head_sliced: `HeadSliceOptions`);
+- `KernelOptions`: the fused Triton kernels, MLP row chunks, and what is fixed when the weights load: the NVFP4
+  dequantization path, the FP8 block linears and their strictness;
+- `Options`: both, what `H3Pipeline.generate(request, options)` takes and what the provenance records.
+
+Every option has one flat name, the same everywhere: the request field (`sol_tau`), the flag (`--sol-tau`) and,
+where one exists, the environment variable read once at startup (`H3_SOL_TAU`): `H3_` + the flat name in capitals.
+A backend's options are `<prefix>_<option>` (`sol_`, `fp8_attn_`, `head_slice_`); the backend itself is `attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from h3direct.dit.sol_options import SolOptions
+from h3direct.errors import RequestError
+from h3direct.fields import Spec, check, field, kind_of, spec_of
+
+DEFAULT_BACKEND = "sdpa"
+# the registered attention backends (attention.py registers them; a test holds the two equal), named here so that
+# the command line's help needs no torch
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
+NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
+FP8_LINEAR_MODES = ("off", "stream", "resident")
+
+
+@dataclass(frozen=True)
+class FP8AttentionOptions:
+    PREFIX = "fp8_attn"
+
+    smooth_v: bool = field(True, "subtract V's per-channel token mean before the e4m3 scaling (and add it back)",
+                           env=True)
+    fallback: str = field("fa3", "the backend of calls whose head_dim FA3's FP8 kernel cannot take",
+                          rule=lambda v: v != "fa3_fp8", expect="another attention backend", env=True)
+    strict: bool = field(False, "a call that would fall back is an error instead", env=True)
+
+    def __post_init__(self):
+        check(self, "fp8_attn_")
+
+
+@dataclass(frozen=True)
+class HeadSliceOptions:
+    PREFIX = "head_slice"
+
+    backend: str = field("sage2", "the backend each slice of heads runs", rule=lambda v: v != "kj_head_sliced",
+                         expect="another attention backend", env=True)
+    size: int = field(8, "heads per slice", rule=lambda v: v >= 1, expect="a positive integer", env=True)
+
+    def __post_init__(self):
+        check(self, "head_slice_")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The attention of one generation: `backend` and the options of every backend that takes some (each used only
+    when its backend runs, kj_head_sliced's inner backend included)."""
+
+    backend: str = DEFAULT_BACKEND
+    sol_attn: SolOptions = SolOptions()
+    fa3_fp8: FP8AttentionOptions = FP8AttentionOptions()
+    kj_head_sliced: HeadSliceOptions = HeadSliceOptions()
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or not self.backend:
+            raise RequestError("attention", f" {self.backend!r}: must be the name of an attention backend",
+                               kind="choice")
+
+    def of(self, name: str):
+        """The options of backend `name` (None for a backend that takes none)."""
+        return getattr(self, name, None) if name in BACKEND_OPTIONS else None
+
+    def using(self, backend: str) -> AttentionOptions:
+        return dataclasses.replace(self, backend=backend)
+
+
+# backend -> the field of AttentionOptions holding its options (attention.py registers each with its backend)
+BACKEND_OPTIONS: dict[str, type] = {"sol_attn": SolOptions, "fa3_fp8": FP8AttentionOptions,
+                                    "kj_head_sliced": HeadSliceOptions}
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    fused: bool = field(True, "the fused Triton kernels of the DiT block on CUDA (off: the eager op-by-op path, "
+                        "ComfyUI's order and roundings)", env=True)
+    mlp_chunks: int = field(1, "run the DiT MLPs in this many row chunks (exact; less peak memory)",
+                            rule=lambda v: v >= 1, expect="an integer >= 1")
+    nvfp4_dequant: str = field("auto", "NVFP4 weight dequantization on CUDA: auto = triton when importable, else "
+                               "kitchen, else torch (the CPU always runs torch)", choices=NVFP4_DEQUANT, env=True,
+                               per_request=False)
+    fp8_linear: str = field("off", "opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs; stream = NVFP4 "
+                            "weights stay packed (made fp8 per call), resident = fp8 weights held",
+                            choices=FP8_LINEAR_MODES, per_request=False, bare="stream")
+    fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "
+                             "an emulation", env=True, per_request=False)
+
+    def __post_init__(self):
+        check(self)
+
+    def load_time(self) -> dict:
+        """The options fixed when the weights load (`per_request=False`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not spec_of(f).per_request}
+
+
+@dataclass(frozen=True)
+class FlatOption:
+    """One option under its flat name: where it lives (`group`, `name`), its type, default and spec."""
+
+    flat: str
+    group: str  # "attention" (AttentionOptions), an AttentionOptions field (a backend's options) or "kernels"
+    name: str
+    kind: type
+    default: Any
+    spec: Spec
+
+    @property
+    def env(self) -> str | None:
+        return "H3_" + self.flat.upper() if self.spec.env else None
+
+
+BACKEND_SPEC = Spec("attention backend (per call, no reload); unavailable ones are refused naming why")
+
+
+def flat_options() -> list[FlatOption]:
+    """Every option of `Options` under its flat name, in a fixed order."""
+    out = [FlatOption("attention", "attention", "backend", str, DEFAULT_BACKEND, BACKEND_SPEC)]
+    for group, cls in BACKEND_OPTIONS.items():
+        for f in dataclasses.fields(cls):
+            out.append(FlatOption(f"{cls.PREFIX}_{f.name}", group, f.name, kind_of(f.default), f.default,
+                                  spec_of(f)))
+    for f in dataclasses.fields(KernelOptions):
+        out.append(FlatOption(f.name, "kernels", f.name, kind_of(f.default), f.default, spec_of(f)))
+    return out
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options of one generation (what changes its numbers besides the request and the weights)."""
+
+    attention: AttentionOptions = AttentionOptions()
+    kernels: KernelOptions = KernelOptions()
+
+    @classmethod
+    def with_backend(cls, backend: str) -> Options:
+        """Every option at its default, attention through `backend`."""
+        return cls(AttentionOptions(backend=backend))
+
+    def flat(self) -> dict:
+        """{flat name: value} of every option (the provenance's and the benchmark result's `options`)."""
+        out = {}
+        for o in flat_options():
+            if o.group == "attention":
+                out[o.flat] = self.attention.backend
+            elif o.group == "kernels":
+                out[o.flat] = getattr(self.kernels, o.name)
+            else:
+                out[o.flat] = getattr(getattr(self.attention, o.group), o.name)
+        return out
+
+    @classmethod
+    def from_flat(cls, values: dict, base: Options | None = None) -> Options:
+        """`base` (default: the defaults) with the given flat options set; an unknown name is a RequestError."""
+        base = base or cls()
+        known = {o.flat: o for o in flat_options()}
+        for name in values:
+            if name not in known:
+                raise RequestError(name, ": not an option", kind="choice")
+        groups: dict[str, dict] = {}
+        for name, value in values.items():
+            o = known[name]
+            groups.setdefault(o.group, {})[o.name] = value
+        attn = base.attention
+        for group, changes in groups.items():
+            if group not in ("attention", "kernels"):
+                attn = dataclasses.replace(attn, **{group: dataclasses.replace(getattr(attn, group), **changes)})
+        if "attention" in groups:
+            attn = attn.using(groups["attention"]["backend"])
+        kernels = dataclasses.replace(base.kernels, **groups.get("kernels", {}))
+        return cls(attn, kernels)
+
+
+DEFAULT_OPTIONS = Options()
+
+
+def options_of(x: str | AttentionOptions | Options) -> Options:
+    """A backend name (every option at its default), an AttentionOptions (default kernels) or Options as given."""
+    if isinstance(x, Options):
+        return x
+    if isinstance(x, AttentionOptions):
+        return Options(x)
+    return Options.with_backend(x)
