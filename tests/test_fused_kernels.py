@@ -615,7 +615,7 @@ def test_plain_linears_never_see_e4m3_rows(monkeypatch):
 
     blk = _block().bfloat16()
     x, t_emb, runs, table = _block_inputs()
-    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True: True)
+    monkeypatch.setattr(fused, "enabled", lambda t, whole_rows=True, on=True: True)
     refuse_e4m3_outputs(monkeypatch)
     with torch.no_grad():
         out = blk(x, t_emb, runs, table)
