@@ -7,8 +7,9 @@ trace that records outputs only (the ../shared/oracle contract: inputs are deriv
 module's inputs -- its non-tensor ones too (a block's modulation runs, the final layer's stream segments) -- derived
 exactly as the gate's teacher forcing derives them (`h3direct.traces.replay`: each site's `args`). Whole-step names
 (`dit_inner.*`, `sampler.*`, ...) re-run the recorded step from its inputs file. h3direct (`--direct`): the gate's
-teacher-forced site for that tensor; `--attention B` runs backend B there, and at an attention site an approximate
-B is also compared with exact fp32 attention on the recorded q/k/v (its kernel error, as the gate's part b).
+teacher-forced site for that tensor; `--attention B` runs backend B there (with `--option NAME=VALUE` for its options,
+as the gate took them), and at an attention site an approximate B is also compared with exact fp32 attention on the
+recorded q/k/v (its kernel error, as the gate's part b).
 
 VAE traces (`<case>.<module path>.out`, ...) and generation traces (`sampler.step{i}....`): the recorded operation
 re-run whole from its inputs (`record-vae` / `record-generate` in ComfyUI; `trace-vae` / h3direct's sampler), and
@@ -47,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-comfy", action="store_true",
                         help="only h3direct (with --direct), even with a ComfyUI root")
     parser.add_argument("--attention", default="sdpa", help="h3direct's attention backend for --direct (default sdpa)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an option of the attention backends by its flat name (repeatable), e.g. sol_tau=2.0")
     parser.add_argument("--device", default="cpu", help="where h3direct runs for --direct (cpu or cuda)")
     parser.add_argument("--budget", type=float, help="rule: rel-L2 against the recorded tensor at most REL")
     parser.add_argument("--ratio", type=float, metavar="K",
@@ -167,7 +170,7 @@ class DerivedInputs:
     widen: an fp32 model fed the recorded values in float32 (the fp32 evaluation of each layer on ComfyUI's inputs,
     which the ratio rule measures both sides against)."""
 
-    def __init__(self, trace, *, checkpoint: str | None = None, attention: str = "sdpa", device: str = "cpu",
+    def __init__(self, trace, *, checkpoint: str | None = None, attention="sdpa", device: str = "cpu",
                  widen: bool = False):
         from h3direct.dit.loader import load_dit
         from h3direct.dit.model import Conditioning
@@ -315,7 +318,7 @@ def module_of(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention: str = "sdpa",
+def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention="sdpa",
                   device: str = "cpu", derived: DerivedInputs | None = None) -> list[tuple[str, Any, str]]:
     """Re-run `layer` with h3direct from the recorded inputs: [(tensor name, output, site kind)].
 
@@ -369,13 +372,14 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
     return ok, lines
 
 
-def _kernel_lines(derived: DerivedInputs, names: list[str], attention: str, device: str) -> list[str]:
+def _kernel_lines(derived: DerivedInputs, names: list[str], attention, device: str) -> list[str]:
     """An approximate backend at attention sites: its error against exact fp32 attention on the recorded q/k/v."""
     import torch
     import torch.nn.functional as F
 
     from h3direct.dit.attention import attention as attend
     from h3direct.dit.attention import is_exact, sequence_hints
+    from h3direct.dit.options import describe
     from h3direct.traces.metrics import rel_l2
 
     if is_exact(attention):
@@ -391,13 +395,17 @@ def _kernel_lines(derived: DerivedInputs, names: list[str], attention: str, devi
             ours = attend(*half, attention)[0].float().cpu()
             exact = F.scaled_dot_product_attention(*(x.float() for x in half))[0].transpose(0, 1).cpu()
         err = rel_l2(ours, exact.reshape(ours.shape))
-        lines.append(f"[kernel {attention}] {name}: rel_l2 vs exact fp32 attention on the recorded q/k/v {err:.3e}")
+        lines.append(f"[kernel {describe(attention)}] {name}: rel_l2 vs exact fp32 attention on the recorded "
+                     f"q/k/v {err:.3e}")
     return lines
 
 
 def run(args: argparse.Namespace) -> int:
+    from h3direct.dit.options import Options, parse_assignments
     from h3direct.traces.format import load_trace
 
+    given = parse_assignments(args.option, only="attention")  # a bad one is one line, before anything loads
+    args.attention = Options.from_flat({"attention": args.attention, **given}).attention
     trace = load_trace(args.trace)
     comfy_root = args.comfy_root or os.environ.get("H3_COMFY_ROOT")
     use_comfy = bool(comfy_root) and not args.no_comfy

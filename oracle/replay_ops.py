@@ -55,7 +55,7 @@ def _vae_comfy(trace, files, comfy_root: str) -> dict:
     return dict(items)
 
 
-def _generation_ours(trace, device: str, attention: str) -> dict:
+def _generation_ours(trace, device: str, attention) -> dict:
     from h3direct.dit.loader import load_dit
     from h3direct.traces.evaluate import short_generation
     from h3direct.traces.inputs import load_inputs

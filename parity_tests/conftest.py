@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
-from parity_tests.plugin import given_trace_dirs, report_dir, trace_roots
+from parity_tests.plugin import gate_attention, given_trace_dirs, report_dir, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()
@@ -130,10 +130,12 @@ def trace_problems(request):
 
 @pytest.fixture(scope="session")
 def gate_options(request):
-    c = request.config
+    from h3direct.dit.options import describe
     from parity_tests.budgets import load_budgets
 
-    return {"attention": c.getoption("--attention"), "device": c.getoption("--device"),
+    c = request.config
+    attention = gate_attention(c)
+    return {"attention": attention, "attention_label": describe(attention), "device": c.getoption("--device"),
             "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
             "fp8_linear": c.getoption("--fp8-linear"), "no_twin": c.getoption("--no-twin")}
 

@@ -31,27 +31,32 @@ def twin_of(case: GenerateCase) -> GenerateCase | None:
                                                                  for k in same)), None)
 
 
-def run_e2e_case(case: GenerateCase, *, attention: str, budgets, device: str = "cpu", trace=None) -> CaseResult:
-    """`trace`: an in-memory ComfyUI trace to compare with instead of the file (sensitivity tests)."""
+def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu", trace=None) -> CaseResult:
+    """attention: a backend's name or AttentionOptions. `trace`: an in-memory ComfyUI trace to compare with instead
+    of the file (sensitivity tests)."""
+    from h3direct.dit.attention import as_options
+    from h3direct.dit.options import describe
     from h3direct.traces.evaluate import short_generation
     from h3direct.traces.format import load_trace
     from h3direct.traces.inputs import load_inputs
-    from parity_tests.gate import _model, attention_key
+    from parity_tests.gate import _model, attention_flags, attention_key
 
     trace = trace or load_trace(case.trace)
     model = _model(str(case.checkpoint), case.compute, case.weights.split("_")[-1] if "nvfp4" in case.weights
                    else "w4a16", device)
+    attention = as_options(attention)
     ours = short_generation(model, load_inputs(case.inputs), case.manifest, backend=attention, device=device)
     twin_case = twin_of(case)
     twin = load_trace(twin_case.trace) if twin_case else None
-    result = CaseResult(case, "e2e", attention, title=f"{case.id} [e2e, {case.compute}, {case.weights}, {attention}]",
+    label = describe(attention)
+    result = CaseResult(case, "e2e", label, title=f"{case.id} [e2e, {case.compute}, {case.weights}, {label}]",
                         unit="tensor")
     b = budgets.lookup(mode="e2e", kind="*", compute=case.compute, weights=case.weights,
                        attention=attention_key(attention), twin="yes" if twin is not None else "no")
     for name in trace.names_in_order():
         ref = trace.get(name)
         mine = ours.get(name)
-        redo = f"python -m oracle replay --trace {case.trace} --layer {name} --direct"
+        redo = f"python -m oracle replay --trace {case.trace} --layer {name} --direct{attention_flags(attention)}"
         if mine is None or tuple(mine.shape) != tuple(ref.shape):
             nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
             why = "not produced by h3direct" if mine is None else f"shape {tuple(mine.shape)} != {tuple(ref.shape)}"

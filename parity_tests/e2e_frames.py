@@ -162,9 +162,15 @@ def unavailable(path: str, device: str) -> str | None:
     return unavailable_reason(attention, _probe(device))
 
 
-def path_flags(path: str, reference: str) -> list[str]:
+def path_flags(path: str, reference: str, options: dict | None = None) -> list[str]:
+    """`generate`'s flags of a path; `options`: {flat name: value} of the attention backends' options, as their
+    flags (`--sol-tau 2.0`, `--no-sol-exact-rows`)."""
     attention, fp8 = split_path(path)
-    return ["--attention", attention or reference] + (["--fp8-linear"] if fp8 else [])
+    flags = ["--attention", attention or reference] + (["--fp8-linear"] if fp8 else [])
+    for name, value in (options or {}).items():
+        flag = name.replace("_", "-")
+        flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return flags
 
 
 # ---- one run --------------------------------------------------------------------------------------
@@ -289,14 +295,16 @@ class E2ECase:
 
 
 def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, budgets: BudgetTable, *, compute: str,
-          reference: str) -> CaseResult:
+          reference: str, options: dict | None = None) -> CaseResult:
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
     case = E2ECase(model.id, compute, model.weights)
-    result = CaseResult(case, "e2e", path, title=f"{model.id} [quality, {compute}, {model.weights}, {path} vs "
+    given = "".join(f" --option {k}={v}" for k, v in (options or {}).items())
+    label = path + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+    result = CaseResult(case, "e2e", label, title=f"{model.id} [quality, {compute}, {model.weights}, {label} vs "
                         f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls)
     redo = (f"python -m parity_tests.e2e_frames compare --model {model.root or 'bundled'} --path {path} "
-            f"--device {'cuda' if compute == 'bf16' else 'cpu'}")
+            f"--device {'cuda' if compute == 'bf16' else 'cpu'}{given}")
     fm = frame_metrics(ours.frames, ref.frames)
     for name, a, e, m in (("frames", ours.frames, ref.frames, fm), ("waveform", ours.waveform, ref.waveform, None)):
         b = quality_budget(budgets, path, name, model.weights)
@@ -312,17 +320,19 @@ def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, budgets: 
 
 
 def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", budgets: BudgetTable | None = None,
-                  reference: str | None = None, exact_run: FramesRun | None = None) -> CaseResult:
+                  reference: str | None = None, exact_run: FramesRun | None = None,
+                  options: dict | None = None) -> CaseResult:
     """Exact reference vs `path` on `model`, judged by the declared quality of `path` (looked up before any
-    compute). `exact_run`: a reference run to reuse."""
+    compute). `exact_run`: a reference run to reuse; `options`: the attention backends' options `path` runs with
+    ({flat name: value}, `path_flags`)."""
     budgets = budgets or load_budgets()
     compute = compute_of(device)
     reference = reference or exact_reference(device)
     for kind in ("frames", "waveform"):
         quality_budget(budgets, path, kind, model.weights)
     ref = exact_run or run_frames(model, ["--attention", reference], device=device)
-    ours = run_frames(model, path_flags(path, reference), device=device)
-    return judge(model, path, ours, ref, budgets, compute=compute, reference=reference)
+    ours = run_frames(model, path_flags(path, reference, options), device=device)
+    return judge(model, path, ours, ref, budgets, compute=compute, reference=reference, options=options)
 
 
 # ---- command line: build a model folder, compare one path -----------------------------------------
@@ -383,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="bundled", help="model folder or 'bundled'")
     c.add_argument("--path", required=True, help="an approximate attention backend, fp8_linear, or NAME+fp8_linear")
     c.add_argument("--device", default="cpu")
+    c.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
     args = p.parse_args(argv)
     try:
         if args.cmd == "build":
@@ -391,8 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                          steps=args.steps, seed=args.seed, text_len=args.text_len)
             print(f"e2e model folder {args.out}: {spec['about']}")
             return 0
+        from h3direct.dit.options import parse_assignments
+
+        options = parse_assignments(args.option, only="attention")
         model = E2EModel.load(None if args.model == "bundled" else args.model)
-        result = compare_paths(model, args.path, device=args.device)
+        result = compare_paths(model, args.path, device=args.device, options=options)
     except H3Error as exc:
         print(f"e2e_frames: error: {exc}", file=sys.stderr)
         return 2

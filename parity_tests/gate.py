@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from h3direct.dit.options import AttentionOptions
 from h3direct.errors import H3Error
 from h3direct.traces import metrics
 from h3direct.traces.format import Trace, load_trace
@@ -122,15 +123,30 @@ def replay_command(trace: Path, layer: str, comfy_root: str | None = None, rule:
     return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct{rule}"
 
 
-def rule_flags(b, limit: float, attention: str = "", device: str = "cpu") -> str:
-    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`)."""
-    flags = f" --attention {attention}" if attention and attention != "sdpa" else ""
+def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
+    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`), after the
+    attention backend and its non-default options (`--attention NAME --option NAME=VALUE ...`)."""
+    flags = attention_flags(attention) if attention else ""
     flags += f" --device {device}" if device != "cpu" else ""
     if b.rule == "ratio":
         return flags + f" --ratio {b.k:g} --floor {b.floor:g}"
     if math.isfinite(limit) and limit > 0:
         return flags + f" --budget {limit:.3g}"
     return flags
+
+
+def attention_flags(attention) -> str:
+    """` --attention NAME` and ` --option NAME=VALUE` for each of its options off its default (sdpa: none)."""
+    from h3direct.dit.attention import as_options
+    from h3direct.dit.options import changed_options
+
+    opts = as_options(attention)
+    flags = f" --attention {opts.backend}" if opts.backend != "sdpa" else ""
+    return flags + "".join(f" --option {k}={_spell(v)}" for k, v in changed_options(opts).items())
+
+
+def _spell(v) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 @lru_cache(maxsize=8)
@@ -145,17 +161,18 @@ def _trace(path: str) -> Trace:
     return load_trace(path)
 
 
-def attention_key(backend: str) -> str:
-    """The budgets key of an attention backend: "exact" for every exact one, else the name of the approximate backend
-    that computes its calls (kj_head_sliced: its inner backend)."""
-    from h3direct.dit.attention import is_exact, slice_backend
+def attention_key(backend) -> str:
+    """The budgets key of an attention backend (a name or AttentionOptions): "exact" for every exact one, else the
+    name of the approximate backend that computes its calls (kj_head_sliced: its inner backend)."""
+    from h3direct.dit.attention import as_options, is_exact, slice_backend
 
-    if is_exact(backend):
+    opts = as_options(backend)
+    if is_exact(opts):
         return "exact"
-    return slice_backend() if backend == "kj_head_sliced" else backend
+    return slice_backend(opts) if opts.backend == "kj_head_sliced" else opts.backend
 
 
-def own_dtype(attention: str, compute: str, device: str) -> str:
+def own_dtype(attention, compute: str, device: str) -> str:
     """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
     from h3direct.dit.attention import unavailable_reason
 
@@ -174,7 +191,7 @@ def lowp_twin(case: DitCase, compute: str) -> Path | None:
                  and c.twin_fp32.name == case.trace.name), None)
 
 
-def run_dtype(attention: str, compute: str, device: str) -> tuple[str, str | None]:
+def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:
     """(the dtype h3direct runs a `compute` trace in with this backend, why it cannot run at all or None).
 
     Availability is probed with a tensor of that dtype on that device. A backend that runs only in bf16/fp16 runs an
@@ -266,24 +283,28 @@ class Gate:
                                               m.twin, v.error, v.limit, "exact"))
 
 
-def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: str = "cpu",
+def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
                  comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off",
                  no_twin: bool = False) -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
 
-    attention: an exact backend is gated at every site against ComfyUI; an approximate one in the three parts of
-    the module docstring. fp8_linear "stream"/"resident": the FP8 block linears, an approximate mode judged the same
+    attention: a backend's name (its options at their defaults) or AttentionOptions; an exact backend is gated at
+    every site against ComfyUI, an approximate one in the three parts of the module docstring, run with its options.
+    fp8_linear "stream"/"resident": the FP8 block linears, an approximate mode judged the same
     way. compute: run h3direct's exact path in this dtype instead of the trace's (a bf16-only exact backend against
     an fp32 trace): the budget key is then "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own trace in
     that dtype. no_twin: gate a low-precision case without ComfyUI's fp32 twin by the rounding bounds (teacher sites
     only; what has no rounding bound is listed as not gated) instead of refusing it."""
     from h3direct.counts import counting
-    from h3direct.dit.attention import is_exact
+    from h3direct.dit.attention import as_options, is_exact
     from h3direct.dit.linear import FP8_WEIGHTS_KEY
+    from h3direct.dit.options import describe
 
     budgets = budgets or load_budgets()
     fp8_linear = fp8_linear or "off"
+    attention = as_options(attention)
+    label = describe(attention)
     approx_attention = not is_exact(attention)
     exact_backend = EXACT_REFERENCE if approx_attention else attention
     low = compute is not None and compute != case.compute
@@ -302,8 +323,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str = "sdpa", device: s
                      f"bounds only")
     approx = approx_attention or fp8_linear != "off"
     title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, {case.weights}"
-             + (f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else "") + f", {attention}]")
-    result = CaseResult(case, mode, attention, title=title if (low or approx) else "",
+             + (f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else "") + f", {label}]")
+    result = CaseResult(case, mode, label, title=title if (low or approx) else "",
                         compute=compute_key if low else None,
                         weights=FP8_WEIGHTS_KEY if fp8_linear != "off" else None)
     gate = Gate(case, result, budgets, trace, twin, compute_key, comfy_root, no_twin)

@@ -29,7 +29,7 @@ def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
     return metrics.cosine(x, ref)
 
 
-def _run_dtype(backend: str, dtype: torch.dtype, device) -> torch.dtype:
+def _run_dtype(backend, dtype: torch.dtype, device) -> torch.dtype:
     """The dtype the backend runs these operands in: their own, else bf16 for a bf16/fp16-only backend."""
     from h3direct.dit.attention import unavailable_reason
 
@@ -38,13 +38,15 @@ def _run_dtype(backend: str, dtype: torch.dtype, device) -> torch.dtype:
     return torch.bfloat16
 
 
-def ran_backend(backend: str, stats: dict) -> str:
-    """Which registered backend computed the last call of `backend` (stats: the attention counts of that one call,
-    `h3direct.counts`)."""
-    from h3direct.dit.attention import slice_backend
+def ran_backend(backend, stats: dict) -> str:
+    """Which registered backend computed the last call of `backend` (a name or AttentionOptions; stats: the
+    attention counts of that one call, `h3direct.counts`)."""
+    from h3direct.dit.attention import as_options, slice_backend
 
-    if backend == "kj_head_sliced":
-        return slice_backend()
+    opts = as_options(backend)
+    if opts.backend == "kj_head_sliced":
+        return slice_backend(opts)
+    backend = opts.backend
     for what in (stats.get(backend) or {}):
         if what.startswith("fallback to "):
             return what.removeprefix("fallback to ").split(":")[0]
@@ -57,14 +59,15 @@ def exact_attention(q, k, v) -> torch.Tensor:
     return rearrange(out, "b h s d -> b s (h d)")
 
 
-def sol_algorithm(q, k, v, prefix_rows) -> torch.Tensor:
+def sol_algorithm(q, k, v, prefix_rows, options=None) -> torch.Tensor:
     """comfy-kitchen's eager Sol-Attn (the algorithm the kernel implements, in fp32) with the arguments the backend
-    passes the kernel; heads in chunks so that its dense score matrix stays under HEAD_CHUNK_BYTES."""
+    passes the kernel under `options` (SolOptions; default: its defaults); heads in chunks so that its dense score
+    matrix stays under HEAD_CHUNK_BYTES."""
     from comfy_kitchen.backends.eager.sol_attn import sol_attn
 
     from h3direct.dit.sol_options import SolOptions
 
-    kw = SolOptions().kernel_kwargs(prefix_rows)  # the options the backend runs with when called by its name
+    kw = (options or SolOptions()).kernel_kwargs(prefix_rows)
     kw.pop("token_aug", None)  # the eager reference has no token routing stage
     b, h, s, d = q.shape
     per_head = b * s * s * 4
@@ -76,9 +79,13 @@ def sol_algorithm(q, k, v, prefix_rows) -> torch.Tensor:
     return rearrange(torch.cat(outs, dim=2), "b s h d -> b s (h d)")
 
 
-def attention_site(gate, site, backend: str, device) -> None:
+def attention_site(gate, site, backend, device) -> None:
+    """backend: a name or AttentionOptions (the backend runs with those options, its reference too)."""
     from h3direct.counts import counting
-    from h3direct.dit.attention import attention, sequence_hints
+    from h3direct.dit.attention import as_options, attention, sequence_hints
+    from h3direct.dit.options import describe
+
+    backend = as_options(backend)
 
     q, k, v, prefix = site.operands()
     dtype = _run_dtype(backend, q.dtype, device)
@@ -94,7 +101,7 @@ def attention_site(gate, site, backend: str, device) -> None:
     if is_exact(ran):
         key["attention"] = "exact"
     b = gate.budgets.lookup(**key)
-    info = f"{backend} ran {ran}" if ran != backend else ""
+    info = f"{describe(backend)} ran {ran}" if ran != backend.backend else ""
     if b.rule == "rounding":
         m = Measured(vs_exact, produced=str(dtype).removeprefix("torch."))
         gate.result.layers.append(_row(gate, site.name, b, m, out, exact, info,
@@ -108,7 +115,7 @@ def attention_site(gate, site, backend: str, device) -> None:
         m = Measured(vs_exact, twin=(vs_exact, metrics.rel_l2(emu, exact)))
         ref = exact
     elif b.reference == "algorithm":
-        ref = sol_algorithm(qq, kk, vv, prefix)[0].to(out.device)
+        ref = sol_algorithm(qq, kk, vv, prefix, backend.sol_attn)[0].to(out.device)
         m = Measured(metrics.rel_l2(out, ref), cos=cosine(out, ref))
         info = (info + "; " if info else "") + (f"vs exact {vs_exact:.3e}, the sparse algorithm itself vs exact "
                                                 f"{metrics.rel_l2(ref, exact):.3e}")
@@ -118,7 +125,7 @@ def attention_site(gate, site, backend: str, device) -> None:
     gate.result.layers.append(_row(gate, site.name, b, m, out, ref, info, attention=backend, device=device))
 
 
-def _row(gate, name, b, m: Measured, ours, ref, info: str, roundings: int | None = None, attention: str = "",
+def _row(gate, name, b, m: Measured, ours, ref, info: str, roundings: int | None = None, attention=None,
          device: str = "cpu"):
     from parity_tests.budgets import verdict
     from parity_tests.gate import LayerResult, replay_command, rule_flags
@@ -164,8 +171,9 @@ def fp8_linear_site(gate, site, model, fp8_model) -> None:
     gate.result.layers.append(_row(gate, site.name, b, m, ours, exact, ""))
 
 
-def quality_x0(gate, model, inputs, device, exact_backend: str, attention: str, fp8_linear: str, exact_out) -> None:
-    """x0 of the approximate mode against the exact path's, same inputs, device and dtype (part c)."""
+def quality_x0(gate, model, inputs, device, exact_backend, attention, fp8_linear: str, exact_out) -> None:
+    """x0 of the approximate mode against the exact path's, same inputs, device and dtype (part c); attention: a
+    name or AttentionOptions."""
     from h3direct.dit.linear import FP8_WEIGHTS_KEY
     from h3direct.traces.evaluate import one_step
     from parity_tests.budgets import verdict

@@ -12,6 +12,9 @@ Parity options (the merge gate, `pytest -m parity`):
                       a folder of such directories.
   --comfy-root R      live mode: record fresh ComfyUI traces first (into a temporary folder) and gate on them
   --attention NAME    h3direct attention backend to gate (default sdpa)
+  --option NAME=VALUE an option of the attention backends, by its flat name (repeatable; e.g. sol_tau=2.0,
+                      fp8_attn_smooth_v=off, head_slice_backend=fa3): the backend runs with it, its kernel
+                      reference too (sol_attn's eager algorithm at that tau), and the report names it
   --vae-dtype D       VAE dtype(s) to gate: fp32, fp16 or all (default all)
   --device DEV        cpu (default) or cuda
   --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
@@ -53,6 +56,8 @@ def pytest_addoption(parser):
     g.addoption("--comfy-root", default=None,
                 help="ComfyUI checkout: live mode (record fresh traces, then gate); also used by comfy tests")
     g.addoption("--attention", default="sdpa", help="h3direct attention backend to gate")
+    g.addoption("--option", action="append", default=[], metavar="NAME=VALUE",
+                help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
     g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
     g.addoption("--device", default="cpu", help="cpu or cuda")
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
@@ -103,6 +108,19 @@ def pytest_configure(config):
     missing = [str(p) for p in given_trace_dirs(config) or [] if not p.is_dir()]
     if missing:  # one line from pytest, before any collection
         raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
+    gate_attention(config)
+
+
+def gate_attention(config):
+    """--attention and its --option values as AttentionOptions; a bad one is pytest's one-line usage error."""
+    from h3direct.dit.options import Options, parse_assignments
+    from h3direct.errors import H3Error
+
+    try:
+        given = parse_assignments(config.getoption("--option") or [], only="attention")
+        return Options.from_flat({"attention": config.getoption("--attention"), **given}).attention
+    except H3Error as exc:
+        raise pytest.UsageError(f"--option {exc}") from None
 
 
 def report_dir(config) -> Path:

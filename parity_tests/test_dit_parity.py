@@ -18,7 +18,7 @@ def test_traces_pair_up(trace_problems):
 def test_dit_layers(dit_case, mode, gate_options, report):
     compute, reason = run_dtype(gate_options["attention"], dit_case.compute, gate_options["device"])
     if reason is not None:
-        pytest.skip(f"--attention {gate_options['attention']}: {reason}")
+        pytest.skip(f"--attention {gate_options['attention_label']}: {reason}")
     try:
         result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
                               budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"],

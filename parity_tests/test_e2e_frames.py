@@ -40,7 +40,10 @@ def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report):
     why = E.unavailable(e2e_path, device)
     if why is not None:
         pytest.skip(f"{e2e_path} cannot run here: {why}")
-    result = E.compare_paths(e2e_model, e2e_path, device=device, budgets=gate_options["budgets"])
+    from h3direct.dit.options import changed_options
+
+    result = E.compare_paths(e2e_model, e2e_path, device=device, budgets=gate_options["budgets"],
+                             options=changed_options(gate_options["attention"]))
     report.add_case(result)
     if E.split_path(e2e_path)[0] == "sol_attn":  # (also over FP8 linears) its budget is about the sparse kernel
         calls = result.attention_calls.get("sol_attn", {})

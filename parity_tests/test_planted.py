@@ -24,7 +24,7 @@ def test_a_planted_linear_bug_fails_the_gate(request, gate_options):
     attention, device = gate_options["attention"], gate_options["device"]
     compute, reason = run_dtype(attention, case.compute, device)
     if reason is not None:
-        pytest.skip(f"--attention {attention}: {reason}")
+        pytest.skip(f"--attention {gate_options['attention_label']}: {reason}")
     from h3direct.dit.attention import is_exact
 
     key = compute if is_exact(attention) and compute != case.compute else case.compute

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.parity
 
 
 def test_vae_keys(vae_case, gate_options, report):
-    result = run_vae_case(vae_case, attention=gate_options["attention"], budgets=gate_options["budgets"])
+    result = run_vae_case(vae_case, attention=gate_options["attention_label"], budgets=gate_options["budgets"])
     report.add_case(result)
     assert result.layers, f"{vae_case.id}: no comparable key"
     assert result.passed, result.report()

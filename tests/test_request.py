@@ -79,6 +79,28 @@ def test_options_round_trip_by_their_flat_names_and_check_their_rules():
             Options.from_flat(bad)
 
 
+def test_name_value_assignments_by_the_variables_rule():
+    """The gate's, replay's and e2e_frames' `--option NAME=VALUE`: typed by each option's rule, one line if bad."""
+    from h3direct.dit.options import changed_options, describe, parse_assignments
+
+    got = parse_assignments(["sol_tau=2", "sol_exact_rows=off", "head_slice_backend=fa3"], only="attention")
+    assert got == {"sol_tau": 2.0, "sol_exact_rows": False, "head_slice_backend": "fa3"}
+    assert parse_assignments(["mlp_chunks=3"]) == {"mlp_chunks": 3}
+    opts = Options.from_flat({"attention": "sol_attn", **got}).attention
+    assert changed_options(opts) == got
+    assert describe(opts) == "sol_attn (sol_tau=2.0, sol_exact_rows=False, head_slice_backend=fa3)"
+    assert describe(AttentionOptions("sage2")) == "sage2"
+    for bad, words in ((["sol_tau"], "'sol_tau': must be NAME=VALUE"),
+                       (["sol_tau=x"], "sol_tau='x': must be a number"),
+                       (["sol_tau=0"], "sol_tau='0': must be a positive number"),
+                       (["sol_exact_rows=maybe"], "must be 1/0, true/false"),
+                       (["fused=0"], "fused: not a backend's option"),  # a kernel option: not an attention one
+                       (["attention=sage2"], "attention: not a backend's option"),  # that is --attention
+                       (["sol_taus=1"], "sol_taus: not a backend's option (one of: sol_tau, ")):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+            parse_assignments(bad, only="attention")
+
+
 @pytest.mark.parametrize("raw, value", [("1", True), ("0", False), ("true", True), ("FALSE", False), ("yes", True),
                                         ("no", False), ("on", True), ("off", False)])
 def test_one_boolean_rule_for_every_switch(raw, value):

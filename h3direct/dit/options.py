@@ -193,3 +193,39 @@ def options_of(x: str | AttentionOptions | Options) -> Options:
     if isinstance(x, AttentionOptions):
         return Options(x)
     return Options.with_backend(x)
+
+
+def parse_assignments(items, *, only: str | None = None) -> dict:
+    """`["sol_tau=2.0", "fp8_attn_smooth_v=off"]` -> {flat name: typed value}, each value read by the environment
+    variables' rule (`fields.parse_env`); `only="attention"`: the attention backends' own options alone. A bad item is
+    one line (ConfigError or RequestError) naming it."""
+    from h3direct.errors import ConfigError
+    from h3direct.fields import parse_env
+
+    known = {o.flat: o for o in flat_options()}
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"{item!r}: must be NAME=VALUE")
+        o = known.get(name)
+        if o is None or (only == "attention" and o.group in ("attention", "kernels")):
+            what = "a backend's option" if only == "attention" else "an option"
+            names = ", ".join(n for n, x in known.items() if only != "attention" or x.group not in ("attention",
+                                                                                                 "kernels"))
+            raise ConfigError(f"{name}: not {what} (one of: {names})")
+        out[name] = parse_env(name, raw, o.kind, o.spec)
+    return out
+
+
+def changed_options(opts: AttentionOptions) -> dict:
+    """{flat name: value} of the backends' options that differ from their defaults."""
+    flat, default = Options(opts).flat(), Options.with_backend(opts.backend).flat()
+    return {k: v for k, v in flat.items() if v != default[k] and k != "attention"}
+
+
+def describe(opts: AttentionOptions) -> str:
+    """The backend and, in brackets, its options that differ from their defaults: `sol_attn (sol_tau=2.0)`."""
+    changed = [f"{k}={v}" for k, v in changed_options(opts).items()]
+    return opts.backend + (f" ({', '.join(changed)})" if changed else "")

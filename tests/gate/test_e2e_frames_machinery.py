@@ -202,6 +202,18 @@ def test_the_gate_item_exists_only_for_an_approximate_path():
     assert "ck_int8 cannot run here: needs a CUDA device" in approx.stdout, approx.stdout[-2000:]
 
 
+def test_a_paths_backend_options_become_generates_own_flags():
+    """`--option sol_tau=2.0 --option sol_exact_rows=off` of the gate: the same options as generate parses them."""
+    from h3direct.app.cli_generate import parse
+
+    flags = E.path_flags("sol_attn", "sdpa", {"sol_tau": 2.0, "sol_exact_rows": False})
+    assert flags == ["--attention", "sol_attn", "--sol-tau", "2.0", "--no-sol-exact-rows"]
+    here = ["--attention", "sdpa"] + flags[2:]  # sol_attn needs a GPU: its options parse the same beside sdpa
+    job = parse(E.generate_parser().parse_args(E.E2EModel.load(None).argv() + here), output=False)
+    sol = job.options.attention.sol_attn
+    assert sol.tau == 2.0 and sol.exact_rows is False
+
+
 def test_a_combined_path_runs_both_and_takes_only_its_own_fp8_entry():
     """`sol_attn+fp8_linear` (the contract's approximate path): --attention sol_attn --fp8-linear, judged by an entry
     keyed weights fp8_w8a8, attention sol_attn -- neither sol_attn's own entry nor fp8_linear-over-exact's."""

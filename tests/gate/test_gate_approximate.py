@@ -40,11 +40,11 @@ def stand_in(backend: str, eps: float):
 
         return _noise(fp8_attention_reference(q, k, v).to(q.dtype), eps)
 
-    def sol(q, k, v):
+    def sol(q, k, v, opts):
         from parity_tests.kernels import sol_algorithm
 
         prefix = A._PREFIX_ROWS.get()
-        out = sol_algorithm(q, k, v, prefix).reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        out = sol_algorithm(q, k, v, prefix, opts.sol_attn).reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
         return _noise(out.transpose(1, 2).to(q.dtype), eps)
 
     return {"fa3_fp8": fp8, "sol_attn": sol}.get(backend, exact)
@@ -61,7 +61,11 @@ def approximate(monkeypatch):
             def fn(q, k, v, inner=fn):  # as SageAttention asserts: never handed fp32
                 assert q.dtype in (torch.float16, torch.bfloat16), f"{backend} handed {q.dtype}"
                 return inner(q, k, v)
-        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, fn, avail, exact=False))
+        options = A._REGISTRY[backend].options if backend == "sol_attn" else None  # the stand-in takes them
+        if options is not None:
+            def avail(like, opts, inner=avail):
+                return inner(like)
+        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, fn, avail, exact=False, options=options))
     return install
 
 
@@ -167,3 +171,34 @@ def test_a_bf16_only_backend_on_an_fp32_case(approximate, monkeypatch, backend):
         assert result.passed, result.report()
         parts = {r.part for r in result.layers}
         assert parts == ({"exact", "kernel"} if mode == "teacher" else {"exact", "quality"}), parts
+
+
+def test_the_backends_options_reach_the_kernel_and_its_reference(case, approximate, monkeypatch):
+    """`pytest -m parity --attention sol_attn --option sol_tau=2.0`: the backend runs at that tau, the eager
+    algorithm it is held against too, at every kernel site and in the quality run; the report and the replay
+    commands name the option."""
+    from h3direct.dit.options import Options
+    from parity_tests import kernels
+    from parity_tests.gate import run_dit_case
+
+    approximate("sol_attn", SMALL)
+    seen = []
+    algorithm = kernels.sol_algorithm
+
+    def spy(q, k, v, prefix_rows, options=None):
+        seen.append(options.tau if options is not None else None)
+        return algorithm(q, k, v, prefix_rows, options)
+
+    monkeypatch.setattr(kernels, "sol_algorithm", spy)
+    opts = Options.from_flat({"attention": "sol_attn", "sol_tau": 2.0}).attention
+    teacher = run_dit_case(case, mode="teacher", attention=opts)
+    assert teacher.passed, teacher.report()
+    kernel = [r for r in teacher.layers if r.part == "kernel"]
+    # each kernel site: the stand-in (the backend's run) and the gate's reference, both at the given tau
+    assert len(seen) == 2 * len(kernel) and set(seen) == {2.0}, seen
+    assert teacher.attention == "sol_attn (sol_tau=2.0)"
+    assert all("--attention sol_attn --option sol_tau=2" in r.replay for r in kernel), kernel[0].replay
+    seen.clear()
+    free = run_dit_case(case, mode="free", attention=opts)
+    assert free.passed, free.report()
+    assert seen and set(seen) == {2.0}, seen

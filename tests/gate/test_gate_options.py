@@ -77,6 +77,14 @@ def test_missing_trace_dir_is_a_usage_error(tmp_path):
     assert f"--trace-dir: not a directory: {tmp_path / 'typo'}" in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("option, words", [("sol_tau=x", "--option sol_tau='x': must be a number"),
+                                           ("fused=0", "--option fused: not a backend's option")])
+def test_a_bad_backend_option_is_a_usage_error(tmp_path, option, words):
+    r = _pytest(["-m", "parity", "--attention", "sol_attn", "--option", option, str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert words in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
+
+
 def test_started_outside_the_checkout_without_a_test_path_runs_the_gate(outside_root, tmp_path):
     """`pytest -m parity --trace-dir DIR` from another folder, nothing else: the installed gate runs on DIR."""
     r = _pytest(["-m", "parity", "--trace-dir", str(outside_root), "-k", "test_dit_layers and teacher"], tmp_path)

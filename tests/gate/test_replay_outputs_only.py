@@ -92,6 +92,15 @@ def test_replay_needs_something_to_run(outputs_only, capsys, monkeypatch):
     assert rc == 2 and "nothing to replay" in capsys.readouterr().err
 
 
+def test_a_bad_backend_option_is_one_line_before_the_trace_loads(outputs_only, capsys):
+    from oracle.__main__ import main
+
+    rc = main(["replay", "--trace", str(outputs_only), "--layer", "blocks.1", "--direct", "--attention", "sol_attn",
+               "--option", "sol_tau=fast"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == "oracle replay: error: sol_tau='fast': must be a number", err
+
+
 @pytest.mark.comfy
 @pytest.mark.parametrize("layer", LAYERS)
 def test_replay_comfy_on_outputs_only_trace(outputs_only, layer, comfy_root):
