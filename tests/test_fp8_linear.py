@@ -254,6 +254,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path, monkeypatch):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in ptx  # IEEE division, as the torch reference divides
+        assert "div.full.f32" not in ptx and "div.approx" not in ptx  # and no approximate one
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the GPU's e4m3 encoding (test_e4m3_encoding_instruction_...)
         assert compiled.asm["cubin"]
 

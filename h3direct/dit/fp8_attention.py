@@ -100,7 +100,10 @@ if triton is not None:
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
         sub = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # below 2^-6: multiples of 2^-9
         r = tl.where(a >= 0.015625, normal, sub)
-        return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0, as torch casts it
+        # y's sign bit onto r by an integer OR, so that -0.0 stays -0.0 (as torch casts it) whatever the target
+        # makes of a float negation
+        sign = y.to(tl.int32, bitcast=True) & -2147483648
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantize_kernel(x_ptr, mean_ptr, inv_ptr, out_ptr, S, H, D, sxb, sxh, sxs, HAS_MEAN: tl.constexpr,

@@ -132,7 +132,7 @@ if triton is not None:
                 rs = tl.load(rs_ptr + r)
             else:
                 rs = tl.load(rs_ptr + r, mask=i < total, other=1.0)
-            y = ENCODE(tl.fdiv(val, tl.broadcast_to(rs[:, None, None], val.shape), ieee_rounding=True), INTERPRET)
+            y = ENCODE(tl.math.div_rn(val, tl.broadcast_to(rs[:, None, None], val.shape)), INTERPRET)
         elif OUT == 1:
             y = val.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
         elif INTERPRET:  # the interpreter's bf16 cast truncates: round by integer arithmetic

@@ -8,7 +8,8 @@
 - :func:`quantize_rows`: per-row (per-token) e4m3 quantization of a stored activation, one read of each row (the
   inputs no fused kernel produces: the attention output).
 
-Divisions are IEEE-rounded (`tl.fdiv(..., ieee_rounding=True)`), as torch divides. The e4m3 encoding (inputs
+Divisions are IEEE-rounded (`tl.math.div_rn`: `div.rn.f32`, and no approximate division, in the PTX the CPU tests
+compile), as torch divides; Triton's `/` on fp32 is the approximate `div.full.f32`. The e4m3 encoding (inputs
 clamped to ±448, round to nearest, ties to even) is the GPU's conversion instruction when compiled (sm_89+:
 `cvt.rn.satfinite.e4m3x2.f32`, one instruction for two values) and integer arithmetic in Triton's interpreter
 (`TRITON_INTERPRET=1`, which the CPU tests use; its float8 cast is not torch's). Both are held to torch's float8
@@ -52,9 +53,9 @@ def quantize_tile(x, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
         amax = tl.reduce(a, 1, tl.standard._elementwise_max)
     else:
         amax = tl.max(a, axis=1)
-    s = tl.fdiv(amax, amax * 0.0 + 448.0, ieee_rounding=True)  # literals: Triton kernels may not read globals
+    s = tl.math.div_rn(amax, amax * 0.0 + 448.0)  # literals: Triton kernels may not read globals
     s = tl.where(amax > 0.0, s, 1.0)
-    return ENCODE(tl.fdiv(x, tl.broadcast_to(s[:, None], x.shape), ieee_rounding=True), INTERPRET), s
+    return ENCODE(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), INTERPRET), s
 
 
 def device_functions() -> tuple:
