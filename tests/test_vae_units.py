@@ -111,6 +111,17 @@ def test_synthetic_decodes_finite(synthetic_files):
     assert wav.shape == (1, 2400, 2) and torch.isfinite(wav).all() and float(wav.std()) > 1e-3
 
 
+def test_video_decode_is_a_function_of_the_latent(synthetic_files):
+    """The same latent decodes to the same pixels, bit for bit, again after another latent (other shape, other
+    values) went through the same VAE: spatial tiles, temporal chunks and their blends read nothing left behind."""
+    vae = load_video_vae(synthetic_files["video_vae"], VIDEO_PRESETS["tiny"])
+    g = torch.Generator().manual_seed(0)
+    latent, other = torch.randn(1, 24, 7, 3, 4, generator=g), 4.0 * torch.randn(1, 24, 12, 4, 3, generator=g)
+    first = decode_video(vae, latent, tile_size=32, tile_overlap=16)
+    decode_video(vae, other, tile_size=32, tile_overlap=16)
+    assert torch.equal(decode_video(vae, latent, tile_size=32, tile_overlap=16), first)
+
+
 @pytest.mark.parametrize("edit,match", [
     (lambda sd: sd.pop("decoder.norm_out.weight"), "missing key decoder.norm_out.weight"),
     (lambda sd: sd.__setitem__("decoder.extra.weight", torch.zeros(2)), "unexpected key decoder.extra.weight"),
@@ -186,3 +197,26 @@ def _tiny_config(tmp: Path) -> Path:
         "ViT3DDecoder": {"num_layers": 2, "heads": 2, "dim_head": 32},
         "MiniMaxH3AudioVAE": {"encoder_dim": 4, "latent_dim": 64, "decoder_dim": 128}}}))
     return p
+
+
+def _scribble_heap(byte: int) -> None:
+    """Allocate and free buffers filled with `byte`, so the memory handed out next holds other bytes than before."""
+    buffers = [bytearray([byte]) * (n + 97 * byte) for n in (512, 4096, 20_000, 60_000, 120_000)]
+    del buffers
+
+
+def test_the_same_frames_encode_to_the_same_mp4(tmp_path):
+    """An mp4 is a function of its frames: the same frames written again in one process, whatever the heap holds,
+    give the same bytes. Frames: blocky noise that changes every frame (what the bundled random models make), the
+    input on which x264's macroblock-tree rate control read memory it had not written (on CPUs with AVX-512)."""
+    import numpy as np
+
+    from h3direct.vae.mp4 import write_mp4
+
+    blocks = np.random.default_rng(0).normal(size=(22, 8, 12, 3))
+    frames = np.clip(128 + 60 * blocks.repeat(8, axis=1).repeat(8, axis=2), 0, 255).astype(np.uint8)
+    first = write_mp4(tmp_path / "first.mp4", frames, 24).read_bytes()
+    for k in range(1, 33):
+        _scribble_heap(k)
+        again = write_mp4(tmp_path / "again.mp4", frames, 24).read_bytes()
+        assert again == first, f"write {k + 1} of the same frames gave other bytes"

@@ -11,6 +11,11 @@ import numpy as np
 from h3direct.errors import H3Error
 
 AUDIO_BLOCK = 1024  # samples per audio frame handed to the encoder (AAC frame size)
+# libx264 options besides the CRF. Macroblock-tree rate control is off: with B-frames, x264's AVX-512 code for it
+# depends on memory it has not written (its output changes with what the heap held before), so on CPUs with AVX-512
+# the same frames could encode to different bits from one call to the next. Without it a clip is a function of its
+# frames (bframes=0 or x264 without AVX-512 would do too).
+X264_OPTIONS = {"mbtree": "0"}
 
 
 def write_mp4(path: str | Path, frames_uint8: np.ndarray, fps: int, audio_f32: np.ndarray | None = None,
@@ -47,7 +52,7 @@ def write_mp4(path: str | Path, frames_uint8: np.ndarray, fps: int, audio_f32: n
                 container.metadata[k] = v
             vs = container.add_stream("libx264", rate=fps)
             vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
-            vs.options = {"crf": str(crf)}
+            vs.options = {"crf": str(crf), **X264_OPTIONS}
             aus = None
             if audio_f32 is not None:
                 aus = container.add_stream("aac", rate=sample_rate, layout="stereo")
