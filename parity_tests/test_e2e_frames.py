@@ -1,6 +1,7 @@
 """Quality of an approximate mode's outputs (part c of the gate; machinery in parity_tests/e2e_frames.py).
 
-`pytest -m parity --device cuda --attention NAME [--e2e-model DIR]`: when NAME is an approximate path (sage2,
+`pytest -m parity --device cuda --attention NAME [--e2e-model DIR]` (default on CUDA: a model folder built for the
+run, above sol_attn's minimum sequence): when NAME is an approximate path (sage2,
 ck_int8, sol_attn, kj_head_sliced over sage2, fa3_fp8, ...; `--e2e-path fp8_linear` for the FP8 block linears), one
 4-step generation on the device's exact path and one on NAME, same seed and inputs, decoded to frames and audio:
 PSNR / SSIM of the frames and SNR of the waveform against the mode's declared quality (budgets.toml, mode quality).
@@ -9,6 +10,8 @@ machinery tests are in the unit lane (tests/gate/test_e2e_frames_machinery.py).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +32,14 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="session")
-def e2e_model(request):
-    return E.E2EModel.load(request.config.getoption("--e2e-model"))
+def e2e_model(request, gate_options, tmp_path_factory):
+    """--e2e-model; else, on CUDA, the default model folder built for this run (`e2e_frames.build`: head_dim 128,
+    4,509 tokens, so that sol_attn's kernel runs, not its fallback); else the bundled tiny models."""
+    given = request.config.getoption("--e2e-model")
+    if given is None and torch.device(gate_options["device"]).type == "cuda" and torch.cuda.is_available():
+        given = str(tmp_path_factory.mktemp("e2e_model"))
+        E.build(Path(given))
+    return E.E2EModel.load(given)
 
 
 def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report):
