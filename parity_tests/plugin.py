@@ -25,8 +25,8 @@ Parity options (the merge gate, `pytest -m parity`):
                       mode: its linears against the e4m3 rounding bound, the rest exact, x0 against the exact path
   --e2e-path NAME     approximate path of the e2e frames gate (default: --attention): an attention backend or
                       fp8_linear (parity_tests/e2e_frames.py); an exact one generates no e2e frames item
-  --e2e-model DIR     model folder of the e2e frames gate (python -m parity_tests.e2e_frames build; default: on CUDA,
-                      that command's default folder built for the run; elsewhere the bundled tiny models)
+  --e2e-model DIR     model folder of the e2e frames gate (python -m parity_tests.e2e_frames build; default: for
+                      sol_attn on CUDA, that command's default folder built for the run; else the bundled tiny models)
 
 Importing this module is cheap (no torch): pytest loads it in every run of the environment.
 """

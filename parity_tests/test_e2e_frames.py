@@ -1,7 +1,7 @@
 """Quality of an approximate mode's outputs (part c of the gate; machinery in parity_tests/e2e_frames.py).
 
-`pytest -m parity --device cuda --attention NAME [--e2e-model DIR]` (default on CUDA: a model folder built for the
-run, above sol_attn's minimum sequence): when NAME is an approximate path (sage2,
+`pytest -m parity --device cuda --attention NAME [--e2e-model DIR]` (default for sol_attn: a model folder built for
+the run, above its minimum sequence): when NAME is an approximate path (sage2,
 ck_int8, sol_attn, kj_head_sliced over sage2, fa3_fp8, ...; `--e2e-path fp8_linear` for the FP8 block linears), one
 4-step generation on the device's exact path and one on NAME, same seed and inputs, decoded to frames and audio:
 PSNR / SSIM of the frames and SNR of the waveform against the mode's declared quality (budgets.toml, mode quality).
@@ -33,10 +33,12 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def e2e_model(request, gate_options, tmp_path_factory):
-    """--e2e-model; else, on CUDA, the default model folder built for this run (`e2e_frames.build`: head_dim 128,
-    4,509 tokens, so that sol_attn's kernel runs, not its fallback); else the bundled tiny models."""
-    given = request.config.getoption("--e2e-model")
-    if given is None and torch.device(gate_options["device"]).type == "cuda" and torch.cuda.is_available():
+    """--e2e-model; else, for sol_attn on CUDA, the default model folder built for this run (`e2e_frames.build`:
+    head_dim 128, 4,509 tokens, so that its kernel runs, not its fallback); else the bundled tiny models."""
+    c = request.config
+    given = c.getoption("--e2e-model")
+    sol = E.split_path(c.getoption("--e2e-path") or c.getoption("--attention"))[0] == "sol_attn"
+    if given is None and sol and torch.device(gate_options["device"]).type == "cuda" and torch.cuda.is_available():
         given = str(tmp_path_factory.mktemp("e2e_model"))
         E.build(Path(given))
     return E.E2EModel.load(given)
