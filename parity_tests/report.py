@@ -263,8 +263,8 @@ def plot_svg(rows: list[dict], first_failure: str | None) -> str:
 _HEAD = """<!doctype html><html><head><meta charset='utf-8'><title>Parity report</title><style>
 body{font-family:system-ui,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}table{border-collapse:collapse;font-size:13px}
-td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}td a,td small,td code{overflow-wrap:anywhere}
-th{background:#f3f3f3}table{width:100%}
+td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}th{background:#f3f3f3}
+td a,td small,td code{overflow-wrap:anywhere}table{width:100%}
 .ok{color:#17702a}.bad{color:#c01818;font-weight:bold}.fail{background:#fdecec;padding:6px 10px;border-left:4px solid
 #c01818}.note{color:#666;font-size:13px}code{font-size:12px}.cmd{display:block;margin-top:4px;word-break:break-all}
 .tick{font-size:11px;fill:#555}.axis{font-size:12px;fill:#333}.failtext{font-size:12px;fill:#c01818}
