@@ -43,6 +43,7 @@ REPORT_DIR = "parity-report"  # relative to the folder pytest was started in
 MARKERS = {
     "parity": "compares h3direct with ComfyUI traces (the merge gate)",
     "comfy": "needs a ComfyUI checkout (--comfy-root or H3_COMFY_ROOT)",
+    "shared": "needs ../shared/oracle, the project's shared data beside the checkout (deselected without it)",
     "gpu": "needs a CUDA GPU (deselected without one; `pytest -m gpu` is the GPU test lane)",
     "gpu2": "needs 2 CUDA GPUs (deselected with fewer)",
     "planted": "the gate lane's one planted-failure check (proves this run's gate can fail)",
@@ -132,16 +133,29 @@ def comfy_root_of(config) -> str | None:
     return config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT") or None
 
 
+def _deselect(config, items: list, drop: list) -> int:
+    """Take `drop` out of the run as deselected (pytest counts them; nothing is skipped); returns how many."""
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        gone = set(map(id, drop))
+        items[:] = [it for it in items if id(it) not in gone]
+    return len(drop)
+
+
 def pytest_collection_modifyitems(config, items):
     # `comfy` tests are the live re-check against a ComfyUI checkout; without one they are deselected (listed in the
     # summary), not skipped: each claim they make is checked in CI against ComfyUI's committed answers
     # (fixtures/comfy/, fixtures/trace_*), by a twin test that needs no ComfyUI.
     if comfy_root_of(config) is None:
-        live = [it for it in items if "comfy" in it.keywords]
-        if live:
-            config.hook.pytest_deselected(items=live)
-            items[:] = [it for it in items if "comfy" not in it.keywords]
-            config._h3_comfy_deselected = len(live)
+        config._h3_comfy_deselected = _deselect(config, items, [it for it in items if it.get_closest_marker("comfy")])
+    # `shared` tests read ../shared/oracle, the project's shared data beside the checkout (not in the repository):
+    # without it they are deselected and counted, never skipped
+    needs_shared = [it for it in items if it.get_closest_marker("shared")]
+    if needs_shared:
+        from parity_tests import discovery
+
+        if not discovery.SHARED_ORACLE.is_dir():
+            config._h3_shared_deselected = (_deselect(config, items, needs_shared), discovery.SHARED_ORACLE)
     # GPU tests run where the GPUs are (`pytest -m gpu`): elsewhere they are deselected and counted, never skipped
     gpu = [it for it in items if it.get_closest_marker("gpu") or it.get_closest_marker("gpu2")]
     if gpu:
@@ -149,17 +163,10 @@ def pytest_collection_modifyitems(config, items):
 
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         drop = [it for it in gpu if n == 0 or (n < 2 and it.get_closest_marker("gpu2"))]
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-            dropped = set(map(id, drop))
-            items[:] = [it for it in items if id(it) not in dropped]
-            config._h3_gpu_deselected = (len(drop), n)
+        config._h3_gpu_deselected = (_deselect(config, items, drop), n)
     # the e2e frames gate compares an approximate path with the exact one: for an exact path it has no item
-    exact = [it for it in items if getattr(it, "callspec", None) is not None
-             and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None]
-    if exact:
-        config.hook.pytest_deselected(items=exact)
-        items[:] = [it for it in items if it not in exact]
+    _deselect(config, items, [it for it in items if getattr(it, "callspec", None) is not None
+                              and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None])
     if config.getoption("-m"):
         return
     skip_slow = pytest.mark.skip(reason="slow tier: run with -m slow")
@@ -179,11 +186,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"{n} comfy live re-check(s) deselected: no ComfyUI checkout (set H3_COMFY_ROOT or pass --comfy-root); "
             f"their claims ran against ComfyUI's committed answers (fixtures/comfy/, fixtures/trace_*)")
+    n, where = getattr(config, "_h3_shared_deselected", (0, None))
+    if n:
+        terminalreporter.write_line(
+            f"{n} shared-data test(s) deselected: no {where} (../shared/oracle, the project's shared data beside the "
+            f"checkout, not part of the repository)")
 
 
 @pytest.fixture(scope="session")
-def comfy_root(request):
-    root = request.config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT")
-    if not root:
-        pytest.skip("needs a ComfyUI checkout: set H3_COMFY_ROOT or pass --comfy-root")
+def comfy_root(request) -> str:
+    """The ComfyUI checkout of the run (--comfy-root, else H3_COMFY_ROOT), for `comfy` tests: without one they are
+    deselected, so a test that gets here without a root is not marked `comfy`."""
+    root = comfy_root_of(request.config)
+    if root is None:
+        pytest.fail("the comfy_root fixture is for tests marked `comfy` (deselected without a ComfyUI checkout)")
     return root
