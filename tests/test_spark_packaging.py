@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra")
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile.spark"

@@ -1,6 +1,6 @@
 """The gate must be able to fail: a 1e-3 relative error injected at any layer kind (in the trace, or in one
 h3direct layer) makes it fail and name that layer; a 1 % error in a copied trace file fails with the replay
-command. Uses the first fp32, bf16-checkpoint trace found (fixtures or ../shared/oracle)."""
+command. Uses the first fp32, bf16-checkpoint trace of fixtures/ (full detail)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ def fp32_case(request):
     cases, _ = find_dit_cases([FIXTURES])  # the gate's own proof uses the committed fixtures, whatever the roots
     full = [c for c in cases if c.compute == "fp32" and c.weights == "bf16"
             and json.loads(c.trace.with_suffix(".json").read_text()).get("trace_detail", "full") == "full"]
-    if not full:
-        pytest.skip("needs an fp32 trace of a bf16 checkpoint with full detail")
+    assert full, "fixtures/ yields no fp32 trace of a bf16 checkpoint with full detail: the gate's proof needs one"
     return full[0]
 
 
