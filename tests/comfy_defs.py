@@ -2,27 +2,22 @@
 
 Importing ComfyUI whole needs its GPU-side dependencies; the H3 facts we test against live in
 small pure-torch functions, so we compile just those (by name, via `ast`) into a namespace.
-Nothing here is ComfyUI code: it only reads $H3_COMFY_ROOT at test time.
+Nothing here is ComfyUI code: it reads the run's ComfyUI checkout (the `comfy_root` fixture) at test time.
 """
 
 from __future__ import annotations
 
 import ast
 import math
-import os
 import types
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-ROOT = os.environ.get("H3_COMFY_ROOT")
-needs_comfy = pytest.mark.skipif(not ROOT, reason="H3_COMFY_ROOT is not set (path of the ComfyUI snapshot)")
 
-
-def load(relpath: str, names, **extra) -> types.SimpleNamespace:
-    src = (Path(ROOT) / relpath).read_text()
+def load(root: str, relpath: str, names, **extra) -> types.SimpleNamespace:
+    src = (Path(root) / relpath).read_text()
     tree = ast.parse(src)
     keep = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Assign)) and
             (getattr(n, "name", None) in names or

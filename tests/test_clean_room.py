@@ -6,15 +6,14 @@ fails on any run of MIN_RUN or more consecutive identical statements, printing b
 that any two implementations of the same facts would share are exempt (see `is_trivial`): imports,
 constant and config-field assignments, `return x`, `pass`, `else:` and the like.
 
-The comparison needs a ComfyUI checkout ($H3_COMFY_ROOT, marker `comfy`); the detector's own tests run
-everywhere, so the check itself is known to be able to fail.
+The comparison needs a ComfyUI checkout (--comfy-root or $H3_COMFY_ROOT, marker `comfy`); the detector's own tests
+run everywhere, so the check itself is known to be able to fail.
 """
 
 from __future__ import annotations
 
 import ast
 import io
-import os
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,9 +217,8 @@ def test_detector_exempts_trivial_statements():
 # ---- the comparison with ComfyUI -----------------------------------------------------------------
 
 @pytest.mark.comfy
-@pytest.mark.skipif(not os.environ.get("H3_COMFY_ROOT"), reason="H3_COMFY_ROOT is not set (path of the ComfyUI snapshot)")
-def test_no_statement_runs_shared_with_comfyui():
-    root = Path(os.environ["H3_COMFY_ROOT"])
+def test_no_statement_runs_shared_with_comfyui(comfy_root):
+    root = Path(comfy_root)
     theirs = _read_tree(root, COMFY_SOURCES)
     assert "comfy/ldm/minimax/model.py" in theirs, f"{root} does not look like a ComfyUI checkout with H3"
     ours = _read_tree(REPO, ["h3direct/**/*.py"])

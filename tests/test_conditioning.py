@@ -1,21 +1,18 @@
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from h3direct.errors import H3Error
 from h3direct.sampling import conditioning as hc
+from parity_tests.discovery import SHARED_ORACLE
 
 try:
     import comfy_goldens as goldens
-    from comfy_defs import load, needs_comfy
+    from comfy_defs import load
 except ImportError:
     from tests import comfy_goldens as goldens
-    from tests.comfy_defs import load, needs_comfy
-
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
+    from tests.comfy_defs import load
 
 
 def _enc_video(px):  # shape of ComfyUI's VAE.encode: [1,24,T,H/16,W/16]
@@ -50,10 +47,9 @@ def test_too_many_refs():
         GenerateRequest(ref_images=[img] * 10, width=64, height=64, frames=5)
 
 
+@pytest.mark.shared
 def test_ref2va_av_matches_oracle_node_conditioning():
-    man = ORACLE / "trace_curve_bf16_ref2va_av_fp32.json"
-    if not man.exists():
-        pytest.skip(f"{man} missing")
+    man = SHARED_ORACLE / "trace_curve_bf16_ref2va_av_fp32.json"
     nc = json.loads(man.read_text())["node_conditioning"]
     g = nc["geometry"]["task_spec"]
     cond = hc.ref2va(g["width"], g["height"], g["length"], _enc_video, _enc_audio,
@@ -73,10 +69,9 @@ def test_ref2va_av_matches_oracle_node_conditioning():
     assert list(cond.video_shape) == nc["geometry"]["video_latent"] and list(cond.audio_shape) == nc["geometry"]["audio_latent"]
 
 
+@pytest.mark.shared
 def test_fl2va_and_guide_match_oracle():
-    man = ORACLE / "trace_curve_bf16_fl2va_fp32.json"
-    if not man.exists():
-        pytest.skip(f"{man} missing")
+    man = SHARED_ORACLE / "trace_curve_bf16_fl2va_fp32.json"
     nc = json.loads(man.read_text())["node_conditioning"]
     cond = hc.fl2va(96, 64, 5, _enc_video, torch.rand(1, 50, 70, 3), torch.rand(1, 70, 50, 3))
     hc.add_guide(cond, 2, image=torch.rand(1, 64, 96, 3), audio={"waveform": torch.rand(1, 2, 3200), "sample_rate": 32000},
@@ -91,10 +86,9 @@ def test_fl2va_and_guide_match_oracle():
                 assert list(gk[name].shape) == wk[name]["tensor"]
 
 
-@needs_comfy
 @pytest.mark.comfy
-def test_geometry_vs_comfy_functions(ndarrays_regression):
-    nodes = load("comfy_extras/nodes_minimax_h3.py", ["CANVAS_MULTIPLE", "BASE_SHORT_EDGE", "MAX_PIXELS", "FPS",
+def test_geometry_vs_comfy_functions(ndarrays_regression, comfy_root):
+    nodes = load(comfy_root, "comfy_extras/nodes_minimax_h3.py", ["CANVAS_MULTIPLE", "BASE_SHORT_EDGE", "MAX_PIXELS", "FPS",
                  "AUDIO_LATENT_FPS", "align_frame_count", "video_latent_t", "temporal_shape", "adapt_canvas"])
     frames = list(FRAME_COUNTS)
     temporal = [list(nodes.temporal_shape(n)) for n in frames]
@@ -119,13 +113,12 @@ def test_geometry_vs_comfy_golden():
         assert list(hc.adapt_canvas(w, h)) == want, (w, h)
 
 
-@needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("crop", [False, True])
 @pytest.mark.parametrize("src,dst", [((50, 70), (96, 64)), ((64, 96), (64, 96)), ((81, 33), (32, 64))])
-def test_resize_bitwise_vs_comfy(crop, src, dst, ndarrays_regression):
+def test_resize_bitwise_vs_comfy(crop, src, dst, ndarrays_regression, comfy_root):
     from PIL import Image
-    ut = load("comfy/utils.py", ["lanczos", "common_upscale"], Image=Image)
+    ut = load(comfy_root, "comfy/utils.py", ["lanczos", "common_upscale"], Image=Image)
     img = torch.rand(2, src[0], src[1], 3, generator=torch.Generator().manual_seed(src[0] * 1000 + src[1]))
     ref = ut.common_upscale(img.movedim(-1, 1), dst[0], dst[1], "lanczos", "center" if crop else "disabled").movedim(1, -1)
     goldens.record(ndarrays_regression, _resize_name(crop, src, dst), {"frames": img, "resized": ref})

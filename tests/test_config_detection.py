@@ -11,7 +11,6 @@ Checkpoints: fixtures/*.safetensors, fixtures/gpu/*.safetensors and, when presen
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,9 @@ from h3direct.app.cli import main
 from h3direct.checkpoint.safetensors_header import read_header
 from h3direct.config import H3Config, shape_fields
 from h3direct.errors import ConfigError
+from parity_tests.discovery import FIXTURES, SHARED_ORACLE
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("H3_SHARED_ORACLE", ROOT.parent / "shared" / "oracle"))
-FOLDERS = [ROOT / "fixtures", ROOT / "fixtures" / "gpu", SHARED]
+FOLDERS = [FIXTURES, FIXTURES / "gpu", SHARED_ORACLE]
 # keys of ComfyUI's unet_config_detected that are not derived from tensor shapes
 NOT_FROM_SHAPES = {"image_model", "dtype"}
 
@@ -38,6 +36,9 @@ def _dit_checkpoints() -> list[Path]:
 
 
 CHECKPOINTS = _dit_checkpoints()
+# the ones in ../shared/oracle are `shared` tests (deselected without it)
+CASES = [pytest.param(p, id=f"{p.parent.name}/{p.stem}", marks=[pytest.mark.shared] if p.parent == SHARED_ORACLE else [])
+         for p in CHECKPOINTS]
 
 
 def comfy_rules(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
@@ -82,7 +83,7 @@ def test_committed_checkpoints_are_found():
     assert {"h3_fx_bf16.safetensors", "h3_fx_curve_nvfp4.safetensors", "h3_small_curve_nvfp4.safetensors"} <= names
 
 
-@pytest.mark.parametrize("ckpt", CHECKPOINTS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("ckpt", CASES)
 def test_derived_config_equals_comfy_detection(ckpt, tmp_path, capsys):
     shapes = read_header(ckpt).shapes()
     ours = H3Config.from_shapes(shapes).comfy_dict()
@@ -101,7 +102,7 @@ def test_derived_config_equals_comfy_detection(ckpt, tmp_path, capsys):
 def test_block_count_stops_at_the_first_gap():
     """Where a derivation could go wrong quietly: blocks 0 and 2 present, 1 absent. ComfyUI counts one block; so must
     both derivations (a count of distinct indices would say two)."""
-    shapes = read_header(ROOT / "fixtures" / "h3_fx_bf16.safetensors").shapes()
+    shapes = read_header(FIXTURES / "h3_fx_bf16.safetensors").shapes()
     gap = {(k.replace("blocks.1.", "blocks.2.", 1) if k.startswith("blocks.1.") else k): v for k, v in shapes.items()}
     assert comfy_rules(shapes)["num_layers"] == 2
     assert comfy_rules(gap)["num_layers"] == 1 and shape_fields(gap) == comfy_rules(gap)

@@ -3,9 +3,7 @@ independent math, never from h3direct's own outputs."""
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,11 +20,10 @@ from h3direct.dit.rope import rms_norm_rope
 from h3direct.dit.sequence import build_layout
 from h3direct.errors import BackendUnavailable, CheckpointError
 from h3direct.traces.inputs import load_inputs
+from h3direct.traces.pairing import pair_inputs
+from parity_tests.discovery import FIXTURES, SHARED_ORACLE
 
-SHARED = Path(os.environ.get("H3_SHARED_ORACLE", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-INPUT_FILES = sorted(glob.glob(str(SHARED / "inputs_*.safetensors")))
-INPUT_FILES += sorted(glob.glob(str(FIXTURES / "inputs_*.safetensors")))
+INPUT_FILES = sorted(SHARED_ORACLE.glob("inputs_*.safetensors")) + sorted(FIXTURES.glob("inputs_*.safetensors"))
 
 
 def _recorded_positions(path: str) -> torch.Tensor | None:
@@ -44,10 +41,11 @@ def _recorded_positions(path: str) -> torch.Tensor | None:
     return None
 
 
-POSITIONED = [p for p in INPUT_FILES if _recorded_positions(p) is not None]
+POSITIONED = [pytest.param(p, id=p.stem, marks=[pytest.mark.shared] if p.parent == SHARED_ORACLE else [])
+              for p in INPUT_FILES if _recorded_positions(p) is not None]
 
 
-@pytest.mark.parametrize("path", POSITIONED, ids=lambda p: Path(p).stem)
+@pytest.mark.parametrize("path", POSITIONED)
 def test_layout_positions_bitwise_equal_comfyui(path):
     """ComfyUI's float64 packed rope positions (recorded for every inputs file) are reproduced to the bit."""
     inp = load_inputs(path)
@@ -59,19 +57,24 @@ def test_layout_positions_bitwise_equal_comfyui(path):
     assert torch.equal(layout.position_ids, ref)
 
 
-def test_layout_segments_match_comfyui_manifest():
-    manifests = sorted(SHARED.glob("trace_*ref2va_av*_fp32.json")) + sorted(SHARED.glob("trace_*fl2va*_fp32.json"))
-    if not manifests:
-        pytest.skip(f"no fl2va/ref2va_av manifests in {SHARED}")
-    for m in manifests:
-        man = json.loads(m.read_text())
-        variant = man["task"]
-        inp = load_inputs(next(p for p in SHARED.glob("inputs_*curve*.safetensors")
-                               if load_inputs(p).variant == variant))
-        v, a = inp["video_latent"], inp["audio_latent"]
-        layout = build_layout(inp["text_states"].shape[1], *v.shape[2:], a.shape[-1], keyframes=inp.keyframes,
-                              refs=inp.refs)
-        assert layout.manifest() == man["layout"]["segments"]
+# ComfyUI's recorded segments: the shared traces with references and their audio (ref2va_av) and with keyframes
+# (fl2va), and the committed fixture DiT traces (a reference image, a denoise mask)
+SEGMENT_TRACES = [pytest.param(SHARED_ORACLE / f"{n}.json", id=n, marks=pytest.mark.shared)
+                  for n in ("trace_curve_bf16_ref2va_av_fp32", "trace_curve_bf16_fl2va_fp32")]
+SEGMENT_TRACES += [pytest.param(m, id=m.stem) for m in sorted(FIXTURES.glob("trace_fx_*_fp32.json"))]
+
+
+@pytest.mark.parametrize("manifest", SEGMENT_TRACES)
+def test_layout_segments_match_comfyui_manifest(manifest):
+    man = json.loads(manifest.read_text())
+    path, problem = pair_inputs(manifest.parent, man, manifest.with_suffix(".safetensors"),
+                                manifest.parent / Path(man["checkpoint"]).name)
+    assert problem is None, problem
+    inp = load_inputs(path)
+    v, a = inp["video_latent"], inp["audio_latent"]
+    layout = build_layout(inp["text_states"].shape[1], *v.shape[2:], a.shape[-1], keyframes=inp.keyframes,
+                          refs=inp.refs)
+    assert layout.manifest() == man["layout"]["segments"]
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

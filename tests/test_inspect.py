@@ -13,10 +13,14 @@ from malformed import TINY, TINY_CURVE, T, h3_tensors, nvfp4_tensors, write
 from h3direct.app.cli import main
 from h3direct.checkpoint.safetensors_header import read_header, validate
 from h3direct.errors import H3Error
+from parity_tests.discovery import FIXTURES
+from parity_tests.discovery import SHARED_ORACLE as SHARED
 
-SHARED = Path("/work/shared/oracle")
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared oracle data not found at {SHARED}")
-CHECKPOINTS = ["h3_tiny_bf16", "h3_tiny_nvfp4", "h3_tiny_curve_bf16", "h3_tiny_curve_nvfp4"]
+# ComfyUI's checkpoints in ../shared/oracle, and the committed ones ComfyUI recorded the fixture traces with
+SHARED_CHECKPOINTS = ["h3_tiny_bf16", "h3_tiny_nvfp4", "h3_tiny_curve_bf16", "h3_tiny_curve_nvfp4"]
+FIXTURE_CHECKPOINTS = ["h3_fx_bf16", "h3_fx_curve_bf16", "h3_fx_curve_nvfp4"]
+CHECKPOINTS = [pytest.param(SHARED / f"{n}.safetensors", id=n, marks=pytest.mark.shared) for n in SHARED_CHECKPOINTS]
+CHECKPOINTS += [pytest.param(FIXTURES / f"{n}.safetensors", id=n) for n in FIXTURE_CHECKPOINTS]
 # keys of ComfyUI's unet_config_detected that are not derived from tensor shapes
 IGNORED_MANIFEST_KEYS = {"image_model", "dtype"}
 
@@ -36,22 +40,22 @@ def kinds(report) -> set[str]:
     return {a["kind"] for a in report["anomalies"]}
 
 
-def manifests_for(ckpt: str) -> list[dict]:
+def manifests_for(ckpt: Path) -> list[dict]:
+    """The DiT trace manifests beside `ckpt` that ComfyUI recorded with it."""
     found = []
-    for p in sorted(SHARED.glob("trace_*.json")):
+    for p in sorted(ckpt.parent.glob("trace_*.json")):
         m = json.loads(p.read_text())
-        if m.get("checkpoint") == f"{ckpt}.safetensors":
+        if m.get("checkpoint") == ckpt.name and "unet_config_detected" in m:
             found.append(m)
     return found
 
 
 # ------------------------------------------------------------------ oracle checkpoints ----
-@needs_shared
 @pytest.mark.parametrize("ckpt", CHECKPOINTS)
 def test_config_equals_comfy_unet_config_detected(ckpt, tmp_path, capsys):
     manifests = manifests_for(ckpt)
-    assert manifests, f"no trace manifest records {ckpt}"
-    summary, report = inspect(SHARED / f"{ckpt}.safetensors", tmp_path, capsys)
+    assert manifests, f"no trace manifest records {ckpt.name}"
+    summary, report = inspect(ckpt, tmp_path, capsys)
     for m in manifests:
         detected = m["unet_config_detected"]
         assert IGNORED_MANIFEST_KEYS <= set(detected)  # the ignored keys really are there
@@ -63,14 +67,12 @@ def test_config_equals_comfy_unet_config_detected(ckpt, tmp_path, capsys):
     assert report["pdd_heads"]["count"] == 0 and "no PDD head bank" in report["pdd_heads"]["note"]
 
 
-@needs_shared
-@pytest.mark.parametrize("ckpt", CHECKPOINTS)
-def test_header_matches_safetensors_library(ckpt):
+@pytest.mark.parametrize("path", CHECKPOINTS)
+def test_header_matches_safetensors_library(path):
     """Names, dtypes, shapes and absolute offsets agree with the reference safetensors reader."""
     import torch
     from safetensors import safe_open
 
-    path = SHARED / f"{ckpt}.safetensors"
     header = read_header(path)
     with safe_open(str(path), "pt") as f:
         assert set(f.keys()) == set(header.tensors)
@@ -87,8 +89,8 @@ def test_header_matches_safetensors_library(ckpt):
                 assert raw.read(t.nbytes) == ref, name
 
 
-@needs_shared
-@pytest.mark.parametrize("ckpt", ["h3_tiny_nvfp4", "h3_tiny_curve_nvfp4", "h3_tiny_bf16", "h3_tiny_curve_bf16"])
+@pytest.mark.shared
+@pytest.mark.parametrize("ckpt", SHARED_CHECKPOINTS)
 def test_quantized_layers_and_islands_match_checkpoint_info(ckpt, tmp_path, capsys):
     info_name = "checkpoint_info_curve.json" if "curve" in ckpt else "checkpoint_info.json"
     info = json.loads((SHARED / info_name).read_text())
@@ -144,10 +146,9 @@ def test_synthetic_config_generalises(name, tmp_path, capsys):
     assert summary["quantized"] == ({"nvfp4": len(quant)} if quant else {})
 
 
+@pytest.mark.shared
 def test_builder_matches_oracle_key_table():
     """The synthetic H3 builder reproduces the oracle's own key / dtype / shape tables."""
-    if not SHARED.is_dir():
-        pytest.skip(f"shared oracle data not found at {SHARED}")
     dt = {"BF16": "bfloat16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
     for cfg, info_name in ((TINY, "checkpoint_info.json"), (TINY_CURVE, "checkpoint_info_curve.json")):
         info = json.loads((SHARED / info_name).read_text())

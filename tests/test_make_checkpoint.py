@@ -1,11 +1,9 @@
-"""Synthetic checkpoints: layout table vs the shared checkpoint_info*.json, the shared files themselves,
-determinism, NVFP4 companions, the streaming writer, the CLI, and (comfy marker) loading in ComfyUI."""
+"""Synthetic checkpoints: layout table vs the shared checkpoint_info*.json, the shared files themselves (marker
+`shared`), determinism, NVFP4 companions, the streaming writer, the CLI, and (marker `comfy`) loading in ComfyUI."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +15,12 @@ from h3direct.checkpoint.quant import NVFP4_MARKER
 from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, unswizzle_block_scales
 from h3direct.checkpoint.synthetic import dit_plan, write_dit_checkpoint, write_state_dict
 from h3direct.config import H3Config
+from parity_tests.discovery import SHARED_ORACLE
 
 try:
     import comfy_goldens as goldens
 except ImportError:  # rootdir-relative import
     from tests import comfy_goldens as goldens
-
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
-needs_oracle = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"shared oracle data not found at {ORACLE}")
 
 # where each shared file comes from: (info json, preset, quant, key list in the json)
 SHARED = {
@@ -52,11 +48,11 @@ ST_TO_TORCH = {"F32": "float32", "BF16": "bfloat16", "U8": "uint8", "F8_E4M3": "
 
 # ---------------------------------------------------------------- layout table
 
-@needs_oracle
+@pytest.mark.shared
 @pytest.mark.parametrize("name", sorted(SHARED))
 def test_layout_matches_checkpoint_info(name):
     info_file, preset, quant, key_list = SHARED[name]
-    info = json.loads((ORACLE / info_file).read_text())
+    info = json.loads((SHARED_ORACLE / info_file).read_text())
     config = H3Config.from_dict(info["config"])
     assert config == H3Config.from_name(preset)
     layout = dit_keys(config, quant)
@@ -65,11 +61,11 @@ def test_layout_matches_checkpoint_info(name):
         assert nvfp4_layer_names(config) == sorted(info["nvfp4_quantized_layers"])
 
 
-@needs_oracle
+@pytest.mark.shared
 @pytest.mark.parametrize("name", sorted(SHARED))
 def test_layout_matches_shared_file_header(name):
     _, preset, quant, _ = SHARED[name]
-    got = {k: (ST_TO_TORCH[d], s) for k, (d, s) in header(ORACLE / f"{name}.safetensors").items()}
+    got = {k: (ST_TO_TORCH[d], s) for k, (d, s) in header(SHARED_ORACLE / f"{name}.safetensors").items()}
     assert got == {k: (s.dtype, s.shape) for k, s in dit_keys(H3Config.from_name(preset), quant).items()}
 
 
@@ -105,13 +101,13 @@ def made(tmp_path_factory):
     return out
 
 
-@needs_oracle
+@pytest.mark.shared
 @pytest.mark.parametrize("name", sorted(SHARED))
 def test_seed0_reproduces_shared_checkpoint(made, name):
     """The shared tiny files follow the init recipe we implement; ComfyUI's quantizer made the NVFP4 bytes."""
     from safetensors.torch import load_file
 
-    ours, ref = load_file(str(made[name])), load_file(str(ORACLE / f"{name}.safetensors"))
+    ours, ref = load_file(str(made[name])), load_file(str(SHARED_ORACLE / f"{name}.safetensors"))
     assert sorted(ours) == sorted(ref)
     for k in ref:
         assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape, k
@@ -257,43 +253,50 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, message):
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_cli_vae_component(tmp_path, capsys):
-    pytest.importorskip("h3direct.vae.synthetic", reason="h3direct.vae.synthetic not built yet")
+def _cli_audio_vae(tmp_path) -> dict[str, tuple[str, tuple[int, ...]]]:
     out = tmp_path / "va.safetensors"
     assert cli_main(["make-checkpoint", "--component", "audio_vae", "--preset", "tiny", "--out", str(out)]) == 0
-    got = header(out)
-    if (ORACLE / "vae_audio_tiny.safetensors").exists():  # same keys and shapes as the shared tiny audio VAE
-        ref = header(ORACLE / "vae_audio_tiny.safetensors")
-        assert {k: s for k, (_, s) in got.items()} == {k: s for k, (_, s) in ref.items()}
+    return header(out)
+
+
+def test_cli_vae_component(tmp_path, capsys):
+    from h3direct.vae.synthetic import make_state_dict
+
+    want = make_state_dict("audio_vae", "tiny", seed=0)
+    assert {k: s for k, (_, s) in _cli_audio_vae(tmp_path).items()} == {k: tuple(t.shape) for k, t in want.items()}
+
+
+@pytest.mark.shared
+def test_cli_vae_component_has_the_shared_tiny_layout(tmp_path, capsys):
+    """Same keys and shapes as the tiny audio VAE ComfyUI was traced with."""
+    ref = header(SHARED_ORACLE / "vae_audio_tiny.safetensors")
+    assert {k: s for k, (_, s) in _cli_audio_vae(tmp_path).items()} == {k: s for k, (_, s) in ref.items()}
 
 
 # ---------------------------------------------------------------- ComfyUI
 
-def _open_comfy():
-    root = os.environ.get("H3_COMFY_ROOT")
-    if not root:
-        pytest.skip("H3_COMFY_ROOT is not set (path of the ComfyUI snapshot)")
+def _open_comfy(root: str):
     from h3direct.errors import H3Error
+    from oracle.comfy_env import open_comfy
 
     try:
-        from oracle.comfy_env import open_comfy
-
         return open_comfy(root, device="cpu", compute_dtype="fp32", attention="pytorch")
-    except (ImportError, H3Error) as exc:
-        pytest.skip(f"cannot import ComfyUI in this process: {exc}")
+    except (ImportError, H3Error) as exc:  # a ComfyUI checkout was given: not importing it is a failure
+        pytest.fail(f"cannot import ComfyUI from {root} in this process: {exc}")
 
 
 @pytest.mark.comfy
 @pytest.mark.parametrize("quant", ["none", "nvfp4"])
 @pytest.mark.parametrize("adaln", ["full", "curve"])
-def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln, ndarrays_regression, data_regression):
+def test_made_checkpoint_loads_and_runs_in_comfyui(tmp_path, quant, adaln, ndarrays_regression, data_regression,
+                                                    comfy_root):
     """ComfyUI detects our config, loads every key (none missing / unexpected), and its own forward keeps
     O(1) activations through all blocks (8 layers here)."""
     from safetensors.torch import load_file
 
     from h3direct.checkpoint.synthetic import resolve_config
 
-    env = _open_comfy()
+    env = _open_comfy(comfy_root)
     cfg = resolve_config("tiny", None, adaln).replace(num_layers=8)
     path = tmp_path / "m.safetensors"
     write_dit_checkpoint(path, cfg, quant, seed=5)

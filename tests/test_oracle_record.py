@@ -13,8 +13,8 @@ import torch
 from h3direct.traces.format import load_trace
 from oracle.compare import diff_traces
 from oracle.replay import report
+from parity_tests.discovery import SHARED_ORACLE as SHARED
 
-SHARED = Path("/work/shared/oracle")
 ROUND_OFF = 1e-6  # fp32 round-off between machines (rel-L2 per key), the DONE criterion
 
 
@@ -24,14 +24,13 @@ def _oracle(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.comfy
-def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path) -> None:
-    if not os.environ.get("H3_COMFY_ROOT"):
-        pytest.skip("H3_COMFY_ROOT is not set (path of a ComfyUI checkout with the MiniMax H3 code)")
-    if not SHARED.is_dir():
-        pytest.skip(f"shared oracle data not found at {SHARED}")
+@pytest.mark.shared
+def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path, comfy_root: str) -> None:
     out = tmp_path / "mask.safetensors"
     r = _oracle(
         "record",
+        "--comfy-root",
+        comfy_root,
         "--checkpoint",
         str(SHARED / "h3_tiny_curve_bf16.safetensors"),
         "--inputs",
@@ -54,6 +53,8 @@ def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path) -> None
     # teacher forcing: block 1 re-run from its recorded inputs reproduces its recorded output
     r = _oracle(
         "replay",
+        "--comfy-root",
+        comfy_root,
         "--trace",
         str(out),
         "--layer",

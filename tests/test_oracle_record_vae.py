@@ -14,8 +14,7 @@ from h3direct.traces.format import load_trace
 from oracle.compare import diff_traces
 from oracle.record_vae import constructor_args
 from parity_tests.budgets import load_budgets
-
-SHARED = Path("/work/shared/oracle")
+from parity_tests.discovery import SHARED_ORACLE as SHARED
 
 
 def test_constructor_args_drop_notes_and_reject_non_objects():
@@ -29,18 +28,16 @@ def test_constructor_args_drop_notes_and_reject_non_objects():
 
 
 @pytest.mark.comfy
+@pytest.mark.shared
 @pytest.mark.parametrize(("modality", "ops"), [("audio", ("decode", "encode")), ("video", ("decode",))])
-def test_record_vae_reproduces_shared_traces(tmp_path: Path, modality: str, ops: tuple[str, ...]) -> None:
-    if not os.environ.get("H3_COMFY_ROOT"):
-        pytest.skip("H3_COMFY_ROOT is not set (path of a ComfyUI checkout with the MiniMax H3 code)")
-    if not (SHARED / "vae_config_public.json").is_file():
-        pytest.skip(f"shared oracle VAE data not found at {SHARED}")
+def test_record_vae_reproduces_shared_traces(tmp_path: Path, modality: str, ops: tuple[str, ...],
+                                             comfy_root: str) -> None:
     out = tmp_path / f"trace_vae_{modality}_{{op}}_fp32.safetensors"
     only = ["--op", ops[0]] if len(ops) == 1 else []
     r = subprocess.run(
         [sys.executable, "-m", "oracle", "record-vae", "--weights", str(SHARED / f"vae_{modality}_tiny.safetensors"),
          "--config", str(SHARED / "vae_config_public.json"), "--inputs", str(SHARED / "vae_inputs_public.safetensors"),
-         "--dtype", "fp32", *only, "--out", str(out)],
+         "--dtype", "fp32", *only, "--comfy-root", comfy_root, "--out", str(out)],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     budget = load_budgets().rules["fp32_limit"]  # the fp32 rule

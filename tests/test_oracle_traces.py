@@ -12,15 +12,13 @@ from safetensors import safe_open
 from h3direct.errors import H3Error
 from h3direct.traces.format import TRACE_FORMAT, load_trace, load_vae_inputs, save_trace
 from h3direct.traces.inputs import load_inputs
-
-SHARED = Path("/work/shared/oracle")
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared oracle data not found at {SHARED}")
+from parity_tests.discovery import SHARED_ORACLE as SHARED
 
 TRACES = sorted(SHARED.glob("trace_*.safetensors")) if SHARED.is_dir() else []
 INPUTS = sorted(SHARED.glob("inputs_*.safetensors")) if SHARED.is_dir() else []
 
 
-@needs_shared
+@pytest.mark.shared
 @pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
 def test_shared_trace_loads_with_aliases(path: Path) -> None:
     trace = load_trace(path)
@@ -41,7 +39,7 @@ def test_shared_trace_loads_with_aliases(path: Path) -> None:
         trace.get("blocks.99.nothing")
 
 
-@needs_shared
+@pytest.mark.shared
 def test_shared_trace_stats_match_manifest() -> None:
     # independent check of tensor contents: the manifest's absmax/mean were written by the recorder
     trace = load_trace(SHARED / "trace_bf16_t2va_fp32.safetensors")
@@ -51,7 +49,7 @@ def test_shared_trace_stats_match_manifest() -> None:
         assert abs(float(t.mean()) - info["mean"]) <= 1e-5 * max(1.0, info["std"]), name
 
 
-@needs_shared
+@pytest.mark.shared
 @pytest.mark.parametrize("path", INPUTS, ids=[p.stem for p in INPUTS])
 def test_shared_inputs_load(path: Path) -> None:
     inp = load_inputs(path)
@@ -76,7 +74,7 @@ def test_shared_inputs_load(path: Path) -> None:
         assert inp.denoise_mask is None
 
 
-@needs_shared
+@pytest.mark.shared
 def test_vae_inputs_load() -> None:
     cases = load_vae_inputs(SHARED / "vae_inputs_public.safetensors")
     assert set(cases) == {"video_decode", "audio_decode", "video_encode", "audio_encode"}

@@ -6,9 +6,6 @@ sigma(t) = s·t / (1 + (s − 1)·t) (s = 12, 'simple' picks t = 1 − floor(k·
 x ← x + (x − x0)/σ · (σ_next − σ) in the space where audio is carried ×(12/3), and un-carries audio at the end.
 """
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +14,8 @@ from safetensors.torch import load_file
 from h3direct.app import bundled
 from h3direct.errors import H3Error
 from h3direct.sampling.caches import CacheSettings
+from parity_tests.discovery import SHARED_ORACLE
 
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
 W, H, FRAMES = 96, 64, 5
 # the reference loop computes its sigmas in float64 and rounds once; ComfyUI's (and our) float32 table may
 # differ by an ulp per sigma, which moves the latents by ~1e-7 relative. Not a parity budget: a wiring check.
@@ -75,13 +72,12 @@ def test_bundled_sizes_are_consistent(pipe):
     assert pipe.audio_vae.cfg.vae_latent_channels == pipe.dit.config.audio_latents_dim
 
 
+@pytest.mark.shared
 @pytest.mark.parametrize("name,oracle", [("dit", "h3_tiny_bf16.safetensors"),
                                          ("video_vae", "vae_video_tiny.safetensors")])
 def test_bundled_models_are_the_oracle_files(bundle_dir, name, oracle):
     """Seed 0 of the recipes reproduces the checkpoints ComfyUI was traced with (so parity traces apply)."""
-    ref = ORACLE / oracle
-    if not ref.exists():
-        pytest.skip(f"{ref} missing")
+    ref = SHARED_ORACLE / oracle
     got, want = load_file(str(bundle_dir / bundled.FILES[name])), load_file(str(ref))
     assert set(got) == set(want)
     bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]

@@ -1,9 +1,9 @@
-"""NVFP4 codec and linears against comfy-kitchen (the code ComfyUI calls) and the shared ComfyUI traces."""
+"""NVFP4 codec and linears against comfy-kitchen (the code ComfyUI calls) and ComfyUI's CPU traces (the committed
+fixture and, marker `shared`, ../shared/oracle's)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from h3direct.checkpoint.quant import nvfp4
+from parity_tests.discovery import FIXTURES, SHARED_ORACLE
 
 ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the `kitchen` extra) is the NVFP4 reference")
 from comfy_kitchen.float_utils import from_blocked, to_blocked  # noqa: E402
@@ -19,8 +20,7 @@ from comfy_kitchen.tensor import TensorCoreNVFP4Layout as CKNVFP4Layout  # noqa:
 from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
-NVFP4_FILES = ["h3_tiny_nvfp4", "h3_tiny_curve_nvfp4"]
+SHARED_NVFP4 = ["h3_tiny_nvfp4", "h3_tiny_curve_nvfp4"]  # quantized by ComfyUI from the shared bf16 files
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
 
@@ -51,25 +51,31 @@ def assert_bitwise(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
                              f"ref {ref[i].item()!r}")
 
 
-def load(name: str) -> dict[str, torch.Tensor]:
+def load(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    path = ORACLE / f"{name}.safetensors"
-    if not path.exists():
-        pytest.skip(f"shared oracle file {path} not present")
     return load_file(str(path))
+
+
+def shared(name: str) -> dict[str, torch.Tensor]:
+    return load(SHARED_ORACLE / f"{name}.safetensors")
 
 
 def nvfp4_prefixes(sd: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k[: -len("weight_scale_2")] for k in sd if k.endswith(".weight_scale_2"))
 
 
-# ---------------------------------------------------------------- the shared checkpoints
+# ---------------------------------------------------------------- the NVFP4 checkpoints
+
+# every NVFP4 checkpoint decoded bitwise like comfy-kitchen decodes it: the shared ones and the committed fixture
+NVFP4_FILES = [pytest.param(SHARED_ORACLE / f"{n}.safetensors", id=n, marks=pytest.mark.shared) for n in SHARED_NVFP4]
+NVFP4_FILES += [pytest.param(FIXTURES / "h3_fx_curve_nvfp4.safetensors", id="h3_fx_curve_nvfp4")]
+
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", NVFP4_FILES)
-def test_dequantize_every_shared_layer_bitwise(name, out_dtype):
-    sd = load(name)
+@pytest.mark.parametrize("path", NVFP4_FILES)
+def test_dequantize_every_layer_bitwise(path, out_dtype):
+    sd = load(path)
     prefixes = nvfp4_prefixes(sd)
     assert len(prefixes) == 12  # 3 blocks (2 DiT + 1 refiner) x 4 linears
     for p in prefixes:
@@ -78,10 +84,11 @@ def test_dequantize_every_shared_layer_bitwise(name, out_dtype):
         assert_bitwise(nvfp4.dequantize_nvfp4(packed, bs, gs, out_dtype), ref, p)
 
 
-@pytest.mark.parametrize("name", NVFP4_FILES)
+@pytest.mark.shared
+@pytest.mark.parametrize("name", SHARED_NVFP4)
 def test_quantize_reproduces_shared_bytes(name):
     """The shared NVFP4 files were made by ComfyUI's TensorCoreNVFP4Layout.quantize from the bf16 weights."""
-    sd, master = load(name), load(name.replace("nvfp4", "bf16"))
+    sd, master = shared(name), shared(name.replace("nvfp4", "bf16"))
     for p in nvfp4_prefixes(sd):
         q = nvfp4.quantize_nvfp4(master[p + "weight"])
         assert_bitwise(q.packed, sd[p + "weight"], p + "weight")
@@ -89,9 +96,10 @@ def test_quantize_reproduces_shared_bytes(name):
         assert_bitwise(q.global_scale, sd[p + "weight_scale_2"], p + "weight_scale_2")
 
 
+@pytest.mark.shared
 def test_global_scale_is_computed_in_the_weight_dtype():
     """A fp32 quotient of the same bf16 weights does not give the stored scale (guards the dtype choice)."""
-    sd, master = load("h3_tiny_nvfp4"), load("h3_tiny_bf16")
+    sd, master = shared("h3_tiny_nvfp4"), shared("h3_tiny_bf16")
     p = "blocks.0.attn.qkv_proj."
     w = master[p + "weight"]
     fp32_quotient = torch.amax(w.float().abs()) / (448.0 * 6.0)
@@ -241,16 +249,13 @@ def test_linear_w4a4_matches_dequantized_product(with_bias):
 
 # ---------------------------------------------------------------- ComfyUI's own CPU traces
 
-def _trace(name: str):
-    path = ORACLE / f"{name}.safetensors"
-    if not path.exists():
-        pytest.skip(f"shared trace {path} not present")
-    from safetensors.torch import load_file
-
-    manifest = json.loads((ORACLE / f"{name}.json").read_text())
-    tensors = load_file(str(path))
+def _trace(path: Path):
+    """(manifest, tensor getter, the checkpoint's tensors) of a ComfyUI trace and the checkpoint beside it."""
+    manifest = json.loads(path.with_suffix(".json").read_text())
+    tensors = load(path)
     aliases = manifest["aliases"]
-    return manifest, (lambda key: tensors[key] if key in tensors else tensors[aliases[key]])
+    sd = load(path.parent / Path(manifest["checkpoint"]).name)
+    return manifest, (lambda key: tensors[key] if key in tensors else tensors[aliases[key]]), sd
 
 
 # (linear, the trace tensor that is its input) — recorded completely for block 0 and the token refiner
@@ -264,22 +269,26 @@ TRACE_LINEARS = [
 ]
 
 
-@pytest.mark.parametrize("trace", ["trace_nvfp4_t2va_fp32", "trace_nvfp4_ref2va_fp32", "trace_curve_nvfp4_t2va_fp32"])
+def _traces(names, fixtures=()) -> list:
+    return ([pytest.param(SHARED_ORACLE / f"{n}.safetensors", id=n, marks=pytest.mark.shared) for n in names]
+            + [pytest.param(FIXTURES / f"{n}.safetensors", id=n) for n in fixtures])
+
+
+@pytest.mark.parametrize("trace", _traces(["trace_nvfp4_t2va_fp32", "trace_nvfp4_ref2va_fp32",
+                                           "trace_curve_nvfp4_t2va_fp32"], ["trace_fx_curve_nvfp4_ref2va_fp32"]))
 def test_w4a16_reproduces_comfyui_cpu_trace_fp32_bitwise(trace):
     """ComfyUI on the CPU runs NVFP4 layers as W4A16 (FP4 compute is disabled off NVIDIA cc >= 10)."""
-    manifest, get = _trace(trace)
-    sd = load(Path(manifest["checkpoint"]).stem)
+    _, get, sd = _trace(trace)
     for layer, inp in TRACE_LINEARS:
         p = layer + "."
         y = nvfp4.linear_w4a16(get(inp), sd[p + "weight"], sd[p + "weight_scale"], sd[p + "weight_scale_2"], None,
                                torch.float32)
-        assert_bitwise(y, get(layer + ".out"), f"{trace}:{layer}")
+        assert_bitwise(y, get(layer + ".out"), f"{trace.stem}:{layer}")
 
 
-@pytest.mark.parametrize("trace", ["trace_nvfp4_t2va_bf16", "trace_nvfp4_ref2va_bf16"])
+@pytest.mark.parametrize("trace", _traces(["trace_nvfp4_t2va_bf16", "trace_nvfp4_ref2va_bf16"]))
 def test_w4a16_reproduces_comfyui_cpu_trace_bf16(trace):
-    manifest, get = _trace(trace)
-    sd = load(Path(manifest["checkpoint"]).stem)
+    _, get, sd = _trace(trace)
     tol = TOLERANCES[("w4a16_trace", "bf16")]
     for layer, inp in TRACE_LINEARS:
         p = layer + "."
@@ -287,8 +296,8 @@ def test_w4a16_reproduces_comfyui_cpu_trace_bf16(trace):
                                None, torch.bfloat16)
         ref = get(layer + ".out").bfloat16()
         ulps = (bits(y).int() - bits(ref).int()).abs()  # same-sign neighbours differ by 1 in their bit pattern
-        assert ulps.max().item() <= tol["max_ulps"], f"{trace}:{layer}: {ulps.max().item()} ulps"
-        assert (ulps > 0).float().mean().item() <= tol["max_mismatch_frac"], f"{trace}:{layer}"
+        assert ulps.max().item() <= tol["max_ulps"], f"{trace.stem}:{layer}: {ulps.max().item()} ulps"
+        assert (ulps > 0).float().mean().item() <= tol["max_mismatch_frac"], f"{trace.stem}:{layer}"
 
 
 def test_quantize_in_row_chunks_is_bitwise_whole_tensor():

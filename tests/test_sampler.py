@@ -10,10 +10,10 @@ from h3direct.sampling import schedules
 
 try:
     import comfy_goldens as goldens
-    from comfy_defs import load, needs_comfy
+    from comfy_defs import load
 except ImportError:  # rootdir-relative import
     from tests import comfy_goldens as goldens
-    from tests.comfy_defs import load, needs_comfy
+    from tests.comfy_defs import load
 
 SCHEDULES = [(sch, steps) for steps in (1, 4, 9) for sch in ("simple", "normal", "sgm_uniform")]
 SAMPLER_RUNS = [(name, masked, cfg) for cfg in (1.0, 3.5) for masked in (False, True)
@@ -99,13 +99,13 @@ def test_noise_is_the_seeded_generators_draws_in_stream_order():
 
 # ---- against ComfyUI's own functions --------------------------------------------------------
 
-def _comfy():
-    ms = load("comfy/model_sampling.py", ["reshape_sigma", "time_snr_shift", "CONST", "ModelSamplingDiscreteFlow", "ModelSamplingAV"])
-    kutils = load("comfy/k_diffusion/utils.py", ["append_dims"])
-    ks = load("comfy/k_diffusion/sampling.py", ["to_d", "sample_euler", "sample_heun", "sample_dpmpp_2m"],
+def _comfy(root):
+    ms = load(root, "comfy/model_sampling.py", ["reshape_sigma", "time_snr_shift", "CONST", "ModelSamplingDiscreteFlow", "ModelSamplingAV"])
+    kutils = load(root, "comfy/k_diffusion/utils.py", ["append_dims"])
+    ks = load(root, "comfy/k_diffusion/sampling.py", ["to_d", "sample_euler", "sample_heun", "sample_dpmpp_2m"],
               utils=kutils, trange=lambda n, disable=None: range(n))
-    sm = load("comfy/samplers.py", ["simple_scheduler", "normal_scheduler", "KSamplerX0Inpaint", "cfg_function"])
-    ut = load("comfy/utils.py", ["pack_latents", "unpack_latents"])
+    sm = load(root, "comfy/samplers.py", ["simple_scheduler", "normal_scheduler", "KSamplerX0Inpaint", "cfg_function"])
+    ut = load(root, "comfy/utils.py", ["pack_latents", "unpack_latents"])
     return ms, ks, sm, ut
 
 
@@ -118,12 +118,11 @@ def _comfy_model_sampling(ms):
     return MS(Cfg())
 
 
-@needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("scheduler", ["simple", "normal", "sgm_uniform"])
 @pytest.mark.parametrize("steps", [1, 4, 9])
-def test_schedule_bitwise_vs_comfy(scheduler, steps, ndarrays_regression):
-    ms, _, sm, _ = _comfy()
+def test_schedule_bitwise_vs_comfy(scheduler, steps, ndarrays_regression, comfy_root):
+    ms, _, sm, _ = _comfy(comfy_root)
     m = _comfy_model_sampling(ms)
     ref = {"simple": lambda: sm.simple_scheduler(m, steps), "normal": lambda: sm.normal_scheduler(m, steps),
            "sgm_uniform": lambda: sm.normal_scheduler(m, steps, sgm=True)}[scheduler]()
@@ -137,10 +136,9 @@ def test_schedule_bitwise_vs_comfy_golden(scheduler, steps):
     assert torch.equal(schedules.sigmas_for(steps, scheduler), ref)
 
 
-@needs_comfy
 @pytest.mark.comfy
-def test_denoise_fraction_vs_comfy(ndarrays_regression):
-    ms, _, sm, _ = _comfy()
+def test_denoise_fraction_vs_comfy(ndarrays_regression, comfy_root):
+    ms, _, sm, _ = _comfy(comfy_root)
     m = _comfy_model_sampling(ms)
     full = sm.simple_scheduler(m, int(4 / 0.6))
     goldens.record(ndarrays_regression, "schedule_simple_4_denoise0.6", {"sigmas": full[-5:]})
@@ -152,9 +150,9 @@ def test_denoise_fraction_vs_comfy_golden():
     assert torch.equal(schedules.sigmas_for(4, "simple", denoise=0.6), ref)
 
 
-def _comfy_run(name, denoise_pos, denoise_neg, cfg, noise_v, noise_a, lat_v, lat_a, mask_v, mask_a, sigmas):
+def _comfy_run(root, name, denoise_pos, denoise_neg, cfg, noise_v, noise_a, lat_v, lat_a, mask_v, mask_a, sigmas):
     """ComfyUI's sampling path (CFGGuider.inner_sample → KSAMPLER.sample) from its own functions."""
-    ms, ks, sm, ut = _comfy()
+    ms, ks, sm, ut = _comfy(root)
     m = _comfy_model_sampling(ms)
     latent, shapes = ut.pack_latents([lat_v, lat_a])
     noise, _ = ut.pack_latents([noise_v, noise_a])
@@ -216,15 +214,14 @@ def _h3_run(name, masked, cfg, nv, na, lv, la, mv, ma, sig):
     return out
 
 
-@needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("name", ["euler", "heun", "dpmpp_2m"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("cfg", [1.0, 3.5])
-def test_sampling_bitwise_vs_comfy(name, masked, cfg, ndarrays_regression):
+def test_sampling_bitwise_vs_comfy(name, masked, cfg, ndarrays_regression, comfy_root):
     nv, na, lv, la, mv, ma, sig = _run_inputs(masked)
     pos, neg = _fake_denoise(), _fake_denoise(0.3, 0.2)
-    ref_v, ref_a = _comfy_run(name, pos, neg, cfg, nv, na, lv, la, mv, ma, sig)
+    ref_v, ref_a = _comfy_run(comfy_root, name, pos, neg, cfg, nv, na, lv, la, mv, ma, sig)
     arrays = {"noise_video": nv, "noise_audio": na, "latent_video": lv, "latent_audio": la, "sigmas": sig,
               "out_video": ref_v, "out_audio": ref_a}
     if masked:
@@ -243,11 +240,10 @@ def test_sampling_bitwise_vs_comfy_golden(name, masked, cfg):
     assert torch.equal(out.video, g["out_video"]) and torch.equal(out.audio, g["out_audio"])
 
 
-@needs_comfy
 @pytest.mark.comfy
-def test_noise_bitwise_vs_comfy_prepare_noise(ndarrays_regression):
-    nt = load("comfy/nested_tensor.py", ["NestedTensor"])
-    sp = load("comfy/sample.py", ["prepare_noise_inner", "prepare_noise"],
+def test_noise_bitwise_vs_comfy_prepare_noise(ndarrays_regression, comfy_root):
+    nt = load(comfy_root, "comfy/nested_tensor.py", ["NestedTensor"])
+    sp = load(comfy_root, "comfy/sample.py", ["prepare_noise_inner", "prepare_noise"],
               comfy=type("C", (), {"nested_tensor": nt})())
     latent = nt.NestedTensor([torch.zeros(VS), torch.zeros(AS)])
     ref = sp.prepare_noise(latent, 42).unbind()

@@ -1,6 +1,5 @@
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +12,12 @@ from h3direct.sampling.conditioning import PresentationItem
 from h3direct.text import load as hl
 from h3direct.text import presentation as hp
 from h3direct.text import qwen as hq
+from parity_tests.discovery import SHARED_ORACLE
 
 try:
     import comfy_goldens as goldens
-    from comfy_defs import needs_comfy
 except ImportError:
     from tests import comfy_goldens as goldens
-    from tests.comfy_defs import needs_comfy
-
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
 
 
 def test_vision_pad_count_qwen_grid():
@@ -235,7 +231,8 @@ def test_resample_keeps_a_band_limited_tone():
 
 
 def test_load_audio_resamples_like_resample(tmp_path):
-    av = pytest.importorskip("av")
+    import av  # the media extra
+
     from h3direct.sampling.media import load_audio, resample
 
     sr, n = 44100, 4410
@@ -262,16 +259,15 @@ def test_text_embeds_file(tmp_path):
         hl.load_text_embeds(tmp_path / "b.safetensors")
 
 
-@needs_comfy
 @pytest.mark.comfy
+@pytest.mark.shared
 @pytest.mark.parametrize("task", ["ref2va_av", "fl2va"])
-def test_presentation_matches_oracle_token_ids(task, ndarrays_regression, data_regression):
-    inp, man = ORACLE / f"inputs_public_curve_{task}.safetensors", ORACLE / f"trace_curve_bf16_{task}_fp32.json"
-    if not inp.exists():
-        pytest.skip(f"{inp} missing")
+def test_presentation_matches_oracle_token_ids(task, ndarrays_regression, data_regression, comfy_root):
+    inp = SHARED_ORACLE / f"inputs_public_curve_{task}.safetensors"
+    man = SHARED_ORACLE / f"trace_curve_bf16_{task}_fp32.json"
     from transformers import Qwen2Tokenizer
 
-    tdir = Path(os.environ["H3_COMFY_ROOT"]) / "comfy/text_encoders/qwen25_tokenizer"
+    tdir = Path(comfy_root) / "comfy/text_encoders/qwen25_tokenizer"
     qt = Qwen2Tokenizer.from_pretrained(str(tdir))
     seen = {}
 

@@ -1,7 +1,7 @@
 """Qwen3-VL vision path of the text encoder: unit facts, and parity with ComfyUI's own MiniMax H3 encoder.
 
-The `comfy` tests run ComfyUI's `MiniMaxH3TEModel` + `MiniMaxH3Tokenizer` (imported from $H3_COMFY_ROOT in a
-child process, CPU, fp32) with a tiny config and the same random weights as ours, and compare the last
+The `comfy` tests run ComfyUI's `MiniMaxH3TEModel` + `MiniMaxH3Tokenizer` (imported from the run's ComfyUI checkout in
+a child process, CPU, fp32) with a tiny config and the same random weights as ours, and compare the last
 layer's states and token tags for a text-only prompt, a Ref2VA presentation with one image, and one with a
 3-frame reference video (two 2-frame blocks, the second padded by repetition), and an NVFP4 + AWQ
 (`pre_quant_scale`) file loaded through ComfyUI's mixed-precision ops.
@@ -26,10 +26,8 @@ from h3direct.text import vision as qv
 
 try:
     import comfy_goldens as goldens
-    from comfy_defs import needs_comfy
 except ImportError:
     from tests import comfy_goldens as goldens
-    from tests.comfy_defs import needs_comfy
 
 # rel-L2 bounds of this file, with where they come from
 TOLERANCES = {
@@ -196,9 +194,7 @@ def _awq_state_dict(enc) -> dict:
 
 
 @pytest.fixture(scope="module")
-def comfy_run(tmp_path_factory):
-    if not os.environ.get("H3_COMFY_ROOT"):
-        pytest.skip("H3_COMFY_ROOT is not set (path of the ComfyUI snapshot)")
+def comfy_run(tmp_path_factory, comfy_root):
     work = tmp_path_factory.mktemp("comfy_te")
     enc = hq.make_tiny_text_encoder(3, config=COMFY_TEST_CONFIG)
     save_file(hq.comfy_state_dict(enc), work / "te.safetensors")
@@ -207,23 +203,22 @@ def comfy_run(tmp_path_factory):
     save_file(inputs, work / "inputs.safetensors")
     save_file(_awq_state_dict(enc), work / "te_awq.safetensors")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", COMFY_CHILD, os.environ["H3_COMFY_ROOT"], str(work)],
+    r = subprocess.run([sys.executable, "-c", COMFY_CHILD, comfy_root, str(work)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return enc, inputs, load_file(str(work / "comfy_out.safetensors")), work
 
 
-def _qwen_tokenize():
+def _qwen_tokenize(comfy_root):
     from transformers import Qwen2Tokenizer
 
-    qt = Qwen2Tokenizer.from_pretrained(str(Path(os.environ["H3_COMFY_ROOT"]) / "comfy/text_encoders/qwen25_tokenizer"))
+    qt = Qwen2Tokenizer.from_pretrained(str(Path(comfy_root) / "comfy/text_encoders/qwen25_tokenizer"))
     return lambda s: qt(s, add_special_tokens=False)["input_ids"]
 
 
-@needs_comfy
 @pytest.mark.comfy
 @pytest.mark.parametrize("case", ["text", "image", "video"])
-def test_last_layer_matches_comfy(comfy_run, case):
+def test_last_layer_matches_comfy(comfy_run, case, comfy_root):
     enc, inputs, want, work = comfy_run
     # through the file loader, as the pipeline does
     enc = hl.load_text_encoder(work / "te.safetensors", config=COMFY_TEST_CONFIG)
@@ -232,7 +227,7 @@ def test_last_layer_matches_comfy(comfy_run, case):
         "image": ("the fox from picture one runs", [PresentationItem("image", inputs["image"]), PresentationItem("audio")]),
         "video": ("the clip continues", [PresentationItem("video", inputs["video"], [0.0, 0.5, 1.0])]),
     }[case]
-    got = enc.encode(hp.build_presentation(prompt, items, _qwen_tokenize()))
+    got = enc.encode(hp.build_presentation(prompt, items, _qwen_tokenize(comfy_root)))
     assert torch.equal(got.tags, want[f"{case}.tags"].long())
     ref = want[f"{case}.states"]
     assert got.states.shape == ref.shape
@@ -242,17 +237,17 @@ def test_last_layer_matches_comfy(comfy_run, case):
     if case != "text":  # the vision path is exercised: pads alone would give other states
         no_vision = hq.QwenTextEncoder(enc.net)
         no_vision.visual = None
-        pads = no_vision.encode(hp.build_presentation(prompt, items, _qwen_tokenize()))
+        pads = no_vision.encode(hp.build_presentation(prompt, items, _qwen_tokenize(comfy_root)))
         assert rel_l2(pads.states, ref) > 100 * TOLERANCES[("comfy_parity", "fp32")]
 
 
-@needs_comfy
 @pytest.mark.comfy
-def test_nvfp4_awq_file_matches_comfy(comfy_run):
+def test_nvfp4_awq_file_matches_comfy(comfy_run, comfy_root):
     _, inputs, want, work = comfy_run
     enc = hl.load_text_encoder(work / "te_awq.safetensors", config=COMFY_TEST_CONFIG)
     assert enc.model.layers[3].mlp.down_proj.quant_format == "nvfp4"
-    got = enc.encode(hp.build_presentation("quantized", [PresentationItem("image", inputs["image"])], _qwen_tokenize()))
+    got = enc.encode(hp.build_presentation("quantized", [PresentationItem("image", inputs["image"])],
+                                           _qwen_tokenize(comfy_root)))
     err = rel_l2(got.states, want["awq.states"])
     print(f"awq: rel-L2 {err:.3e}")
     assert err <= TOLERANCES[("comfy_parity", "fp32")], f"awq: rel-L2 {err:.3e}"
@@ -270,13 +265,12 @@ CASES = {
 TOKENS = goldens.GOLDENS / "text_encoder_tokens.yml"
 
 
-@needs_comfy
 @pytest.mark.comfy
-def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regression):
+def test_record_text_encoder_goldens(comfy_run, ndarrays_regression, data_regression, comfy_root):
     """ComfyUI's encoder outputs (states, tags) and its tokenizer's ids for every string the presentations ask
     for, as committed goldens (checked bit for bit; rewritten from ComfyUI with --force-regen)."""
     _, inputs, want, _ = comfy_run
-    tokenize, seen = _qwen_tokenize(), {}
+    tokenize, seen = _qwen_tokenize(comfy_root), {}
 
     def recording(text):
         seen[text] = tokenize(text)

@@ -7,7 +7,6 @@ frame formulas (17k+5 frames <-> 5k+2 latent frames, `comfy.sd.VAE`), or from Py
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,13 @@ from h3direct.vae import (
 )
 from h3direct.vae.synthetic import make_state_dict
 from h3direct.vae.video_tiling import plan_decode, split_tiles
+from parity_tests.discovery import FIXTURES, SHARED_ORACLE
 
-ORACLE = Path(os.environ.get("H3_ORACLE_DIR", "/work/shared/oracle"))
-needs_oracle = pytest.mark.skipif(not (ORACLE / "vae_config_public.json").is_file(),
-                                  reason=f"shared oracle VAE files not found in {ORACLE}")
+# the video decode trace ComfyUI recorded with the shared tiny VAE, and with the committed fixture VAE (32-px tiles)
+DECODE_MANIFESTS = [
+    pytest.param(SHARED_ORACLE / "trace_vae_video_decode_fp32.json", id="shared", marks=pytest.mark.shared),
+    pytest.param(FIXTURES / "trace_vae_video_decode_fp32.json", id="fixtures"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +46,9 @@ def synthetic_files(tmp_path_factory):
     return paths
 
 
-@needs_oracle
+@pytest.mark.shared
 def test_config_from_constructor_args_is_the_tiny_preset():
-    d = json.loads((ORACLE / "vae_config_public.json").read_text())
+    d = json.loads((SHARED_ORACLE / "vae_config_public.json").read_text())
     assert VideoVAEConfig.from_constructor_args(d) == VIDEO_PRESETS["tiny"]
     assert AudioVAEConfig.from_constructor_args(d) == AUDIO_PRESETS["tiny"]
     with pytest.raises(H3Error, match="unknown constructor argument 'chh'"):
@@ -67,9 +69,9 @@ def test_frame_count_formula(k):
     assert plan_decode(1, VideoVAEConfig()).frames == 1
 
 
-@needs_oracle
-def test_split_tiles_matches_comfyui_manifest():
-    m = json.loads((ORACLE / "trace_vae_video_decode_fp32.json").read_text())
+@pytest.mark.parametrize("manifest", DECODE_MANIFESTS)
+def test_split_tiles_matches_comfyui_manifest(manifest):
+    m = json.loads(manifest.read_text())
     for case, info in m["cases"].items():
         h, w = info["output"][2:4]
         for side, n in (("split_tiles_h", h), ("split_tiles_w", w)):
@@ -79,18 +81,18 @@ def test_split_tiles_matches_comfyui_manifest():
             assert list(got.overlaps) == overlaps, (case, side)
 
 
-@needs_oracle
+@pytest.mark.shared
 def test_kaiser_filters_equal_comfyui_buffers():
-    ref = load_file(str(ORACLE / "vae_audio_tiny.safetensors"))
+    ref = load_file(str(SHARED_ORACLE / "vae_audio_tiny.safetensors"))
     ours = make_state_dict("audio_vae", "tiny", seed=0)
     keys = [k for k in ref if k.endswith(".filter")]
     assert keys and all(torch.equal(ours[k], ref[k]) for k in keys)
 
 
-@needs_oracle
+@pytest.mark.shared
 @pytest.mark.parametrize("comp,name", [("video_vae", "vae_video_tiny"), ("audio_vae", "vae_audio_tiny")])
 def test_synthetic_layout_matches_comfyui_file(comp, name):
-    ref = load_file(str(ORACLE / f"{name}.safetensors"))
+    ref = load_file(str(SHARED_ORACLE / f"{name}.safetensors"))
     ours = make_state_dict(comp, "tiny", seed=0)
     assert sorted(ours) == sorted(ref)
     assert all(ours[k].shape == ref[k].shape for k in ref)
@@ -161,7 +163,7 @@ def test_bad_tile_geometry_is_rejected(synthetic_files):
 
 
 def test_decode_latent_writes_playable_mp4(tmp_path, synthetic_files, capsys):
-    av = pytest.importorskip("av", reason="PyAV (pip install av) writes and reads the mp4")
+    import av  # the media extra: PyAV writes and reads the mp4
     lat = tmp_path / "lat.safetensors"
     g = torch.Generator().manual_seed(0)
     save_file({"video_latent": torch.randn(1, 24, 7, 2, 3, generator=g),
