@@ -47,7 +47,6 @@ MARKERS = {
     "gpu": "needs a CUDA GPU (deselected without one; `pytest -m gpu` is the GPU test lane)",
     "gpu2": "needs 2 CUDA GPUs (deselected with fewer)",
     "planted": "the gate lane's one planted-failure check (proves this run's gate can fail)",
-    "slow": "slow tier (opt-in: -m slow)",
 }
 
 
@@ -167,12 +166,6 @@ def pytest_collection_modifyitems(config, items):
     # the e2e frames gate compares an approximate path with the exact one: for an exact path it has no item
     _deselect(config, items, [it for it in items if getattr(it, "callspec", None) is not None
                               and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None])
-    if config.getoption("-m"):
-        return
-    skip_slow = pytest.mark.skip(reason="slow tier: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip_slow)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
