@@ -30,7 +30,7 @@ from torch import nn
 
 from h3direct.errors import H3Error
 from h3direct.text.presentation import PAD_ID, VISION_PAD, Presentation, TextConditioning
-from h3direct.text.vision import VISION_PRESETS, Linear, QwenVisionTower, VisionConfig
+from h3direct.text.vision import VISION_PRESETS, Linear, QwenVisionTower, VisionConfig, rotate
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,6 @@ def rope_cos_sin(cfg: TextEncoderConfig, positions: torch.Tensor) -> tuple:
     return emb.cos(), emb.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: TextEncoderConfig):
         super().__init__()
@@ -130,7 +125,7 @@ class SelfAttention(nn.Module):
         q = einops.rearrange(self.q_proj(x), "b l (h d) -> b h l d", d=c.head_dim)
         k = einops.rearrange(self.k_proj(x), "b l (h d) -> b h l d", d=c.head_dim)
         v = einops.rearrange(self.v_proj(x), "b l (h d) -> b h l d", d=c.head_dim)
-        q, k = _rotate(self.q_norm(q), cos, sin), _rotate(self.k_norm(k), cos, sin)
+        q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
         rep = c.num_attention_heads // c.num_key_value_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
