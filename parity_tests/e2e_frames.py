@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from h3direct.dit.linear import FP8_WEIGHTS_KEY as FP8_WEIGHTS
+from h3direct.dit.options import assignments
 from h3direct.errors import H3Error, RequestError, flag_name
 from h3direct.traces import metrics
 from parity_tests.budgets import Budget, BudgetTable, Measured, load_budgets, verdict
@@ -299,8 +300,9 @@ def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, budgets: 
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
     case = E2ECase(model.id, compute, model.weights)
-    given = "".join(f" --option {k}={v}" for k, v in (options or {}).items())
-    label = path + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+    spelled = assignments(options or {})
+    given = "".join(f" --option {a}" for a in spelled)
+    label = path + (f" ({', '.join(spelled)})" if spelled else "")
     result = CaseResult(case, "e2e", label, title=f"{model.id} [quality, {compute}, {model.weights}, {label} vs "
                         f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls)
     redo = (f"python -m parity_tests.e2e_frames compare --model {model.root or 'bundled'} --path {path} "

@@ -138,15 +138,11 @@ def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
 def attention_flags(attention) -> str:
     """` --attention NAME` and ` --option NAME=VALUE` for each of its options off its default (sdpa: none)."""
     from h3direct.dit.attention import as_options
-    from h3direct.dit.options import changed_options
+    from h3direct.dit.options import assignments, changed_options
 
     opts = as_options(attention)
     flags = f" --attention {opts.backend}" if opts.backend != "sdpa" else ""
-    return flags + "".join(f" --option {k}={_spell(v)}" for k, v in changed_options(opts).items())
-
-
-def _spell(v) -> str:
-    return ("on" if v else "off") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+    return flags + "".join(f" --option {a}" for a in assignments(changed_options(opts)))
 
 
 @lru_cache(maxsize=8)

@@ -81,14 +81,17 @@ def test_options_round_trip_by_their_flat_names_and_check_their_rules():
 
 def test_name_value_assignments_by_the_variables_rule():
     """The gate's, replay's and e2e_frames' `--option NAME=VALUE`: typed by each option's rule, one line if bad."""
-    from h3direct.dit.options import changed_options, describe, parse_assignments
+    from h3direct.dit.options import assignments, changed_options, describe, parse_assignments
 
     got = parse_assignments(["sol_tau=2", "sol_exact_rows=off", "head_slice_backend=fa3"], only="attention")
     assert got == {"sol_tau": 2.0, "sol_exact_rows": False, "head_slice_backend": "fa3"}
     assert parse_assignments(["mlp_chunks=3"]) == {"mlp_chunks": 3}
     opts = Options.from_flat({"attention": "sol_attn", **got}).attention
     assert changed_options(opts) == got
-    assert describe(opts) == "sol_attn (sol_tau=2.0, sol_exact_rows=False, head_slice_backend=fa3)"
+    assert describe(opts) == "sol_attn (sol_tau=2, sol_exact_rows=off, head_slice_backend=fa3)"
+    # the spelling the labels and replay commands print reads back to the same values
+    assert parse_assignments(assignments(got), only="attention") == got
+    assert assignments({"sol_tau": 1.25, "fused": True}) == ["sol_tau=1.25", "fused=on"]
     assert describe(AttentionOptions("sage2")) == "sage2"
     for bad, words in ((["sol_tau"], "'sol_tau': must be NAME=VALUE"),
                        (["sol_tau=x"], "sol_tau='x': must be a number"),

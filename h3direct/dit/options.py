@@ -225,7 +225,16 @@ def changed_options(opts: AttentionOptions) -> dict:
     return {k: v for k, v in flat.items() if v != default[k] and k != "attention"}
 
 
+def assignments(values: dict) -> list[str]:
+    """The inverse of `parse_assignments`: {flat name: value} -> `["sol_tau=2", "sol_sinks=off"]` (booleans on/off,
+    floats in their shortest form), each item read back by `parse_assignments` to the same value."""
+    def spell(v) -> str:
+        return ("on" if v else "off") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+    return [f"{k}={spell(v)}" for k, v in values.items()]
+
+
 def describe(opts: AttentionOptions) -> str:
-    """The backend and, in brackets, its options that differ from their defaults: `sol_attn (sol_tau=2.0)`."""
-    changed = [f"{k}={v}" for k, v in changed_options(opts).items()]
+    """The backend and, in brackets, its options that differ from their defaults: `sol_attn (sol_tau=2)`."""
+    changed = assignments(changed_options(opts))
     return opts.backend + (f" ({', '.join(changed)})" if changed else "")

@@ -196,7 +196,7 @@ def test_the_backends_options_reach_the_kernel_and_its_reference(case, approxima
     kernel = [r for r in teacher.layers if r.part == "kernel"]
     # each kernel site: the stand-in (the backend's run) and the gate's reference, both at the given tau
     assert len(seen) == 2 * len(kernel) and set(seen) == {2.0}, seen
-    assert teacher.attention == "sol_attn (sol_tau=2.0)"
+    assert teacher.attention == "sol_attn (sol_tau=2)"
     assert all("--attention sol_attn --option sol_tau=2" in r.replay for r in kernel), kernel[0].replay
     seen.clear()
     free = run_dit_case(case, mode="free", attention=opts)
