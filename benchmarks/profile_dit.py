@@ -1,6 +1,6 @@
 """Where one full-size DiT step spends its GPU time: torch.profiler over one step, kernels grouped by kind.
 
-    python3 benchmarks/profile_dit.py [--weights nvfp4|bf16] [--attention sdpa] [--top 25]
+    python3 benchmarks/profile_dit.py [--weights nvfp4|bf16] [--attention sdpa] [--fp8-linear] [--option sol_tau=1.3]
 
 Prints the top kernels by CUDA time and a breakdown (GEMM, attention, NVFP4 dequant, norm/rope/elementwise, copies)
 against the kernel floor; writes the profiler table to $OUT/profile_<weights>.txt.
@@ -59,14 +59,23 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=960)
     p.add_argument("--height", type=int, default=544)
     p.add_argument("--frames", type=int, default=124)
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an option by its flat name (repeatable), e.g. --option sol_tau=1.3")
     args = p.parse_args(argv)
+    from h3direct.dit.options import parse_assignments
+    from h3direct.errors import H3Error
+
+    try:
+        given = parse_assignments(args.option)
+    except H3Error as exc:
+        p.error(str(exc))
     config = H3Config.from_name(args.preset)
     wl = C.workload(args.width, args.height, args.frames, 256)
     model, info = build_dit(config, args.weights, args.device, fp8_linear=args.fp8_linear)
     video, audio, text, cond = make_inputs(config, wl, args.device, 0)
     with torch.inference_mode():
         context = model.preprocess_text(text)
-        options = Options.from_flat({"attention": args.attention, "mlp_chunks": args.mlp_chunks})
+        options = Options.from_flat({"attention": args.attention, "mlp_chunks": args.mlp_chunks, **given})
         den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=options)
         sigma = torch.tensor([0.8], device=args.device)
         den(video, audio, sigma)
