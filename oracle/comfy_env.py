@@ -225,10 +225,10 @@ def open_comfy(
             raise H3Error("ComfyUI is already imported in this process with other settings; use a new process")
         _set_compute_dtype(_OPENED, compute_dtype)
         return _OPENED
-    if "comfy" in sys.modules:
-        loaded = Path(getattr(sys.modules["comfy"], "__file__", "") or "").resolve()
-        if root not in loaded.parents:
-            raise H3Error(f"a different 'comfy' package is already imported ({loaded})")
+    if "comfy" in sys.modules:  # ComfyUI's `comfy` is a namespace package (no __init__.py): compare its __path__
+        loaded = [Path(p).resolve() for p in getattr(sys.modules["comfy"], "__path__", [])]
+        if loaded != [root / "comfy"]:
+            raise H3Error(f"a different 'comfy' package is already imported ({', '.join(map(str, loaded))})")
 
     import torch
 

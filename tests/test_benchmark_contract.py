@@ -269,3 +269,23 @@ def test_runner_times_every_comfyui_configuration_in_its_own_process(tmp_path, c
     assert r["comfyui"]["version"] and r["comfyui"]["comfy_kitchen"]
     q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
     assert _has(q.stdout, "info ComfyUI default       exact, oracle settings:")
+
+
+@pytest.mark.comfy
+def test_user_settings_open_comfyui_after_mains_allocator_step(tmp_path, comfy_root):
+    """`prepare_user_process` imports ComfyUI's `comfy` (a namespace package, no __init__.py) before `open_comfy`:
+    that checkout is accepted; a `comfy` namespace from another folder is refused with one line."""
+    other = tmp_path / "elsewhere" / "comfy"
+    other.mkdir(parents=True)
+    code = ("import sys\n"
+            "from oracle.comfy_env import open_comfy, prepare_user_process\n"
+            "root, other = sys.argv[1], sys.argv[2:]\n"
+            "if other:\n    sys.path.insert(0, other[0]); import comfy\n"
+            "else:\n    prepare_user_process(root)\n"
+            "print('opened', open_comfy(root, device='cpu', settings='user').settings)\n")
+    ok = subprocess.run([sys.executable, "-c", code, comfy_root], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0 and "opened user" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", code, comfy_root, str(other.parent)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and "a different 'comfy' package is already imported" in bad.stderr, bad.stderr[-2000:]
