@@ -156,6 +156,7 @@ def test_help_shows_choices_and_defaults(capsys):
 def test_choices_match_the_runtime():
     """The CLI names its choices without importing torch; they must be the runtime's own tables (the sampler's
     functions, the schedulers, the registered backends, the NVFP4 modes, the VAE dtypes, the cache defaults)."""
+    from h3direct.app import cli_footprint, footprint, residency
     from h3direct.app.request import GenerateRequest
     from h3direct.dit.attention import backends
     from h3direct.dit.linear import NVFP4_MODES
@@ -169,6 +170,7 @@ def test_choices_match_the_runtime():
         assert len(schedules.scheduler_sigmas(name, 3)) == 4
     assert tuple(backends()) == BACKENDS and models.NVFP4_MODES == NVFP4_MODES
     assert set(models.VAE_DTYPES) <= set(VIDEO_DTYPES)
+    assert models.TEXT_ENCODER_POLICIES == residency.POLICIES and cli_footprint.WEIGHTS == footprint.WEIGHTS
     defaults, request = CacheSettings(), GenerateRequest()
     for k in ("threshold", "start_percent", "end_percent", "subsample_factor"):
         assert getattr(request, f"cache_{k}") == getattr(defaults, k)

@@ -152,6 +152,12 @@ def test_health_and_ready(server, service):
     assert "sdpa" in r["attention"]["available"] and r["attention"]["default"] == "sdpa"
     assert set(r["attention"]["available"]) | set(r["attention"]["unavailable"]) >= {"sdpa", "sage2", "cudnn_sdpa"}
     assert r["memory"]["rss_bytes"] > 0 and r["memory"]["peak_bytes"] > 0
+    # the weights held, computed from the files' headers (app/footprint.py), are what the loaded models hold
+    assert r["memory"]["weights"] == {**{k: c["bytes"] for k, c in r["components"].items()},
+                                      "total": sum(c["bytes"] for c in r["components"].values())}
+    residency = r["text_encoder_residency"]
+    assert (residency["policy"], residency["asked"], residency["where"], residency["loads"]) == (
+        "resident", "auto", "device", 1)
     assert {k: r["limits"][k] for k in limits.Limits().as_dict()} == limits.Limits().as_dict()
     assert r["queue"]["depth"] == 0 and r["queue"]["size"] == 8 and r["weight_loads"] == 1
     code, _, schema = _call(server, "GET", "/openapi.json")
@@ -384,13 +390,12 @@ def test_failing_job_answers_its_error_and_the_service_stays_ready(server, servi
 
 
 def test_switching_attention_never_reloads_weights(server, service, monkeypatch):
-    from h3direct.app import pipeline
     from h3direct.dit import loader as dit_loader
     from h3direct.vae import loader as vae_loader
 
     loads = []
-    for mod, name in ((dit_loader, "load_dit"), (vae_loader, "load_video_vae"), (vae_loader, "load_audio_vae"),
-                      (pipeline, "_load_text_encoder")):
+    text_loads = service.pipe.text.loads  # the text encoder's loads (its slot builds it from the file)
+    for mod, name in ((dit_loader, "load_dit"), (vae_loader, "load_video_vae"), (vae_loader, "load_audio_vae")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _n=name, **k: (loads.append(_n), _real(*a, **k))[1])
     available = _call(server, "GET", "/ready")[2]["attention"]["available"]
@@ -398,7 +403,7 @@ def test_switching_attention_never_reloads_weights(server, service, monkeypatch)
         body = {**TINY} if backend is None else {**TINY, "attention": backend}
         code, _, s = _call(server, "POST", "/generate", body)
         assert code == 200 and s["attention"] == (backend or "sdpa"), s
-    assert loads == [] and _assert_ready(server)["weight_loads"] == 1
+    assert loads == [] and _assert_ready(server)["weight_loads"] == 1 and service.pipe.text.loads == text_loads
 
 
 def _events(srv, job_id: str) -> list[tuple[str, dict]]:

@@ -33,7 +33,8 @@ from h3direct.errors import RequestError
 
 FFMPEG_LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug")
 MODEL_FILES = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer")
-MODEL_RUNTIME = ("compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size")
+MODEL_RUNTIME = ("compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size",
+                 "text_encoder_policy")
 # old spellings, still accepted
 ALIASES = {"ref_images": ("--ref-image",), "ref_videos": ("--ref-video",), "ref_audios": ("--ref-audio",)}
 REQUEST_FLAGS = ("prompt", "prompt_file", "negative_prompt", "ref_images", "ref_videos", "ref_audios",

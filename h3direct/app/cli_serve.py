@@ -18,7 +18,7 @@ import argparse
 from h3direct.app.cli_flags import HelpFormatter, add_fields, add_options, field_names, given, option_names
 
 MODEL_FLAGS = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer",
-               "compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size")
+               "compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size", "text_encoder_policy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

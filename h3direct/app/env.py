@@ -1,12 +1,12 @@
 """The environment, read once at startup by the command line (`app/cli.py`) and nowhere else.
 
 Each `H3_*` variable that sets an option is the option's flat name in capitals (`H3_SOL_TAU` -> `sol_tau`,
-`H3_FUSED` -> `fused`: `dit/options.py`); the settings of the models are `H3_VAE_DTYPE`, `H3_VAE_TILE_SIZE` and
-`H3_TOKENIZER`. A value is parsed by its field's type and checked by its field's rule, with one rule for every switch
-(1/0, true/false, yes/no, on/off); a bad one is a one-line `ConfigError` naming the variable (exit 2 at startup).
-A flag given on the command line, or a request field, wins over the variable. `H3_CACHE_DIR` (where rebuildable
-files are kept) is read where that folder is needed (`app/paths.py`); `H3_COMFY_ROOT` belongs to the oracle and is
-not read by the runtime.
+`H3_FUSED` -> `fused`: `dit/options.py`); the settings of the models are `H3_VAE_DTYPE`, `H3_VAE_TILE_SIZE`,
+`H3_TOKENIZER` and `H3_TEXT_ENCODER_POLICY`. A value is parsed by its field's type and checked by its field's rule,
+with one rule for every switch (1/0, true/false, yes/no, on/off); a bad one is a one-line `ConfigError` naming the
+variable (exit 2 at startup). A flag given on the command line, or a request field, wins over the variable.
+`H3_CACHE_DIR` (where rebuildable files are kept) is read where that folder is needed (`app/paths.py`);
+`H3_COMFY_ROOT` belongs to the oracle and is not read by the runtime.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def read_options(env: Mapping[str, str] | None = None) -> dict:
 
 def read_settings(env: Mapping[str, str] | None = None) -> dict:
     """{field: value} of the `app.models.ModelSpec` fields whose variable is set (H3_VAE_DTYPE, H3_VAE_TILE_SIZE,
-    H3_TOKENIZER)."""
+    H3_TOKENIZER, H3_TEXT_ENCODER_POLICY)."""
     import dataclasses
 
     from h3direct.app.models import ModelSpec

@@ -17,6 +17,7 @@ COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 NVFP4_MODES = ("auto", "w4a4", "w4a16")  # = h3direct.dit.linear.NVFP4_MODES (a test holds them equal)
 VAE_DTYPES = ("fp32", "fp16")  # = h3direct.vae.config.VAE_DTYPES
 VAE_PRESETS = ("tiny", "full")  # = the presets of h3direct.vae.config
+TEXT_ENCODER_POLICIES = ("auto", "resident", "offload", "unload")  # = h3direct.app.residency.POLICIES
 
 
 def _model_file(help: str):
@@ -49,6 +50,12 @@ class ModelSpec:
     vae_tile_size: int | None = field(None, "video VAE spatial tile in px (default: the VAE's; 0 = untiled)",
                                       kind=int, rule=lambda v: v >= 0, expect="an integer >= 0 (0 = untiled)",
                                       env=True)
+    text_encoder_policy: str = field("auto", "where the text encoder stays between requests (never changes a "
+                                     "result): resident = on the device; offload = in host memory, moved to the "
+                                     "device to encode; unload = freed after encoding, read again from its file; "
+                                     "auto = resident when the weights and a working margin fit the device's memory, "
+                                     "else unload on unified memory (GB10) and offload on a discrete GPU",
+                                     choices=TEXT_ENCODER_POLICIES, env=True)
 
     def __post_init__(self):
         check(self)
@@ -161,7 +168,8 @@ def load_pipeline(spec: ModelSpec, kernels=None, *, text_encoder: bool = True):
                                  te, tokenizer=tokenizer, video_vae_config=vae_config(spec, "video", b),
                                  audio_vae_config=vae_config(spec, "audio", b), compute_dtype=compute,
                                  nvfp4_mode=spec.nvfp4_mode, device=device, vae_dtype=spec.vae_dtype,
-                                 vae_tile_size=spec.vae_tile_size, sources=sources, kernels=kernels)
+                                 vae_tile_size=spec.vae_tile_size, sources=sources, kernels=kernels,
+                                 text_encoder_policy=spec.text_encoder_policy)
     seconds["load"] = round(time.perf_counter() - t, 4)
     seconds.update({f"load_{k}": round(v, 4) for k, v in pipe.load_seconds.items()})
     return pipe, sources, seconds, peak_memory(device)[0]

@@ -176,9 +176,14 @@ class H3Pipeline:
                  *, device: torch.device | str | None = None, vae_dtype: torch.dtype | None = None,
                  vae_tile_size: int | None = None, sources: dict | None = None,
                  kernels: KernelOptions | None = None):
+        from h3direct.app.residency import TextEncoderSlot
+
         self.device = resolve_device(device)
         self.dit, self.video_vae, self.audio_vae = dit, video_vae, audio_vae
-        self.text_encoder, self.tokenize = text_encoder, tokenize
+        # the text encoder under its residency policy (`app/residency.py`); a loaded one given here stays resident
+        self.text = (text_encoder if isinstance(text_encoder, TextEncoderSlot)
+                     else TextEncoderSlot.holding(text_encoder, self.device))
+        self.tokenize = tokenize
         self.vae_dtype = vae_dtype if vae_dtype is not None else next(video_vae.parameters()).dtype
         self.vae_tile_size = vae_tile_size  # None: the VAE's own; 0: untiled (checked by `app.models.ModelSpec`)
         # the kernel options fixed when the weights loaded (fp8_linear, nvfp4_dequant, fp8_strict)
@@ -186,6 +191,21 @@ class H3Pipeline:
         self.sources = dict(sources or {})
         self.load_seconds: dict = {}
         self.files: dict = {}  # component -> the weight file it was loaded from (from_files)
+        self.held = None  # how from_files held the models (`app.footprint.Held`)
+        self._footprint: dict | None = None
+
+    @property
+    def text_encoder(self):
+        """The text encoder when it is loaded (None when there is none, or its policy has unloaded it)."""
+        return self.text.encoder
+
+    def footprint(self) -> dict | None:
+        """{component: bytes of weights held} of the files loaded (`app/footprint.py`); None without files."""
+        if self._footprint is None and self.files and self.held is not None:
+            from h3direct.app.footprint import of_files
+
+            self._footprint = of_files(self.files, self.held)
+        return self._footprint
 
     # ---- construction ----
     @classmethod
@@ -193,30 +213,30 @@ class H3Pipeline:
                    audio_vae_config=None, compute_dtype: str = "fp32", nvfp4_mode: str = "auto",
                    device: str | torch.device | None = None, vae_dtype: str | torch.dtype | None = None,
                    vae_tile_size: int | None = None, sources: dict | None = None,
-                   kernels: KernelOptions | None = None) -> H3Pipeline:
+                   kernels: KernelOptions | None = None, text_encoder_policy: str = "auto") -> H3Pipeline:
         """Load ComfyUI-format files. `text_encoder` None: generate() then needs `text_embeds`; `tokenizer`: a Qwen2
         tokenizer folder, 'bytes' or a callable (None: the one that comes with the text encoder's file).
         `kernels`: the kernel options fixed at load (`fp8_linear` "stream"/"resident": FP8 W8A8 DiT block linears,
         opt-in, approximate; `nvfp4_dequant`; `fp8_strict`). `vae_dtype` None: fp16 on CUDA, fp32 on the CPU
-        (ComfyUI's choice)."""
-        from h3direct.dit.loader import load_dit
+        (ComfyUI's choice). `text_encoder_policy`: where the text encoder stays between requests
+        (`app/residency.py`: auto, resident, offload, unload)."""
+        from h3direct.app.footprint import Held
+        from h3direct.dit.loader import load_dit, parse_compute_dtype
         from h3direct.text.load import find_tokenizer, make_tokenizer
-        from h3direct.vae.api import VIDEO_DTYPES
+        from h3direct.vae.config import resolve_vae_config
         from h3direct.vae.loader import load_audio_vae, load_video_vae
 
         dev = resolve_device(device)
         kernels = kernels or KernelOptions()
-        for what, p in (("DiT checkpoint", dit), ("video VAE", video_vae), ("audio VAE", audio_vae),
-                        ("text encoder", text_encoder)):
+        files = {"dit": dit, "video_vae": video_vae, "audio_vae": audio_vae, "text_encoder": text_encoder}
+        for what, p in zip(("DiT checkpoint", "video VAE", "audio VAE", "text encoder"), files.values(), strict=True):
             if p is not None and not Path(p).is_file():
                 raise H3Error(f"{what} file not found", path=p)
-        from h3direct.vae.config import resolve_vae_config
-
+        files = {k: None if p is None else str(p) for k, p in files.items()}
         vcfg, acfg = resolve_vae_config("video", video_vae_config), resolve_vae_config("audio", audio_vae_config)
-        if vae_dtype is None:
-            vae_dtype = torch.float16 if dev.type == "cuda" else torch.float32
-        elif isinstance(vae_dtype, str):
-            vae_dtype = VIDEO_DTYPES[vae_dtype]
+        vae_dtype = _vae_dtype(vae_dtype, dev)
+        held = Held(parse_compute_dtype(compute_dtype), vae_dtype, kernels.fp8_linear, vcfg, acfg)
+        slot, hot = _text_slot(files, text_encoder_policy, dev, held)
         seconds = {}
         t = time.perf_counter()
         model = load_dit(dit, compute_dtype=compute_dtype, nvfp4_mode=nvfp4_mode, device=dev, **kernels.load_time())
@@ -225,20 +245,15 @@ class H3Pipeline:
         vvae = load_video_vae(video_vae, vcfg, dtype=vae_dtype, device=dev)
         avae = load_audio_vae(audio_vae, acfg, device=dev)
         seconds["vae"] = time.perf_counter() - t
-        enc = tok = None
+        tok = None
         if text_encoder is not None:
             t = time.perf_counter()
             tok = make_tokenizer(tokenizer if tokenizer is not None else find_tokenizer(text_encoder))
-            enc = _load_text_encoder(text_encoder, dev)
+            slot.start()
             seconds["text_encoder"] = time.perf_counter() - t
-        src = {"dit": str(dit), "video_vae": str(video_vae), "audio_vae": str(audio_vae),
-               "text_encoder": None if text_encoder is None else str(text_encoder)}
-        files = dict(src)
-        src.update(sources or {})
-        pipe = cls(model, vvae, avae, enc, tok, device=dev, vae_dtype=vae_dtype, vae_tile_size=vae_tile_size,
-                   sources=src, kernels=kernels)
-        pipe.load_seconds = seconds
-        pipe.files = files
+        pipe = cls(model, vvae, avae, slot, tok, device=dev, vae_dtype=vae_dtype, vae_tile_size=vae_tile_size,
+                   sources={**files, **(sources or {})}, kernels=kernels)
+        pipe.load_seconds, pipe.files, pipe.held, pipe._footprint = seconds, files, held, hot
         return pipe
 
     @classmethod
@@ -268,8 +283,9 @@ class H3Pipeline:
         """TextConditioning (states [1, L, D], tags [L]) of `prompt` after the task's presentation items."""
         from h3direct.text.presentation import build_presentation
 
-        if self.text_encoder is None:
+        if not self.text.present:
             raise H3Error("no text encoder is loaded: pass --text-encoder FILE or --text-embeds FILE")
+        self.text.acquire()  # (on the device already within a generation)
         return self.text_encoder.encode(build_presentation(prompt, list(presentation), self.tokenize))
 
     def check_text(self, text) -> None:
@@ -385,8 +401,7 @@ class _Run:
         cond = pipe._request_conditioning(req)
         t = self.mark("conditioning", t)
         self.stage("text_encode")
-        text, neg_text = self.texts(cond)
-        t = self.mark("text_encode", t)
+        text, neg_text, t = self.texts(cond, t)
         positive, negative = self.denoisers(cond, text, neg_text)
         t = self.mark("text_preprocess", t)
         self.stage("sample")
@@ -401,18 +416,29 @@ class _Run:
                       sigmas=[float(s) for s in sigmas], timings=self.timings, memory=self.memory,
                       reused_steps=reused, step_seconds=step_times)
 
-    def texts(self, cond):
-        """(positive TextConditioning, negative one or None): given embeddings or the text encoder's."""
+    def texts(self, cond, t: float):
+        """(positive TextConditioning, negative one or None, now): given embeddings or the text encoder's. The
+        encoder is brought to the device for the encode and released after it (`app/residency.py`); each move is a
+        stage of its own (text_encoder_load, _to_device, _to_host, _free)."""
         pipe, req = self.pipe, self.request
-        text = req.resolved.text_embeds
-        if text is None:
-            text = pipe.text_states(req.prompt_text, cond.presentation)
-        if np.isclose(req.cfg, 1.0):
-            return text, None
-        if pipe.text_encoder is None:
+        given = req.resolved.text_embeds
+        negative = not np.isclose(req.cfg, 1.0)
+        if negative and given is not None and not pipe.text.present:
             raise RequestError("cfg", f" {req.cfg} needs a negative prompt, which needs a text encoder (these "
                                "models have none loaded)")
-        return text, pipe.text_states(req.negative_prompt, ())
+        if given is not None and not negative:
+            return given, None, self.mark("text_encode", t)
+        t = self.moved(pipe.text.acquire(), t)
+        try:
+            text = given if given is not None else pipe.text_states(req.prompt_text, cond.presentation)
+            neg_text = pipe.text_states(req.negative_prompt, ()) if negative else None
+            t = self.mark("text_encode", t)
+        finally:
+            move = pipe.text.release()
+        return text, neg_text, self.moved(move, t)
+
+    def moved(self, move: str | None, t: float) -> float:
+        return t if move is None else self.mark(f"text_encoder_{move}", t)
 
     def denoisers(self, cond, text, neg_text):
         from h3direct.dit.denoiser import Denoiser, audio_scale_of
@@ -476,9 +502,25 @@ class _Run:
         return pixels, wave
 
 
-def _load_text_encoder(path, device: torch.device):
+def _vae_dtype(vae_dtype, dev: torch.device) -> torch.dtype:
+    from h3direct.vae.api import VIDEO_DTYPES
+
+    if vae_dtype is None:
+        return torch.float16 if dev.type == "cuda" else torch.float32
+    return VIDEO_DTYPES[vae_dtype] if isinstance(vae_dtype, str) else vae_dtype
+
+
+def _text_slot(files: dict, asked: str, dev: torch.device, held):
+    """(the text encoder's slot under the policy `asked` resolves to, the footprint of `files` when `auto` needed
+    it, else None): `auto` on CUDA reads the files' headers (`app/footprint.py`)."""
+    from h3direct.app import footprint, residency
     from h3direct.text.load import load_text_encoder
 
-    enc = load_text_encoder(path)
-    enc.to(device)
-    return enc
+    path = files["text_encoder"]
+    if path is None:
+        return residency.TextEncoderSlot.holding(None, dev), None
+    machine = residency.machine_of(dev)
+    hot = footprint.of_files(files, held) if asked == "auto" and machine.device_type == "cuda" else None
+    policy, why = residency.choose(asked, sum((hot or {}).values()), machine)
+    return residency.TextEncoderSlot(lambda d: load_text_encoder(path, device=d), policy, dev, why=why,
+                                     asked=asked), hot

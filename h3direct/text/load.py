@@ -27,6 +27,10 @@ _QUANT_SIDE = ("weight_scale_2", "pre_quant_scale", "input_scale")  # kept as st
 IGNORED_KEYS = ("model.norm.weight", "lm_head.weight", "model.lm_head.weight")
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 TOKENIZER_FOLDERS = ("", "tokenizer", "qwen25_tokenizer")  # beside the text encoder's file
+# the linears of a decoder layer that an NVFP4 text-encoder file quantizes (the weight format `nvfp4` of
+# `h3direct footprint`; a file may quantize fewer: the loader takes whatever its markers say)
+NVFP4_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
 
 
 def _normalize_keys(sd: dict, path) -> dict:
@@ -125,8 +129,9 @@ def _rows(sd: dict, layer: str) -> int:
 
 
 def load_text_encoder(path, config: TextEncoderConfig | None = None, dtype: torch.dtype | None = None,
-                      compute_dtype: torch.dtype = torch.float32) -> QwenTextEncoder:
-    """Load a ComfyUI-format Qwen3-VL text-encoder safetensors (bf16/fp16/fp32 weights, NVFP4 layers).
+                      compute_dtype: torch.dtype = torch.float32, device=None) -> QwenTextEncoder:
+    """Load a ComfyUI-format Qwen3-VL text-encoder safetensors (bf16/fp16/fp32 weights, NVFP4 layers) onto `device`
+    (default: the CPU), each tensor read straight to it.
 
     `dtype`: the dtype floating weights are held in; default: as stored (a 32B bf16 file stays bf16).
     `compute_dtype`: what the forward runs in (ComfyUI: fp32)."""
@@ -138,25 +143,34 @@ def load_text_encoder(path, config: TextEncoderConfig | None = None, dtype: torc
     if not p.is_file():
         raise CheckpointError("text-encoder file not found", path=p)
     try:
-        sd = _normalize_keys(load_file(str(p)), p)
+        sd = load_file(str(p), device=str(torch.device(device or "cpu")))
     except SafetensorError as e:
         raise CheckpointError(f"not a readable safetensors file ({e})", path=p) from None
+    return text_encoder_of(sd, p, config, dtype, compute_dtype)
+
+
+def text_encoder_of(sd: dict, path=None, config: TextEncoderConfig | None = None, dtype: torch.dtype | None = None,
+                    compute_dtype: torch.dtype = torch.float32) -> QwenTextEncoder:
+    """The encoder holding the tensors of a file's state dict `sd` (checked against the config as
+    `load_text_encoder` says; `meta` tensors give the encoder as it would be held, with no data: `app/footprint.py`).
+    """
+    sd = _normalize_keys(sd, path)
     for k in IGNORED_KEYS:
         sd.pop(k, None)
-    quant = _quant_layers(sd, p)
+    quant = _quant_layers(sd, path)
     if config is None:
-        config = config_from_weights(sd, p)
+        config = config_from_weights(sd, path)
     with torch.device("meta"):
         net = QwenVL(config)
-    _prepare_nvfp4(net, sd, quant, p)
+    _prepare_nvfp4(net, sd, quant, path)
     expected = net.state_dict()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"text-encoder keys do not match Qwen3-VL ({len(missing)} missing, e.g. {missing[:3]}; "
-                              f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})", path=p)
+                              f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})", path=path)
     for k, t in expected.items():
         if t.numel() and tuple(t.shape) != tuple(sd[k].shape):
-            raise CheckpointError(f"{k}: shape {list(sd[k].shape)}, the config expects {list(t.shape)}", path=p)
+            raise CheckpointError(f"{k}: shape {list(sd[k].shape)}, the config expects {list(t.shape)}", path=path)
         if dtype is not None and sd[k].is_floating_point() and sd[k].element_size() > 1 and not k.endswith(_QUANT_SIDE):
             sd[k] = sd[k].to(dtype)
     net.load_state_dict(sd, assign=True)
@@ -164,6 +178,12 @@ def load_text_encoder(path, config: TextEncoderConfig | None = None, dtype: torc
         if isinstance(mod, Linear):
             mod.weight.requires_grad_(False)
     return QwenTextEncoder(net, compute_dtype)
+
+
+def nvfp4_layer_names(config: TextEncoderConfig) -> list[str]:
+    """The linears an NVFP4 text-encoder file holds in NVFP4 (`NVFP4_LINEARS` of every decoder layer); the token
+    embedding, the norms and the vision tower stay dense."""
+    return [f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in NVFP4_LINEARS]
 
 
 def load_text_embeds(path) -> TextConditioning:

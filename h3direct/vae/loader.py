@@ -98,25 +98,35 @@ def _read(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_video_vae(path: str | Path, config: VideoVAEConfig | None = None, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> VideoVAE:
-    sd = _read(path)
+    return video_vae_of(_read(path), config, dtype, device, path)
+
+
+def video_vae_of(sd: dict, config: VideoVAEConfig | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", source=None) -> VideoVAE:
+    """The video VAE holding a file's tensors `sd` (`meta` tensors: as it would be held, with no data)."""
     if detect_kind(sd) != "video":
-        raise CheckpointError("this is an audio VAE; a video VAE was expected", path=path)
+        raise CheckpointError("this is an audio VAE; a video VAE was expected", path=source)
     sd.setdefault("latents_mean", torch.tensor(VIDEO_LATENTS_MEAN))
     sd.setdefault("latents_std", torch.tensor(VIDEO_LATENTS_STD))
     with torch.device("meta"):
         model = VideoVAE(config or VideoVAEConfig())
-    load_state_dict_strict(model, sd, dtype, path, {k: torch.float32 for k in VideoVAE.FP32_KEYS})
+    load_state_dict_strict(model, sd, dtype, source, {k: torch.float32 for k in VideoVAE.FP32_KEYS})
     return model.to(device).eval()
 
 
 def load_audio_vae(path: str | Path, config: AudioVAEConfig | None = None,
                    device: str | torch.device = "cpu") -> AudioVAE:
-    sd = _read(path)
+    return audio_vae_of(_read(path), config, device, path)
+
+
+def audio_vae_of(sd: dict, config: AudioVAEConfig | None = None, device: str | torch.device = "cpu",
+                 source=None) -> AudioVAE:
+    """The audio VAE holding a file's tensors `sd` (`meta` tensors: as it would be held, with no data)."""
     if detect_kind(sd) != "audio":
-        raise CheckpointError("this is a video VAE; an audio VAE was expected", path=path)
+        raise CheckpointError("this is a video VAE; an audio VAE was expected", path=source)
     with torch.device("meta"):
         model = AudioVAE(config or AudioVAEConfig())
-    load_state_dict_strict(model, sd, torch.float32, path)
+    load_state_dict_strict(model, sd, torch.float32, source)
     return model.to(device).eval()
 
 

@@ -2,9 +2,11 @@
 bearer-token check. Everything behind a route is the `Service` (`service.py`).
 
     GET    /health             liveness: 200 {"status": "loading" | "ready" | "stopping"} (never needs the token)
-    GET    /ready              200 when every model is resident: components (dtype, quantization, device), memory
-                               in use, the attention values a request may use, the options a request may set (and
-                               those fixed at load), limits, queue, version; 503 while loading or stopping
+    GET    /ready              200 when the models are loaded: components (dtype, quantization, device), memory
+                               in use and the weights held (`app/footprint.py`), the text encoder's residency
+                               (policy, where it is, its last move: `app/residency.py`), the attention values a
+                               request may use, the options a request may set (and those fixed at load), limits,
+                               queue, version; 503 while loading or stopping
     POST   /generate           a request (JSON, the fields of `GenerateRequest` and the per-request options):
                                waits, answers the summary `h3direct generate` prints (with provenance); a client that
                                leaves drops its job

@@ -142,6 +142,9 @@ class Service:
         t = time.perf_counter()
         self.weights = provenance.weights(pipe.files)  # hashed once here (and remembered on disk), not per request
         seconds["sha256"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        pipe.footprint()  # the weights held, from the files' headers (once; GET /ready shows them)
+        seconds["footprint"] = round(time.perf_counter() - t, 4)
         self.pipe, self.sources, self.load_seconds, self.load_memory = pipe, sources, seconds, load_memory
         with self._lock:
             if self.state != "loading":  # a signal came while loading: stay stopping, run nothing
@@ -292,9 +295,13 @@ class Service:
         from h3direct.app.provenance import version
 
         pipe, running = self.pipe, self.queue.running
+        text = pipe.text_encoder  # (None while its policy has it unloaded)
         components = {k: {"source": self.sources.get(k), **self.weights.get(k, {}), **_describe(m)}
                       for k, m in (("dit", pipe.dit), ("video_vae", pipe.video_vae), ("audio_vae", pipe.audio_vae),
-                                   ("text_encoder", pipe.text_encoder)) if m is not None}
+                                   ("text_encoder", text)) if m is not None}
+        if pipe.text.present and text is None:
+            components["text_encoder"] = {"source": self.sources.get("text_encoder"),
+                                          **self.weights.get("text_encoder", {}), "device": None}
         components["dit"]["compute_dtype"] = str(pipe.dit.compute_dtype).removeprefix("torch.")
         with self._lock:
             calls = {"attention": {b: dict(c) for b, c in self.calls["attention"].items()},
@@ -302,7 +309,9 @@ class Service:
         if pipe.kernels.fp8_linear != "off":  # opt-in approximate block linears, chosen when the weights loaded
             components["dit"]["fp8_linear"] = {"mode": pipe.kernels.fp8_linear, "calls": calls["fp8_linear"]}
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
-                "memory": _memory(pipe.device), "attention": {**self._attention(), "calls": calls["attention"]},
+                "memory": {**_memory(pipe.device), "weights": self._weights_held()},
+                "text_encoder_residency": pipe.text.view() if pipe.text.present else None,
+                "attention": {**self._attention(), "calls": calls["attention"]},
                 "options": self._options(),
                 "limits": {**self.limits.as_dict(), "max_body_bytes": self.max_body_bytes,
                            "job_timeout_s": self.queue.timeout_s},
@@ -312,6 +321,11 @@ class Service:
                 "output_root": str(self.output_root),
                 "input_root": str(self.input_root) if self.input_root else None,
                 "auth": "bearer" if self.token else "none"}
+
+    def _weights_held(self) -> dict | None:
+        """{component: bytes, "total"} of the weights the models hold once loaded (`app/footprint.py`)."""
+        held = self.pipe.footprint()
+        return None if held is None else {**held, "total": sum(held.values())}
 
     def _attention(self) -> dict:
         import torch
@@ -356,17 +370,13 @@ def _rss_bytes() -> int:
 
 def _describe(module) -> dict:
     """dtype (by bytes), quantization, device, parameter count and bytes of a loaded model."""
-    module = getattr(module, "net", module)  # the text encoder wraps its torch module
-    by_dtype: dict[str, int] = {}
-    devices = set()
-    count = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        name = str(t.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
-        devices.add(str(t.device))
-        count += t.numel()
-    modes = sorted({getattr(m, "mode", "?") for m in module.modules() if type(m).__name__ == "NVFP4Linear"})
-    return {"dtype": max(by_dtype, key=by_dtype.get) if by_dtype else None, "dtypes": by_dtype,
-            "quantization": f"nvfp4 ({', '.join(modes)})" if modes else "none",
-            "device": ",".join(sorted(devices)), "parameters": count, "bytes": sum(by_dtype.values())}
+    from h3direct.app.footprint import by_dtype, tensors
 
+    module = getattr(module, "net", module)  # the text encoder wraps its torch module
+    held = tensors(module)
+    by = by_dtype(module)
+    modes = sorted({getattr(m, "mode", "?") for m in module.modules() if type(m).__name__ == "NVFP4Linear"})
+    return {"dtype": max(by, key=by.get) if by else None, "dtypes": by,
+            "quantization": f"nvfp4 ({', '.join(modes)})" if modes else "none",
+            "device": ",".join(sorted({str(t.device) for t in held})), "parameters": sum(t.numel() for t in held),
+            "bytes": sum(by.values())}
