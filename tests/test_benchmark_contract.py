@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,13 +175,15 @@ def test_compare_reports_clock_and_power_of_each_run(tmp_path):
     assert not _has(p.stdout, "info approximate SM clock")
 
 
-def test_committed_result_predates_this_contract_and_compare_says_so():
-    """The committed H200 result (third session) was made before the contract's three ComfyUI configurations and
-    the hot floor: compare reads it and fails it, naming what it lacks, without a traceback."""
+def test_committed_result_ran_this_contract_and_compare_reads_it():
+    """The committed H200 result ran this contract (every rule holds: three ComfyUI configurations, the hot floor,
+    each path's settings); compare reads it without a traceback and exits 1 on the approximate path's misses."""
     p = _compare(COMMITTED)
     assert p.returncode == 1 and not p.stderr, p.stderr
-    assert _has(p.stdout, "FAIL rule   path exact settings") and _has(p.stdout, "MISS exact        floor_ratio")
-    assert _has(p.stdout, "pass exact        peak_gpu_gib")  # what it did measure is still read
+    assert "FAIL rule" not in p.stdout and _has(p.stdout, "ok   rule   ComfyUI sage settings")
+    assert _has(p.stdout, "pass exact        floor_ratio") and _has(p.stdout, "MISS approximate  s_per_step")
+    for name in ("default", "sage", "exact_fastest"):
+        assert re.search(rf"info ComfyUI {name} +\w+, \w+ settings: [0-9.]+ s/step", p.stdout), name
 
 
 def test_contract_workload_is_the_performance_workload(tmp_path):
