@@ -138,25 +138,34 @@ def load_text_encoder(path, config: TextEncoderConfig | None = None, dtype: torc
     if not p.is_file():
         raise CheckpointError("text-encoder file not found", path=p)
     try:
-        sd = _normalize_keys(load_file(str(p)), p)
+        sd = load_file(str(p))
     except SafetensorError as e:
         raise CheckpointError(f"not a readable safetensors file ({e})", path=p) from None
+    return text_encoder_from_state_dict(sd, config, dtype, compute_dtype, path=p)
+
+
+def text_encoder_from_state_dict(sd: dict, config: TextEncoderConfig | None = None, dtype: torch.dtype | None = None,
+                                 compute_dtype: torch.dtype = torch.float32, *, path=None) -> QwenTextEncoder:
+    """`load_text_encoder` of a state dict in the file's layout (keys, dtypes, NVFP4 layers; tensors on any device,
+    taken as they are: `assign`); `path` names it in errors. Strict: a missing, unexpected or misshapen key is an
+    error."""
+    sd = _normalize_keys(sd, path)
     for k in IGNORED_KEYS:
         sd.pop(k, None)
-    quant = _quant_layers(sd, p)
+    quant = _quant_layers(sd, path)
     if config is None:
-        config = config_from_weights(sd, p)
+        config = config_from_weights(sd, path)
     with torch.device("meta"):
         net = QwenVL(config)
-    _prepare_nvfp4(net, sd, quant, p)
+    _prepare_nvfp4(net, sd, quant, path)
     expected = net.state_dict()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"text-encoder keys do not match Qwen3-VL ({len(missing)} missing, e.g. {missing[:3]}; "
-                              f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})", path=p)
+                              f"{len(unexpected)} unexpected, e.g. {unexpected[:3]})", path=path)
     for k, t in expected.items():
         if t.numel() and tuple(t.shape) != tuple(sd[k].shape):
-            raise CheckpointError(f"{k}: shape {list(sd[k].shape)}, the config expects {list(t.shape)}", path=p)
+            raise CheckpointError(f"{k}: shape {list(sd[k].shape)}, the config expects {list(t.shape)}", path=path)
         if dtype is not None and sd[k].is_floating_point() and sd[k].element_size() > 1 and not k.endswith(_QUANT_SIDE):
             sd[k] = sd[k].to(dtype)
     net.load_state_dict(sd, assign=True)
