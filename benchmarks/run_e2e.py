@@ -87,7 +87,7 @@ def main(args, contract: dict, argv) -> int:
     result["comfyui_note"] = ("no ComfyUI configuration ran (each configuration's comfyui status says why)"
                               if args.comfy_root else "no same-run ComfyUI (run with --comfy-root to measure "
                                                       "total_ratio)")
-    for name in names:  # the result is written after each configuration: a run cut short keeps what finished
+    for name in names:  # the result is written after each side: a run cut short keeps what finished
         entry = result["configs"][name] = {}
         if args.comfy_root:
             entry["comfyui"] = C.run_comfy_process(args, name, dev)
@@ -97,16 +97,22 @@ def main(args, contract: dict, argv) -> int:
                 result["comfyui"] = {"commit": c.get("commit"), "version": c.get("version"),
                                      "comfy_kitchen": c.get("environment", {}).get("comfy_kitchen")}
                 del result["comfyui_note"]
+            _write(args.out, result)
         try:
             entry["h3direct"] = run_h3direct(contract, args, name, wl, preset, dev, tokenizer)
         except Exception as exc:  # noqa: BLE001 - one configuration failing (out of memory, ...) is its status
             traceback.print_exc()
             entry["h3direct"] = {"status": f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+        C.free_memory(dev)  # every block of this process back to the device before the next ComfyUI process
         C.log(f"h3direct {name}: {_summary(entry['h3direct'])}")
         entry.update(e2e_ratios(result).get(name, {}))
-        Path(args.out).write_text(json.dumps(C._jsonable(result), indent=1, default=str))
+        _write(args.out, result)
     C.log(f"result: {args.out}")
     return 0
+
+
+def _write(path, result: dict) -> None:
+    Path(path).write_text(json.dumps(C._jsonable(result), indent=1, default=str))
 
 
 def _summary(side: dict) -> str:
@@ -253,7 +259,6 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
                 "attention_calls": res.calls.get("attention")}
     finally:
         models.clear()
-        C.free_memory(dev)
 
 
 # ---------------------------------------------------------------- ComfyUI, one configuration per process
@@ -289,7 +294,7 @@ def comfy_worker(args, contract: dict) -> int:
         return 2
     res.update(commit=env.commit, version=comfy_version(env.root), attention_function=env.attention_function(),
                environment=env.describe())
-    Path(args.out).write_text(json.dumps(C._jsonable(res), indent=1, default=str))
+    _write(args.out, res)
     return 0
 
 
@@ -374,7 +379,9 @@ def comfy_generation(env, contract: dict, name: str, wl: dict, preset, dev) -> d
     t = time.perf_counter()
     clip = _comfy_text_encoder(env, text_encoder_config(preset.text_encoder), spec["text_encoder"], seed, dev)
     builds["text_encoder_s"] = time.perf_counter() - t
+    C.free_memory(dev)  # the built tensors' blocks back to the device before ComfyUI plans where models go
     patcher, builds["dit_load_s"] = C.comfy_dit(env, config, spec["dit"], seed, dev)
+    C.free_memory(dev)
     t = time.perf_counter()
     vaes = {}
     sizes = comfy_vae_arguments(VIDEO_PRESETS[preset.vae_preset], AUDIO_PRESETS[preset.vae_preset])
@@ -386,6 +393,7 @@ def comfy_generation(env, contract: dict, name: str, wl: dict, preset, dev) -> d
         with sized_classes(sizes):
             vaes[kind] = env.sd.VAE(sd=sd)  # its own dtype choice, as its VAELoader makes it
         del sd
+        C.free_memory(dev)
     builds["vae_s"] = time.perf_counter() - t
     img = reference_image(wl, seed)
     cond_rows = []
@@ -476,6 +484,6 @@ def merge(args, contract: dict) -> int:
         if part.get("comfyui") and not merged.get("comfyui"):
             merged["comfyui"] = part["comfyui"]
             merged.pop("comfyui_note", None)
-    Path(args.out).write_text(json.dumps(merged, indent=1))
+    _write(args.out, merged)
     C.log(f"merged {len(parts)} runs ({', '.join(merged['configs'])}): {args.out}")
     return 0

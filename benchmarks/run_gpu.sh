@@ -66,7 +66,7 @@ for p in "${PARTS[@]}"; do
         --result "$OUT/contract.json" ;;
     e2e)
       E2E_OUT="$OUT/e2e${E2E_CONFIGS:+-${E2E_CONFIGS//,/-}}.json"
-      part e2e "${E2E_TIMEOUT:-1200}" "$PY" -m benchmarks.run_contract \
+      part e2e "${E2E_TIMEOUT:-540}" "$PY" -m benchmarks.run_contract \
         --contract benchmarks/ref2va-960x544-124f-e2e.json --out "$E2E_OUT" \
         ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-}
       part compare_e2e 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f-e2e.json \
