@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -50,12 +51,13 @@ class Preset:
     text_len: int
     matmul_size: int
     vae_preset: str
+    text_encoder: str  # synthetic_gpu.text_encoder_config name
     nvfp4_mode: str = "w4a16"  # the Hopper mode (ComfyUI on compute capability < 10)
 
 
 PRESETS = {
-    "full": Preset("full-curve", 960, 544, 124, 256, 8192, "full"),
-    "tiny": Preset("tiny-curve", 64, 64, 22, 8, 128, "tiny"),
+    "full": Preset("full-curve", 960, 544, 124, 256, 8192, "full", "qwen3vl_32b"),
+    "tiny": Preset("tiny-curve", 64, 64, 22, 8, 128, "tiny", "tiny"),
 }
 
 
@@ -290,6 +292,121 @@ def module_gib(module) -> float:
     n += sum(t.numel() * t.element_size() for t in module.buffers())
     return n / GIB
 
+
+
+# ---------------------------------------------------------------- what the contract runners share
+
+def usage_error(msg: str):
+    """A bad flag or input of a contract runner: one line on stderr, exit 2 (before anything is built)."""
+    print(f"run_contract: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_run_flags(args) -> None:
+    """The flags both contract runners take: --comfy-root a ComfyUI checkout with H3, --steps at least 1."""
+    if args.comfy_root:
+        from h3direct.errors import H3Error
+        from oracle.comfy_env import resolve_root
+
+        try:
+            resolve_root(args.comfy_root)
+        except H3Error as exc:
+            usage_error(f"--comfy-root: {exc}")
+    if args.steps is not None and args.steps < 1:
+        usage_error(f"--steps {args.steps}: at least 1")
+
+
+def path_options(spec: dict):
+    """A contract path's typed options (`h3direct.dit.options.Options`): its attention backend, its FP8 linears and
+    its "options" under their flat names (`sol_tau`, `fused`, ...); a name that is not an option is an error."""
+    from h3direct.dit.options import Options
+
+    return Options.from_flat({"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off"),
+                              **spec.get("options", {})})
+
+
+def path_settings(model, options, build: dict, like) -> dict:
+    """Everything of one path that changes its numbers (the one place a result records them): the typed options it
+    ran with, every one under its flat name (`options`), and what they came to on this machine: the attention
+    backend and whether it is exact, the FP8 linears, whether the fused Triton kernels run, the NVFP4 compute mode
+    and dequantization path, the compute dtype."""
+    from h3direct.checkpoint.quant.nvfp4 import dequant_backend
+    from h3direct.dit import fused
+    from h3direct.dit.attention import is_exact
+
+    k = options.kernels
+    return {"attention": options.attention.backend, "options": options.flat(),
+            "attention_exact": is_exact(options.attention), "fp8_linear": k.fp8_linear,
+            "fused_kernels": fused.enabled(like, whole_rows=False, on=k.fused), "nvfp4_mode": build.get("nvfp4_mode"),
+            "nvfp4_dequant": dequant_backend(like.device.type, k.nvfp4_dequant)
+            if build.get("weights") == "nvfp4" else None,
+            "compute_dtype": str(model.compute_dtype).removeprefix("torch.")}
+
+
+
+def package_versions() -> dict:
+    """Versions of the packages that change the numbers (None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "triton", "comfy-kitchen", "sageattention", "fa3-fwd", "flash-attn"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit() -> str:
+    """This checkout's HEAD, `+changes` when tracked files differ from it."""
+    try:
+        p = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return p.stdout.strip() + ("+changes" if dirty else "") if p.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_comfy_process(args, only: str, dev: str) -> dict:
+    """`python -m benchmarks.run_contract --comfy-only ONLY` for `args.contract` in its own process (ComfyUI reads its
+    flags once per process, and each configuration gets the GPU to itself): its JSON, or {"status": "failed: ..."}
+    with the process's last line."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "comfy.json"
+        cmd = [sys.executable, "-m", "benchmarks.run_contract", "--contract", args.contract, "--comfy-root",
+               args.comfy_root, "--comfy-only", only, "--device", dev, "--out", str(target)]
+        cmd += ["--smoke"] * args.smoke + (["--steps", str(args.steps)] if args.steps else [])
+        try:
+            p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.comfy_timeout,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
+        except subprocess.TimeoutExpired:
+            return {"status": f"failed: over --comfy-timeout {args.comfy_timeout:g} s"}
+        if p.returncode == 0 and target.is_file():
+            return json.loads(target.read_text())
+        last = (p.stderr.strip().splitlines() or [""])[-1][:300]
+        return {"status": f"failed: exit {p.returncode}: {last}"}
+
+
+def comfy_dit(env, config, weights: str, seed: int, device) -> tuple:
+    """(ComfyUI's model patcher, load seconds) of the synthetic DiT (`iter_dit_tensors`, the tensors h3direct's
+    build draws on the same device with the same seed) through ComfyUI's own loader."""
+    from h3direct.checkpoint.synthetic import iter_dit_tensors
+
+    quant = "nvfp4" if weights == "nvfp4" else "none"
+    sd = {k: (t.cpu() if k.endswith(".comfy_quant") else t)
+          for k, t in iter_dit_tensors(config, quant, seed, str(device), nvfp4_refiner=False)}
+    t0 = time.perf_counter()
+    patcher = env.sd.load_diffusion_model_state_dict(sd)
+    del sd
+    if patcher is None or type(patcher.model).__name__ != "MiniMaxH3":
+        raise RuntimeError(f"ComfyUI did not detect MiniMaxH3 in the synthetic weights "
+                           f"({type(getattr(patcher, 'model', None)).__name__})")
+    return patcher, time.perf_counter() - t0
 
 # ---------------------------------------------------------------- run bookkeeping
 

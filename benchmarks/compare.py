@@ -1,6 +1,9 @@
 """Check a benchmark result against its contract: first that the result ran the contract, then its targets.
 
     python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result R.json
+    python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f-e2e.json --result R.json
+
+The DiT contract:
 
 Rules (one line each, FAIL when broken): the result is not a --smoke run; it ran on the contract's device class;
 its workload (canvas, frames, text tokens, S), weights and timed-step count are the contract's; every path ran with
@@ -9,8 +12,19 @@ contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {
 `x_comfyui_default` is ComfyUI's default configuration's s/step measured in the same run over the path's;
 `x_comfyui_best` the same with the fastest ComfyUI configuration of the path's class (exact or approximate);
 `floor_ratio` the path's s/step over the hot floor measured in the same run. A figure the result lacks, or one
-that is not a finite number (inf, NaN, a string, true/false), is a miss. Exit codes: 0 every rule holds and every
-target is met, 1 otherwise, 2 bad input (unreadable file, another contract).
+that is not a finite number (inf, NaN, a string, true/false), is a miss.
+
+The end-to-end contract (kind "e2e"): the result is not a --smoke run; it ran on the contract's device class; its
+workload (task, canvas, frames, prompt, steps, sampler, scheduler, cfg, seed, fps) and weights are the contract's;
+every configuration (weight format) is in it, and each side that ran it (h3direct; ComfyUI when measured) ran with
+the contract's settings (h3direct: attention, options, FP8 linears, DiT / text-encoder formats, NVFP4 mode, VAE
+dtype; ComfyUI: its settings and attention, the formats), gave the text encoder the contract's text_tokens, ran the
+contract's steps, wrote an mp4 of the contract's frames, size and one audio stream, and reported every stage as a
+finite number. Targets (contract["targets"][config][metric]): `total_ratio` (h3direct total_s / ComfyUI total_s of
+the same configuration and run; no same-run ComfyUI is a miss) and h3direct's own figures (`mp4_write_s`, ...).
+
+Exit codes: 0 every rule holds and every target is met, 1 otherwise, 2 bad input (unreadable file, another
+contract).
 """
 
 from __future__ import annotations
@@ -52,13 +66,19 @@ def _ok(entry) -> bool:
 
 # ---------------------------------------------------------------- did the result run the contract?
 
-def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
-    """(rule, None when it holds else why not) for every rule of the module docstring."""
+def _run_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
+    """The rules of every contract: not a smoke run, the contract's device class."""
     out = [("not a smoke run", "the result is a --smoke run (tiny sizes): not a measurement" if result.get("smoke")
             is not False else None)]
     want_dev, got_dev = contract.get("device"), result.get("device")
     out.append(("device", None if not want_dev or want_dev in str(got_dev) else
                 f"the contract is for {want_dev!r}, the result ran on {got_dev!r}"))
+    return out
+
+
+def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
+    """(rule, None when it holds else why not) for every rule of the DiT contract (module docstring)."""
+    out = _run_rules(contract, result)
     w, r = contract["workload"], result.get("workload") or {}
     pairs = {"width": "width", "height": "height", "frames": "frames", "text_tokens": "text_len", "seq_len": "seq_len"}
     diff = [f"{k} {r.get(rk)!r} (contract {w[k]!r})" for k, rk in pairs.items() if k in w and r.get(rk) != w[k]]
@@ -143,11 +163,12 @@ def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[floa
     return v, "" if v is not None else f"{metric} {p.get(metric)!r} is not a finite number"
 
 
-def compare(contract: dict, result: dict) -> list[dict]:
+def compare(contract: dict, result: dict, value=value_of) -> list[dict]:
+    """One row per target: the figure (`value(contract, result, path or configuration, metric)`), met or not."""
     rows = []
     for path, targets in contract["targets"].items():
         for metric, bound in targets.items():
-            v, note = value_of(contract, result, path, metric)
+            v, note = value(contract, result, path, metric)
             op, limit = ("<=", bound["max"]) if "max" in bound else (">=", bound["min"])
             ok = v is not None and (v <= limit if op == "<=" else v >= limit)
             rows.append({"path": path, "metric": metric, "value": v, "op": op, "limit": limit, "passed": ok,
@@ -182,6 +203,125 @@ def info_lines(contract: dict, result: dict) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- the end-to-end contract (kind "e2e")
+
+E2E_STAGES = ("text_encode_s", "denoise_s", "video_decode_s", "audio_decode_s", "mp4_write_s", "total_s")
+E2E_WORKLOAD = ("task", "width", "height", "frames", "prompt", "steps", "sampler", "scheduler", "cfg", "seed", "fps")
+
+
+def _expected_settings(contract: dict, name: str, side: str) -> dict:
+    spec = contract["configs"][name]
+    formats = {"dit": spec["dit"], "text_encoder": spec["text_encoder"]}
+    if side == "comfyui":
+        c = contract["comfyui"]
+        return {"settings": c["settings"], "attention": c["attention"], **formats}
+    h = contract["h3direct"]
+    return {"attention": h["attention"], "fp8_linear": h.get("fp8_linear", "off"), "vae_dtype": h["vae_dtype"],
+            "nvfp4_mode": spec.get("nvfp4_mode"), **formats}
+
+
+def e2e_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
+    """(rule, None when it holds else why not) for every rule of the e2e contract (module docstring)."""
+    out = _run_rules(contract, result)
+    w, r = contract["workload"], result.get("workload") or {}
+    diff = [f"{k} {r.get(k)!r} (contract {w[k]!r})" for k in E2E_WORKLOAD if k in w and r.get(k) != w[k]]
+    out.append(("workload", "; ".join(diff) or None))
+    weights = result.get("weights") or {}
+    diff = [f"{k} {weights.get(k)!r} (contract {v!r})" for k, v in contract["weights"].items() if weights.get(k) != v]
+    out.append(("weights", "; ".join(diff) or None))
+    for name in contract["configs"]:
+        entry = (result.get("configs") or {}).get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("h3direct"), dict):
+            out.append((f"{name}", "not in the result"))
+            continue
+        for side in ("h3direct", "comfyui"):
+            got = entry.get(side)
+            if not isinstance(got, dict) or not _ok(got):
+                continue  # not measured or not run: its targets miss, with the status
+            s = got.get("settings") or {}
+            want = _expected_settings(contract, name, side)
+            diff = [f"{k} {s.get(k)!r} (contract {v!r})" for k, v in want.items() if s.get(k) != v]
+            ran = s.get("options") or {}
+            if side == "h3direct":
+                diff += [f"options {k} {ran.get(k)!r} (contract {v!r})"
+                         for k, v in contract["h3direct"].get("options", {}).items() if ran.get(k) != v]
+            out.append((f"{name} {side} settings", "; ".join(diff) or None))
+            mp4 = got.get("mp4") or {}
+            expect = {"text_tokens": (got.get("text_tokens"), w.get("text_tokens")), "steps": (got.get("steps"), w["steps"]),
+                      "mp4 frames": (mp4.get("frames"), w["frames"]), "mp4 width": (mp4.get("width"), w["width"]),
+                      "mp4 height": (mp4.get("height"), w["height"]), "mp4 audio streams": (mp4.get("audio_streams"), 1)}
+            diff = [f"{k} {v!r} (contract {c!r})" for k, (v, c) in expect.items() if c is not None and v != c]
+            out.append((f"{name} {side} generation", "; ".join(diff) or None))
+            stages = got.get("stages") or {}
+            bad = [f"{k} {stages.get(k)!r}" for k in E2E_STAGES if number(stages.get(k)) is None]
+            if number(got.get("peak_gpu_gib")) is None and "cuda" in str(result.get("env", {}).get("device", "cuda")):
+                bad.append(f"peak_gpu_gib {got.get('peak_gpu_gib')!r}")
+            out.append((f"{name} {side} figures", ("not finite numbers: " + ", ".join(bad)) if bad else None))
+    return out
+
+
+def e2e_ratios(result: dict) -> dict[str, dict[str, float]]:
+    """Per configuration with both sides measured: total_ratio = h3direct total_s / ComfyUI total_s."""
+    out = {}
+    for name, entry in (result.get("configs") or {}).items():
+        h, c = entry.get("h3direct"), entry.get("comfyui")
+        if not (_ok(h) and _ok(c)):
+            continue
+        ours, theirs = (number((x.get("stages") or {}).get("total_s")) for x in (h, c))
+        if ours is not None and theirs:
+            out[name] = {"total_ratio": ours / theirs}
+    return out
+
+
+def e2e_value_of(contract: dict, result: dict, name: str, metric: str) -> tuple[float | None, str]:
+    """(value, note) of one metric of one configuration (h3direct's figure, or the ratio to ComfyUI)."""
+    entry = (result.get("configs") or {}).get(name)
+    h = entry.get("h3direct") if isinstance(entry, dict) else None
+    if not isinstance(h, dict):
+        return None, f"configuration {name!r} not in the result"
+    if not _ok(h):
+        return None, f"h3direct {name}: {h.get('status')}"
+    if metric == "total_ratio":
+        v = e2e_ratios(result).get(name, {}).get("total_ratio")
+        if v is not None:
+            return v, ""
+        c = entry.get("comfyui")
+        if not isinstance(c, dict):
+            return None, result.get("comfyui_note") or "no same-run ComfyUI"
+        if not _ok(c):
+            return None, f"ComfyUI {name}: {c.get('status')}"
+        return None, "total_s of a side is not a finite number"
+    raw = (h.get("stages") or {}).get(metric, h.get(metric))
+    v = number(raw)
+    return v, "" if v is not None else f"{metric} {raw!r} is not a finite number"
+
+
+def e2e_info_lines(contract: dict, result: dict) -> list[str]:
+    """Each configuration's stage table, both sides, and the ComfyUI that ran."""
+    comfy = result.get("comfyui") if isinstance(result.get("comfyui"), dict) else {}
+    lines = [f"ComfyUI {comfy.get('version')} (commit {comfy.get('commit')}), comfy-kitchen "
+             f"{comfy.get('comfy_kitchen')}" if comfy else (result.get("comfyui_note") or "no same-run ComfyUI")]
+    for name, entry in (result.get("configs") or {}).items():
+        for side in ("h3direct", "comfyui"):
+            got = entry.get(side) if isinstance(entry, dict) else None
+            if not isinstance(got, dict):
+                continue
+            if not _ok(got):
+                lines.append(f"{name:6s} {side:8s} {got.get('status')}")
+                continue
+            st = got.get("stages") or {}
+            cells = [f"{k.removesuffix('_s')} {number(st.get(k)):.2f}" if number(st.get(k)) is not None
+                     else f"{k.removesuffix('_s')} {st.get(k)!r}" for k in E2E_STAGES]
+            busy = number(got.get("mp4_encode_busy_s"))
+            peak = number(got.get("peak_gpu_gib"))
+            lines.append(f"{name:6s} {side:8s} " + ", ".join(cells) + " s"
+                         + (f" (mp4 encoder busy {busy:.2f} s)" if busy is not None else "")
+                         + (f", peak {peak:.2f} GiB" if peak is not None else ""))
+    for name, values in e2e_ratios(result).items():
+        lines.append(f"{name:6s} total_ratio {values['total_ratio']:.3f}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n")[0])
     ap.add_argument("--contract", required=True)
@@ -192,23 +332,27 @@ def main(argv=None) -> int:
         result = _load(args.result, "result")
     except SystemExit as exc:
         return int(exc.code)
-    for key in ("targets", "workload", "weights", "steps", "paths"):
+    e2e = contract.get("kind") == "e2e"
+    keys = ("targets", "workload", "weights", "configs", "h3direct", "comfyui") if e2e else (
+        "targets", "workload", "weights", "steps", "paths")
+    for key in keys:
         if not isinstance(contract.get(key), dict):
             return _bad(f"--contract {args.contract}: no {key!r} object")
     if result.get("contract") != contract.get("contract"):
         return _bad(f"--result {args.result} is for contract {result.get('contract')!r}, "
                     f"not {contract.get('contract')!r}")
+    check, value, info = (e2e_rules, e2e_value_of, e2e_info_lines) if e2e else (rules, value_of, info_lines)
     broken = 0
-    for rule, why in rules(contract, result):
+    for rule, why in check(contract, result):
         broken += why is not None
         print(f"{'ok  ' if why is None else 'FAIL'} rule   {rule}" + (f": {why}" if why else ""))
-    rows = compare(contract, result)
+    rows = compare(contract, result, value)
     for r in rows:
         v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
         extra = f"  ({r['note']})" if r["note"] else ""
         print(f"{'pass' if r['passed'] else 'MISS'} {r['path']:12s} {r['metric']:17s} {v:>8s} {r['op']} "
               f"{r['limit']:g}{extra}")
-    for line in info_lines(contract, result):
+    for line in info(contract, result):
         print(f"info {line}")
     missed = sum(not r["passed"] for r in rows)
     print(f"{len(rows) - missed} of {len(rows)} targets met" + (f", {missed} missed" if missed else "")

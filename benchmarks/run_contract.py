@@ -3,6 +3,9 @@
     python -m benchmarks.run_contract --contract benchmarks/ref2va-960x544-124f.json --out R.json [--comfy-root R]
     python -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json --result R.json
 
+A contract of kind "e2e" (benchmarks/ref2va-960x544-124f-e2e.json: a whole generation to an mp4, per stage, both
+sides) is run by `run_e2e.py` (its flags: --configs, --tokenizer, --merge). What follows is the DiT contract.
+
 h3direct, per path of the contract (an attention backend with its options, FP8 linears or not): s/step (median of
 the timed Denoiser calls after the warm-up, CUDA events), the sum of the timed steps, text refine, peak GPU memory,
 the path's recorded settings; then the hot floor (the four block GEMMs and the exact path's attention at the
@@ -22,11 +25,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--comfy-timeout", type=float, default=600.0, help="seconds for one ComfyUI configuration")
     ap.add_argument("--comfy-only", default=None, metavar="CONFIG:ATTENTION",
                     help="time one ComfyUI configuration of the contract with one of its attention settings in this "
-                         "process and write its JSON to --out (what the run does in a subprocess per configuration)")
+                         "process and write its JSON to --out (what the run does in a subprocess per configuration; "
+                         "e2e: CONFIG)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the contract's; compare refuses "
                                                             "another count)")
@@ -60,12 +61,16 @@ def parse_args(argv=None):
                     help="length of the hot-floor loop (default: the contract's; 0 skips it)")
     ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check, not a result)")
+    e2e = ap.add_argument_group("e2e contract (run_e2e.py)")
+    e2e.add_argument("--configs", default=None, help="comma list of the contract's configurations (default all)")
+    e2e.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="the Qwen2 tokenizer's folder (default: the --comfy-root checkout's qwen25_tokenizer)")
+    e2e.add_argument("--merge", nargs="+", default=None, metavar="RESULT",
+                     help="write one result (--out) from runs of disjoint configurations")
     return ap.parse_args(argv)
 
 
-def _fail(msg: str):
-    print(f"run_contract: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+_fail = C.usage_error
 
 
 def _contract(path: str) -> dict:
@@ -73,8 +78,12 @@ def _contract(path: str) -> dict:
         c = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         _fail(f"--contract {path}: {exc}")
+    if not isinstance(c, dict):
+        _fail(f"--contract {path}: expected a JSON object")
+    if c.get("kind") == "e2e":
+        return c
     for key in ("contract", "workload", "weights", "steps", "paths"):
-        if not isinstance(c, dict) or key not in c:
+        if key not in c:
             _fail(f"--contract {path}: missing {key!r}")
     return c
 
@@ -89,22 +98,13 @@ def _check_args(args, contract: dict) -> list[str]:
 
     for n in names:
         try:
-            path_options(contract["paths"][n])
+            C.path_options(contract["paths"][n])
         except H3Error as exc:
             _fail(f"--contract: path {n}: {exc}")
     modes = {contract["paths"][n].get("fp8_linear", "off") for n in names} - {"off"}
     if len(modes) > 1:
         _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
-    if args.comfy_root:
-        from h3direct.errors import H3Error
-        from oracle.comfy_env import resolve_root
-
-        try:
-            resolve_root(args.comfy_root)
-        except H3Error as exc:
-            _fail(f"--comfy-root: {exc}")
-    if args.steps is not None and args.steps < 1:
-        _fail(f"--steps {args.steps}: at least 1")
+    C.check_run_flags(args)
     return names
 
 
@@ -120,33 +120,6 @@ def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
 
 
 # ---------------------------------------------------------------- h3direct
-
-def path_options(spec: dict):
-    """A contract path's typed options (`h3direct.dit.options.Options`): its attention backend, its FP8 linears and
-    its "options" under their flat names (`sol_tau`, `fused`, ...); a name that is not an option is an error."""
-    from h3direct.dit.options import Options
-
-    return Options.from_flat({"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off"),
-                              **spec.get("options", {})})
-
-
-def path_settings(model, options, build: dict, like) -> dict:
-    """Everything of one path that changes its numbers (the one place a result records them): the typed options it
-    ran with, every one under its flat name (`options`), and what they came to on this machine: the attention
-    backend and whether it is exact, the FP8 linears, whether the fused Triton kernels run, the NVFP4 compute mode
-    and dequantization path, the compute dtype."""
-    from h3direct.checkpoint.quant.nvfp4 import dequant_backend
-    from h3direct.dit import fused
-    from h3direct.dit.attention import is_exact
-
-    k = options.kernels
-    return {"attention": options.attention.backend, "options": options.flat(),
-            "attention_exact": is_exact(options.attention), "fp8_linear": k.fp8_linear,
-            "fused_kernels": fused.enabled(like, whole_rows=False, on=k.fused), "nvfp4_mode": build.get("nvfp4_mode"),
-            "nvfp4_dequant": dequant_backend(like.device.type, k.nvfp4_dequant)
-            if build.get("weights") == "nvfp4" else None,
-            "compute_dtype": str(model.compute_dtype).removeprefix("torch.")}
-
 
 def _load_time(model, options) -> None:
     """The load-time kernel options on the built model: FP8 block linears (once, in place), NVFP4 dequantization."""
@@ -172,7 +145,7 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
     inputs = make_inputs(config, wl, dev, w.get("seed", 0))
     like = torch.empty(0, device=dev, dtype=model.compute_dtype)
-    opts = {n: path_options(contract["paths"][n]) for n in names}
+    opts = {n: C.path_options(contract["paths"][n]) for n in names}
     paths = {}
     # the exact paths first; then the block linears become FP8 once, in place, for the FP8 paths
     for name in sorted(names, key=lambda n: opts[n].kernels.fp8_linear != "off"):
@@ -185,7 +158,7 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     seconds = contract.get("floor", {}).get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
     exact = contract["paths"].get(contract.get("floor", {}).get("path", "exact"))
     if seconds > 0 and exact is not None:
-        floor = hot_floor(config, wl["seq_len"], path_options(exact), dev, seconds, w.get("seed", 0))
+        floor = hot_floor(config, wl["seq_len"], C.path_options(exact), dev, seconds, w.get("seed", 0))
         C.log(f"hot floor ({exact['attention']}): {floor.get('s_per_step', floor.get('status'))}")
     if not args.no_vae:
         vae_s = vae_decode(contract, preset, wl, dev)
@@ -205,7 +178,7 @@ def _run_path(contract: dict, args, name: str, options, model, build: dict, inpu
     from h3direct.dit.denoiser import Denoiser, audio_scale_of
 
     spec, (video, audio, text, cond) = contract["paths"][name], inputs
-    res = {"class": spec.get("class"), "settings": path_settings(model, options, build, like)}
+    res = {"class": spec.get("class"), "settings": C.path_settings(model, options, build, like)}
     reason = unavailable_reason(options.attention, like)
     if reason is not None:
         C.log(f"{name}: {options.attention.backend} unavailable: {reason}")
@@ -346,22 +319,12 @@ def _comfy_steps(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     import torch
     from bench_dit import make_inputs
 
-    from h3direct.checkpoint.synthetic import iter_dit_tensors
     from h3direct.config import H3Config
 
     w = contract["weights"]
     cuda = C.is_cuda(dev)
     config = H3Config.from_name(preset.dit_config)
-    quant = "nvfp4" if w["dit"] == "nvfp4" else "none"
-    sd = {k: (t.cpu() if k.endswith(".comfy_quant") else t)
-          for k, t in iter_dit_tensors(config, quant, w.get("seed", 0), str(dev), nvfp4_refiner=False)}
-    t0 = time.perf_counter()
-    patcher = env.sd.load_diffusion_model_state_dict(sd)
-    del sd
-    if patcher is None or type(patcher.model).__name__ != "MiniMaxH3":
-        raise RuntimeError(f"ComfyUI did not detect MiniMaxH3 in the synthetic weights "
-                           f"({type(getattr(patcher, 'model', None)).__name__})")
-    load_s = time.perf_counter() - t0
+    patcher, load_s = C.comfy_dit(env, config, w["dit"], w.get("seed", 0), dev)
     video, audio, text, cond = make_inputs(config, wl, "cpu", w.get("seed", 0))
     refs = [{"kind": "image", "latent": r["latent"], "latent_t": 1, "latent_h": r["latent_h"],
              "latent_w": r["latent_w"], "ref_audio_t": 0} for r in cond.refs]
@@ -406,22 +369,7 @@ def comfy_round(args, contract: dict, dev: str, order: list[tuple[str, str]]) ->
             out[key] = {"status": f"unavailable: {package} is not importable here"}
             C.log(f"ComfyUI {key}: {out[key]['status']}")
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            target = Path(tmp) / "comfy.json"
-            cmd = [sys.executable, "-m", "benchmarks.run_contract", "--contract", args.contract, "--comfy-root",
-                   args.comfy_root, "--comfy-only", key, "--device", dev, "--out", str(target)]
-            cmd += ["--smoke"] * args.smoke + (["--steps", str(args.steps)] if args.steps else [])
-            try:
-                p = subprocess.run(cmd, cwd=C.REPO_ROOT, capture_output=True, text=True, timeout=args.comfy_timeout,
-                                   env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                       [str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
-                if p.returncode == 0 and target.is_file():
-                    out[key] = json.loads(target.read_text())
-                else:
-                    last = (p.stderr.strip().splitlines() or [""])[-1][:300]
-                    out[key] = {"status": f"failed: exit {p.returncode}: {last}"}
-            except subprocess.TimeoutExpired:
-                out[key] = {"status": f"failed: over --comfy-timeout {args.comfy_timeout:g} s"}
+        out[key] = C.run_comfy_process(args, key, dev)
         C.log(f"ComfyUI {key}: " + (f"{out[key]['s_per_step']:.3f} s/step" if out[key].get("status") == "ok"
                                     else out[key]["status"]))
     return out
@@ -453,32 +401,17 @@ def merge_comfy(contract: dict, rounds: list[dict]) -> dict:
     return configs
 
 
-def package_versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for name in ("torch", "triton", "comfy-kitchen", "sageattention", "fa3-fwd", "flash-attn"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def git_commit() -> str:
-    try:
-        p = subprocess.run(["git", "-C", str(C.REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                           timeout=10)
-        dirty = subprocess.run(["git", "-C", str(C.REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return p.stdout.strip() + ("+changes" if dirty else "") if p.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     contract = _contract(args.contract)
+    if contract.get("kind") == "e2e":
+        import run_e2e
+
+        return run_e2e.main(args, contract, argv)
+    given = [flag for flag, value in (("--configs", args.configs), ("--tokenizer", args.tokenizer),
+                                      ("--merge", args.merge)) if value is not None]
+    if given:
+        _fail(f"{', '.join(given)}: a flag of the e2e contract, not of {contract['contract']}")
     if args.comfy_only:
         if not args.comfy_root:
             _fail("--comfy-only needs --comfy-root")
@@ -500,7 +433,7 @@ def main(argv=None) -> int:
     dev = args.device
     w = contract["weights"]
     result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
-              "env": {**C.env_info(dev), "packages": package_versions()}, "commit": git_commit(),
+              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(),
               "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
               "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]}}

@@ -5,13 +5,15 @@
 #
 #   bash benchmarks/run_gpu.sh                    # tests dit vae generate, then the summary
 #   bash benchmarks/run_gpu.sh contract           # the contract (ComfyUI in the same run when COMFY_ROOT is set)
+#   E2E_CONFIGS=nvfp4 bash benchmarks/run_gpu.sh e2e   # the end-to-end contract, one weight format
 #   bash benchmarks/run_gpu.sh tests dit          # any parts, in the order given
 #
 # Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), contract
-# (run_contract.py, then compare.py on its result). Knobs (environment): OUT (default /tmp/h3direct_bench), PYTHON,
-# PRESET (full), COMFY_ROOT, DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS (extra flags), <PART>_TIMEOUT (hard
-# limit in seconds, e.g. DIT_TIMEOUT=600). A failing or killed part never stops the next one; the exit status is 1
-# when any part failed.
+# (run_contract.py, then compare.py on its result), e2e (run_contract.py on the end-to-end contract, the
+# configurations of E2E_CONFIGS or all, into $OUT/e2e[-CONFIGS].json, then compare.py). Knobs (environment): OUT
+# (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS /
+# E2E_ARGS (extra flags), E2E_CONFIGS, <PART>_TIMEOUT (hard limit in seconds, e.g. DIT_TIMEOUT=600). A failing or
+# killed part never stops the next one; the exit status is 1 when any part failed.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${TMPDIR:-/tmp}/h3direct_bench}"
@@ -23,7 +25,7 @@ PRESET="${PRESET:-full}"
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(tests dit vae generate)
 for p in "${PARTS[@]}"; do
-  case "$p" in tests|dit|vae|generate|contract) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract)" >&2; exit 2;; esac
+  case "$p" in tests|dit|vae|generate|contract|e2e) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract e2e)" >&2; exit 2;; esac
 done
 
 T0=$(date +%s)
@@ -62,6 +64,13 @@ for p in "${PARTS[@]}"; do
         ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
       part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
         --result "$OUT/contract.json" ;;
+    e2e)
+      E2E_OUT="$OUT/e2e${E2E_CONFIGS:+-${E2E_CONFIGS//,/-}}.json"
+      part e2e "${E2E_TIMEOUT:-540}" "$PY" -m benchmarks.run_contract \
+        --contract benchmarks/ref2va-960x544-124f-e2e.json --out "$E2E_OUT" \
+        ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${E2E_CONFIGS:+--configs "$E2E_CONFIGS"} ${E2E_ARGS:-}
+      part compare_e2e 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f-e2e.json \
+        --result "$E2E_OUT" ;;
   esac
 done
 

@@ -11,7 +11,17 @@ the largest temporary is one fp32 master tensor (fc1: 0.6 GB).
 VAEs (`build_video_vae`, `build_audio_vae`): `h3direct.vae.synthetic`'s per-key init rules evaluated with a
 generator on the device, written in place into a model whose tensors already have the compute dtype.
 
-CLI (a build check): `python3 benchmarks/synthetic_gpu.py --preset tiny --device cpu --weights bf16,nvfp4`.
+Text encoder (`build_text_encoder`): the Qwen3-VL-32B encoder (50 layers, hidden 5,120, the vision tower) made one
+tensor at a time on the device in the file's layout (`text_encoder_tensors`: ComfyUI's keys, every float tensor
+bf16; `weights="nvfp4"` puts the 350 decoder linears in NVFP4 with their scales and `comfy_quant` markers, as a
+quantized file holds them), then loaded by the runtime's strict loader (`text_encoder_of`). bf16
+~48 GiB, NVFP4 ~15 GiB. Init: linear weights ~ N(0, 1/fan_in), the residual branches' output projections (o_proj,
+down_proj; the vision tower's attn.proj, mlp.linear_fc2) scaled by 1/sqrt(2 x depth) so the residual stream stays
+O(1) over the layers; biases ~ N(0, 0.02^2); norm weights 1 + N(0, 0.05^2); token embeddings N(0, 1); the vision
+position table 0.5 N(0, 1).
+
+CLI (a build check): `python3 benchmarks/synthetic_gpu.py --preset tiny --device cpu --weights bf16,nvfp4 [--vae]
+[--text-encoder]`.
 """
 
 from __future__ import annotations
@@ -131,6 +141,93 @@ def build_audio_vae(preset: str, device, seed: int = 0):
     return model, {"build_s": time.perf_counter() - t0, "model_gib": C.module_gib(model), "dtype": "float32"}
 
 
+# ---------------------------------------------------------------- text encoder
+
+TEXT_NVFP4_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                      "mlp.up_proj", "mlp.down_proj")
+TEXT_RESIDUAL_OUT = {"model": ("self_attn.o_proj", "mlp.down_proj"), "visual": ("attn.proj", "mlp.linear_fc2")}
+TEXT_SEED_OFFSET = 300  # the text encoder's generator: seed + this (the DiT and VAEs draw from their own)
+
+
+def text_encoder_config(name: str):
+    """The encoder of a benchmark preset (`Preset.text_encoder`): qwen3vl_32b as H3 ships it; tiny = hidden 96 (the
+    tiny DiT's text_dim), 2 layers, head_dim 128 (the MRoPE sections of the full model, which ComfyUI's Qwen3-VL
+    fixes), the tiny vision tower."""
+    from h3direct.text.qwen import PRESETS, TextEncoderConfig
+    from h3direct.text.vision import VISION_PRESETS
+
+    if name == "tiny":
+        return TextEncoderConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=128, vision=VISION_PRESETS["tiny"])
+    return PRESETS[name]
+
+
+def _text_master(name: str, shape, config, g, device):
+    """fp32 value of one text-encoder tensor (the module docstring's init rules)."""
+    import math
+
+    import torch
+
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+    if name == "model.embed_tokens.weight":
+        return torch.randn(shape, generator=g, device=device)
+    if name.endswith("pos_embed.weight"):
+        return 0.5 * torch.randn(shape, generator=g, device=device)
+    if "norm" in module and name.endswith(".weight"):
+        return 1.0 + 0.05 * torch.randn(shape, generator=g, device=device)
+    if name.endswith(".bias"):
+        return 0.02 * torch.randn(shape, generator=g, device=device)
+    tower = name.split(".", 1)[0]
+    depth = config.num_hidden_layers if tower == "model" else config.vision.depth
+    gain = 1 / math.sqrt(2 * depth) if name.removesuffix(".weight").endswith(TEXT_RESIDUAL_OUT[tower]) else 1.0
+    fan_in = math.prod(shape[1:])
+    return (gain / math.sqrt(fan_in)) * torch.randn(shape, generator=g, device=device)
+
+
+def text_encoder_tensors(config, weights: str, device, seed: int = 0):
+    """(key, tensor) of the synthetic text encoder in the file's layout, one master tensor at a time in sorted key
+    order: bf16, or (`weights="nvfp4"`) each decoder linear as packed weight, block scale, global scale and its
+    `comfy_quant` marker (on the CPU: the loaders parse it on the host)."""
+    import torch
+
+    from h3direct.checkpoint.quant import NVFP4_MARKER
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+    from h3direct.text.qwen import QwenVL
+
+    if weights not in ("bf16", "nvfp4"):
+        raise ValueError(f"text encoder weights must be bf16 or nvfp4, got {weights!r}")
+    with torch.device("meta"):
+        layout = QwenVL(config).state_dict()
+    g = torch.Generator(device=device).manual_seed(seed + TEXT_SEED_OFFSET)
+    for name in sorted(layout):
+        value = _text_master(name, layout[name].shape, config, g, device).to(torch.bfloat16)
+        layer = name.removesuffix(".weight")
+        if weights == "nvfp4" and layer.startswith("model.layers.") and layer.endswith(TEXT_NVFP4_LINEARS):
+            q = quantize_nvfp4(value)  # from the bf16-rounded weight, as a quantized file is made
+            del value
+            yield name, q.packed
+            yield f"{layer}.weight_scale", q.block_scale
+            yield f"{layer}.weight_scale_2", q.global_scale
+            yield f"{layer}.comfy_quant", torch.tensor(list(NVFP4_MARKER), dtype=torch.uint8)
+        else:
+            yield name, value
+
+
+def build_text_encoder(name: str, weights: str, device, seed: int = 0):
+    """(h3direct QwenTextEncoder `name` (`text_encoder_config`) on `device`, fp32 compute as ComfyUI runs it, info)."""
+    from h3direct.text.load import text_encoder_of
+
+    config = text_encoder_config(name)
+    C.sync(device)
+    t0 = time.perf_counter()
+    sd = dict(text_encoder_tensors(config, weights, device, seed))
+    enc = text_encoder_of(sd, f"synthetic text encoder ({weights})", config)
+    del sd
+    C.sync(device)
+    return enc, {"weights": weights, "build_s": time.perf_counter() - t0, "model_gib": C.module_gib(enc.net),
+                 "layers": config.num_hidden_layers, "hidden": config.hidden_size}
+
+
 # ---------------------------------------------------------------- CLI
 
 def dtype_census(model) -> dict[str, int]:
@@ -149,6 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--weights", default="nvfp4,bf16")
     ap.add_argument("--vae", action="store_true", help="also build both VAEs")
+    ap.add_argument("--text-encoder", action="store_true", help="also build the text encoder (each --weights)")
     args = ap.parse_args(argv)
     import torch
 
@@ -170,6 +268,14 @@ def main(argv=None) -> int:
             print(json.dumps({"model": name, **info}))
             rows.append([name, "synthetic", info["build_s"], info["model_gib"], C.allocated_gib(args.device)])
             del model
+            C.free_memory(args.device)
+    if args.text_encoder:
+        for w in args.weights.split(","):
+            enc, info = build_text_encoder(p.text_encoder, w, args.device)
+            print(json.dumps({"model": "text_encoder", **info}))
+            rows.append([f"text_encoder {w}", "synthetic", info["build_s"], info["model_gib"],
+                         C.allocated_gib(args.device)])
+            del enc
             C.free_memory(args.device)
     C.print_table("synthetic builds", ["model", "builder", "build s", "GiB", "allocated GiB"], rows)
     return 0

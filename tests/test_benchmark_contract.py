@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from contract_cli import broken, compare, has
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ROOT / "benchmarks" / "ref2va-960x544-124f.json"
@@ -22,17 +23,7 @@ COMMITTED = ROOT / "benchmarks" / "results" / "contract-h200.json"
 
 
 def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subprocess.CompletedProcess:
-    if isinstance(result, dict):
-        path = tmp / "r.json"
-        path.write_text(json.dumps(result))  # inf and NaN as JSON's Infinity / NaN, as json.dumps writes them
-        result = path
-    return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
-                           str(result)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-
-
-def _has(out: str, needle: str) -> bool:
-    """needle is in out, whitespace runs compared as one space (compare pads its columns)."""
-    return " ".join(needle.split()) in " ".join(out.split())
+    return compare(result, contract, tmp)
 
 
 def _passing() -> dict:
@@ -63,21 +54,11 @@ def _passing() -> dict:
 def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
     p = _compare(_passing(), tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert _has(p.stdout, "5 of 5 targets met") and "FAIL" not in p.stdout
+    assert has(p.stdout, "5 of 5 targets met") and "FAIL" not in p.stdout
     # the same-run ratios: approximate against --use-sage-attention, exact against the fastest exact ComfyUI
-    assert _has(p.stdout, "approximate  x_comfyui_default 3.158, x_comfyui_best 2.355")
-    assert _has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_best 1.450, floor_ratio 1.031")
-    assert _has(p.stdout, "info ComfyUI sage          approximate, user settings: 2.237 s/step (sage)")
-
-
-def _break(result: dict, where: str, value) -> dict:
-    """Set result[a][b]... = value for where = "a.b..."."""
-    *keys, last = where.split(".")
-    d = result
-    for k in keys:
-        d = d[k]
-    d[last] = value
-    return result
+    assert has(p.stdout, "approximate  x_comfyui_default 3.158, x_comfyui_best 2.355")
+    assert has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_best 1.450, floor_ratio 1.031")
+    assert has(p.stdout, "info ComfyUI sage          approximate, user settings: 2.237 s/step (sage)")
 
 
 @pytest.mark.parametrize("where, value, needle", [
@@ -98,16 +79,16 @@ def _break(result: dict, where: str, value) -> dict:
 ], ids=["smoke", "device", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
         "path-options", "comfy-settings"])
 def test_compare_fails_a_result_that_did_not_run_the_contract(tmp_path, where, value, needle):
-    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
-    assert _has(p.stdout, "1 rule(s) broken: the result did not run the contract")
+    p = _compare(broken(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and has(p.stdout, needle), p.stdout
+    assert has(p.stdout, "1 rule(s) broken: the result did not run the contract")
 
 
 def test_compare_fails_a_path_the_result_lacks(tmp_path):
     r = _passing()
     del r["paths"]["approximate_fp8_attention"]
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, "FAIL rule   path approximate_fp8_attention: not in the result")
+    assert p.returncode == 1 and has(p.stdout, "FAIL rule   path approximate_fp8_attention: not in the result")
 
 
 @pytest.mark.parametrize("where, value, needle", [
@@ -123,8 +104,8 @@ def test_compare_fails_a_path_the_result_lacks(tmp_path):
 ], ids=["s-minus-inf", "peak-minus-inf", "peak-nan", "peak-string", "peak-true", "s-true", "comfy-inf", "floor-inf",
         "floor-zero"])
 def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, value, needle):
-    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
+    p = _compare(broken(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and has(p.stdout, needle), p.stdout
 
 
 @pytest.mark.parametrize("where, value, needle", [
@@ -135,8 +116,8 @@ def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, va
     ("paths.approximate.status", "unavailable: no sol_attn", "MISS approximate  s_per_step"),
 ])
 def test_compare_misses_exit_nonzero(tmp_path, where, value, needle):
-    p = _compare(_break(_passing(), where, value), tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, needle), p.stdout
+    p = _compare(broken(_passing(), where, value), tmp=tmp_path)
+    assert p.returncode == 1 and has(p.stdout, needle), p.stdout
 
 
 def test_compare_ratios_need_the_same_run(tmp_path):
@@ -144,12 +125,12 @@ def test_compare_ratios_need_the_same_run(tmp_path):
     r = _passing()
     r["comfyui"], r["comfyui_note"] = None, "no same-run ComfyUI"
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, "MISS approximate  x_comfyui_best") and _has(p.stdout, "no same-run ComfyUI")
+    assert p.returncode == 1 and has(p.stdout, "MISS approximate  x_comfyui_best") and has(p.stdout, "no same-run ComfyUI")
     r = _passing()
     r["comfyui"]["configs"]["sage"]["status"] = "sage: unavailable: sageattention is not importable here"
     r["paths"]["approximate"]["x_comfyui_best"] = 9.9  # a stored ratio is not a measurement
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and _has(p.stdout, "MISS approximate  x_comfyui_best")
+    assert p.returncode == 1 and has(p.stdout, "MISS approximate  x_comfyui_best")
 
 
 @pytest.mark.parametrize("content, needle", [(None, "cannot read"), ("{", "not JSON"),
@@ -170,9 +151,9 @@ def test_compare_reports_clock_and_power_of_each_run(tmp_path):
     r["paths"]["approximate"]["gpu_clock_power"] = None
     p = _compare(r, tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert _has(p.stdout, "info exact SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the "
+    assert has(p.stdout, "info exact SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the "
                           "power cap in 90 % of samples")
-    assert not _has(p.stdout, "info approximate SM clock")
+    assert not has(p.stdout, "info approximate SM clock")
 
 
 def test_committed_result_ran_this_contract_and_compare_reads_it():
@@ -180,8 +161,8 @@ def test_committed_result_ran_this_contract_and_compare_reads_it():
     each path's settings); compare reads it without a traceback and exits 1 on the approximate path's misses."""
     p = _compare(COMMITTED)
     assert p.returncode == 1 and not p.stderr, p.stderr
-    assert "FAIL rule" not in p.stdout and _has(p.stdout, "ok   rule   ComfyUI sage settings")
-    assert _has(p.stdout, "pass exact        floor_ratio") and _has(p.stdout, "MISS approximate  s_per_step")
+    assert "FAIL rule" not in p.stdout and has(p.stdout, "ok   rule   ComfyUI sage settings")
+    assert has(p.stdout, "pass exact        floor_ratio") and has(p.stdout, "MISS approximate  s_per_step")
     for name in ("default", "sage", "exact_fastest"):
         assert re.search(rf"info ComfyUI {name} +\w+, \w+ settings: [0-9.]+ s/step", p.stdout), name
 
@@ -230,7 +211,7 @@ def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
     assert r["comfyui"] is None and "no same-run ComfyUI" in r["comfyui_note"]
     assert r["smoke"] is True and r["commit"] and r["env"]["packages"]["torch"]
     q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
-    assert q.returncode == 1 and _has(q.stdout, "FAIL rule   not a smoke run") and _has(q.stdout, "no same-run ComfyUI")
+    assert q.returncode == 1 and has(q.stdout, "FAIL rule   not a smoke run") and has(q.stdout, "no same-run ComfyUI")
 
 
 @pytest.mark.parametrize("flags, needle", [(["--paths", "exact,nope"], "--paths: nope not a path"),
@@ -271,7 +252,7 @@ def test_runner_times_every_comfyui_configuration_in_its_own_process(tmp_path, c
     assert exact["x_comfyui_best"] == pytest.approx(best / exact["s_per_step"])
     assert r["comfyui"]["version"] and r["comfyui"]["comfy_kitchen"]
     q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
-    assert _has(q.stdout, "info ComfyUI default       exact, oracle settings:")
+    assert has(q.stdout, "info ComfyUI default       exact, oracle settings:")
 
 
 @pytest.mark.comfy

@@ -1,10 +1,11 @@
 """One clip on a loaded pipeline, for the command line and the service alike: generate it, write the mp4 (H.264,
-24 fps, AAC stereo) atomically with its provenance in the container's `comment` tag, write its latents when asked,
-and make the one-line JSON summary.
+24 fps, AAC stereo; encoded while the video decodes) atomically with its provenance in the container's `comment`
+tag, write its latents when asked, and make the one-line JSON summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -13,25 +14,35 @@ from h3direct.app import provenance
 
 
 def clip(pipe, request, options, *, callback=None, on_stage=None, ffmpeg_loglevel: str = "error"):
-    """`pipe.generate(request, options)`, then its mp4 (to `request.resolved.output`) and latents (`save_latent`).
-    Returns (Result, the mp4's path or None, write seconds)."""
+    """`pipe.generate(request, options)` with its mp4 (to `request.resolved.output`) encoded while the video decodes
+    (`vae.mp4.Mp4Stream`: each decoded chunk of frames goes to the encoder thread, the audio is muxed after the
+    decodes), then its latents (`save_latent`). Returns (Result, the mp4's path or None, write seconds: what the
+    write took after the decodes). `Result.timings["write_busy"]`: the encoder thread's own seconds (mostly spent
+    while the decoders ran)."""
+    from h3direct.app.pipeline import FPS
     from h3direct.dit import parallel
-    from h3direct.vae.mp4 import write_mp4
+    from h3direct.vae.mp4 import Mp4Stream
 
     options = pipe.effective(options)
-    res = pipe.generate(request, options, callback=callback, on_stage=on_stage)
-    if on_stage is not None:
-        on_stage("write")
-    t = time.perf_counter()
     tag = json.dumps(provenance.provenance_of(request, options, pipe), separators=(",", ":"), ensure_ascii=False)
     meta = {"comment": tag, "encoder": f"h3direct {provenance.version()}"}
     out = request.resolved.output
-    if parallel.is_writer():  # under torchrun every rank holds the same clip; rank 0 writes it
-        if request.resolved.save_latent is not None:
+    writer = parallel.is_writer()  # under torchrun every rank holds the same clip; rank 0 writes it
+    stream = None
+    if writer and out is not None:
+        stream = Mp4Stream(out, FPS, sample_rate=pipe.audio_vae.cfg.sample_rate, loglevel=ffmpeg_loglevel,
+                           metadata=meta)
+    with stream if stream is not None else contextlib.nullcontext():
+        res = pipe.generate(request, options, callback=callback, on_stage=on_stage,
+                            on_frames=None if stream is None else stream.add)
+        if on_stage is not None:
+            on_stage("write")
+        t = time.perf_counter()
+        if writer and request.resolved.save_latent is not None:
             save_latents(request.resolved.save_latent, res, tag)
-        if out is not None:
-            out = write_mp4(out, res.frames, res.fps, res.audio, res.sample_rate, loglevel=ffmpeg_loglevel,
-                            metadata=meta)
+        if stream is not None:
+            out = stream.finish(res.audio)
+            res.timings["write_busy"] = round(stream.busy_s, 4)
     if on_stage is not None:
         on_stage("done")
     return res, out, time.perf_counter() - t

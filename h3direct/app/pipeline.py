@@ -21,7 +21,8 @@ One generation, in ComfyUI's order (`nodes_minimax_h3.py` + KSampler):
 4. sigma schedule (`h3direct.sampling.schedules`, the DiT's video shift), sampler (`h3direct.sampling.sampler`)
    around the `Denoiser` (optionally wrapped by a step cache, `h3direct.sampling.caches`); the conditioning
    payload seed is the sampler seed, as ComfyUI's `extra_conds`;
-5. decode: video VAE -> uint8 frames, audio VAE -> stereo waveform.
+5. decode: video VAE -> uint8 frames, each temporal chunk handed on as it is done (`on_frames`: the mp4 encoder
+   runs while the decoder does), audio VAE -> stereo waveform.
 """
 
 from __future__ import annotations
@@ -359,16 +360,18 @@ class H3Pipeline:
     # ---- the whole thing ----
     def generate(self, request, options: Options = DEFAULT_OPTIONS, *,
                  callback: Callable[[StepEvent], None] | None = None, on_stage: Callable[[str], None] | None = None,
-                 decode: bool = True) -> Result:
+                 decode: bool = True, on_frames: Callable[[np.ndarray], None] | None = None) -> Result:
         """One clip of `request` (an `app.request.GenerateRequest`, validated when built) with this generation's
         `options`. `on_stage(name)` is called as each stage starts (conditioning, text_encode, sample,
         decode_video, decode_audio) and after each video-decoder tile ("decode_video:tile"); like `callback`, it
-        may raise to abandon the run (a cancelled or timed-out request). The calls counted during the run are
+        may raise to abandon the run (a cancelled or timed-out request). `on_frames(frames)` gets the clip's uint8
+        frames [n, H, W, 3] in order, each temporal chunk as soon as the video decoder has finished it (an mp4
+        encoder: `vae.mp4.Mp4Stream.add`); they are `Result.frames` too. The calls counted during the run are
         `Result.calls`."""
         from h3direct.counts import counting
 
         options = self.check_options(options)
-        run = _Run(self, request, options, callback, on_stage or (lambda name: None))
+        run = _Run(self, request, options, callback, on_stage or (lambda name: None), on_frames)
         with counting() as calls, torch.inference_mode():
             res = run.all(decode)
         res.calls = calls.as_dict()
@@ -378,8 +381,9 @@ class H3Pipeline:
 class _Run:
     """One `H3Pipeline.generate`: its stages in order, each timed (and its peak memory noted)."""
 
-    def __init__(self, pipe: H3Pipeline, request, options: Options, callback, stage):
+    def __init__(self, pipe: H3Pipeline, request, options: Options, callback, stage, on_frames=None):
         self.pipe, self.request, self.options, self.callback, self.stage = pipe, request, options, callback, stage
+        self.on_frames = on_frames
         self.timings: dict = {}
         self.memory: dict = {}
         self.dev = pipe.device
@@ -486,15 +490,20 @@ class _Run:
         return out.video.float(), out.audio.float(), sigmas, reused, step_times
 
     def decode(self, video_latent, audio_latent, t: float):
-        from h3direct.vae.api import decode_audio, decode_video
+        from h3direct.vae.api import decode_audio, decode_video_frames
         from h3direct.vae.mp4 import pixels_to_uint8
 
         pipe = self.pipe
         self.stage("decode_video")
-        px = decode_video(pipe.video_vae, video_latent, dtype=pipe.vae_dtype, tile_size=pipe.vae_tile_size,
-                          on_tile=lambda: self.stage("decode_video:tile"))
-        pixels = pixels_to_uint8(px[0])
-        del px
+        chunks = []
+        for px in decode_video_frames(pipe.video_vae, video_latent, dtype=pipe.vae_dtype,
+                                      tile_size=pipe.vae_tile_size, on_tile=lambda: self.stage("decode_video:tile")):
+            chunks.append(pixels_to_uint8(px[0]))
+            del px
+            if self.on_frames is not None:
+                self.on_frames(chunks[-1])
+        pixels = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        del chunks
         t = self.mark("decode_video", t)
         self.stage("decode_audio")
         wave = decode_audio(pipe.audio_vae, audio_latent)[0].float().cpu().numpy()

@@ -1,4 +1,5 @@
-"""Public VAE entry points: `decode_video`, `encode_video`, `decode_audio`, `encode_audio`.
+"""Public VAE entry points: `decode_video` (and `decode_video_frames`, the same chunk by chunk), `encode_video`,
+`decode_audio`, `encode_audio`.
 
 They reproduce what ComfyUI's `comfy.sd.VAE.decode` / `.encode` do for the H3 VAEs:
 
@@ -21,7 +22,7 @@ Inf/NaN (the clamp to [0, 1] would hide Inf). Every tile's raw output is checked
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,7 +30,7 @@ from h3direct.errors import H3Error
 from h3direct.vae.audio import AudioVAE
 from h3direct.vae.config import PIXEL_MEAN, PIXEL_STD, check_tile_geometry
 from h3direct.vae.video import VideoVAE
-from h3direct.vae.video_tiling import decode_chunked, encode_chunked, split_tiles, tiled
+from h3direct.vae.video_tiling import decode_chunked, decoded_parts, encode_chunked, split_tiles, tiled
 
 VIDEO_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "float32": torch.float32, "float16": torch.float16}
 
@@ -97,6 +98,30 @@ def decode_video(vae: VideoVAE, latent: torch.Tensor, dtype: torch.dtype | str |
     t = 5k+2 (see `video_tiling.plan_decode`). `on_tile()` is called after each decoder call (a spatial tile of a
     temporal chunk): progress, and a place where a caller may raise to abandon the decode.
     """
+    z, decode_fn, finalize = _video_decoder(vae, latent, dtype, tile_size, tile_overlap, on_tile)
+    return decode_chunked(z, decode_fn, finalize, vae.cfg).movedim(1, -1)
+
+
+def decode_video_frames(vae: VideoVAE, latent: torch.Tensor, dtype: torch.dtype | str | None = None,
+                        tile_size: int | None = None, tile_overlap: int | None = None,
+                        on_tile: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
+    """`decode_video` chunk by chunk: pixels [B, n, 16h, 16w, 3] float32 in [0, 1] of each temporal chunk, in order,
+    as soon as they are final; together bit for bit the frames `decode_video` returns, and the whole clip is never
+    held at once. The latent is checked when this is called, the decoding runs as the chunks are taken."""
+    with torch.inference_mode():
+        z, decode_fn, finalize = _video_decoder(vae, latent, dtype, tile_size, tile_overlap, on_tile)
+    return _chunks(z, decode_fn, finalize, vae.cfg)
+
+
+@torch.inference_mode()
+def _chunks(z, decode_fn, finalize, cfg) -> Iterator[torch.Tensor]:
+    for part in decoded_parts(z, decode_fn, finalize, cfg):
+        yield part.movedim(1, -1)
+
+
+def _video_decoder(vae: VideoVAE, latent: torch.Tensor, dtype, tile_size: int | None, tile_overlap: int | None,
+                   on_tile: Callable[[], None] | None):
+    """(de-normalised latent, decode of one temporal chunk (tiled, checked), finalize) of a video decode."""
     cfg = vae.cfg
     if latent.ndim != 5 or latent.shape[1] != cfg.embed_dim:
         raise H3Error(f"video latent must be [B, {cfg.embed_dim}, t, h, w], got {list(latent.shape)}")
@@ -127,8 +152,7 @@ def decode_video(vae: VideoVAE, latent: torch.Tensor, dtype: torch.dtype | str |
     def finalize(raw: torch.Tensor) -> torch.Tensor:
         return (raw * std32 + mean32).clamp_(0.0, 1.0)
 
-    pixels = decode_chunked(z, decode_fn, finalize, cfg)
-    return pixels.movedim(1, -1)
+    return z, decode_fn, finalize
 
 
 def crop_to_multiple(x: torch.Tensor, dims: tuple[int, ...], m: int) -> torch.Tensor:

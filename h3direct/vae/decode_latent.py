@@ -64,10 +64,10 @@ def decode(*, latent, out, video_vae, audio_vae=None, video_config=None, audio_c
     released sizes) to the mp4 `out`; returns the summary. An audio latent needs `audio_vae`."""
     import torch
 
-    from h3direct.vae.api import decode_audio, decode_video
+    from h3direct.vae.api import decode_audio, decode_video_frames
     from h3direct.vae.config import resolve_vae_config
     from h3direct.vae.loader import load_audio_vae, load_video_vae
-    from h3direct.vae.mp4 import pixels_to_uint8, write_mp4
+    from h3direct.vae.mp4 import Mp4Stream, pixels_to_uint8
 
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -81,16 +81,20 @@ def decode(*, latent, out, video_vae, audio_vae=None, video_config=None, audio_c
     acfg = resolve_vae_config("audio", audio_config)
     check_fits(video, audio, vcfg, acfg, latent)
     vae = load_video_vae(video_vae, vcfg, dtype=dtype, device=dev)
-    frames = pixels_to_uint8(decode_video(vae, video, dtype=dtype, tile_size=vae_tile_size)[0])
-    del vae
-    wave = None
-    sample_rate = 32000
-    if audio is not None:
-        avae = load_audio_vae(audio_vae, acfg, device=dev)
-        sample_rate = avae.cfg.sample_rate
-        wave = decode_audio(avae, audio)[0].cpu().numpy()
-    path = write_mp4(out, frames, FPS, wave, sample_rate, loglevel=ffmpeg_loglevel)
-    return {"out": str(path), "frames": int(frames.shape[0]), "width": int(frames.shape[2]),
-            "height": int(frames.shape[1]), "fps": FPS, "audio_samples": None if wave is None else int(wave.shape[0]),
-            "sample_rate": sample_rate if wave is not None else None, "vae_dtype": str(dtype).replace("torch.", ""),
-            "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}
+    sample_rate = acfg.sample_rate if audio is not None else None
+    with Mp4Stream(out, FPS, sample_rate=sample_rate, loglevel=ffmpeg_loglevel) as stream:
+        shape = None
+        for px in decode_video_frames(vae, video, dtype=dtype, tile_size=vae_tile_size):  # encoded as decoded
+            frames = pixels_to_uint8(px[0])
+            stream.add(frames)
+            shape = frames.shape
+        del vae
+        wave = None
+        if audio is not None:
+            avae = load_audio_vae(audio_vae, acfg, device=dev)
+            wave = decode_audio(avae, audio)[0].cpu().numpy()
+        path = stream.finish(wave)
+    return {"out": str(path), "frames": stream.frames, "width": int(shape[2]), "height": int(shape[1]), "fps": FPS,
+            "audio_samples": None if wave is None else int(wave.shape[0]), "sample_rate": sample_rate,
+            "vae_dtype": str(dtype).replace("torch.", ""), "device": str(dev),
+            "seconds": round(time.perf_counter() - t0, 3)}

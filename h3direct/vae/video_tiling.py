@@ -19,7 +19,7 @@ encodes to 5 latent frames; the last `token_drop` (3) latent frames of the whole
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -157,32 +157,31 @@ def _chunk_split_lengths(clip_frames: int, cfg: VideoVAEConfig) -> tuple[int, in
     return main, tail
 
 
-def decode_chunked(z: torch.Tensor, decode_fn: TileFn, finalize: Callable[[torch.Tensor], torch.Tensor],
-                   cfg: VideoVAEConfig) -> torch.Tensor:
-    """De-normalised latent [B, C, t, h, w] -> finalized pixels [B, 3, frames, H, W] (float32).
+def decoded_parts(z: torch.Tensor, decode_fn: TileFn, finalize: Callable[[torch.Tensor], torch.Tensor],
+                  cfg: VideoVAEConfig) -> Iterator[torch.Tensor]:
+    """De-normalised latent [B, C, t, h, w] -> finalized pixels [B, 3, n, H, W] (float32) of each temporal chunk,
+    in order, as soon as they are final (a chunk's tail is blended into the next chunk's head first); together the
+    `plan_decode(t).frames` frames of the clip.
 
-    `decode_fn` maps a latent chunk to raw pixels (spatially tiled); `finalize` maps raw pixels to float32 [0, 1].
+    `decode_fn` maps a latent chunk to raw pixels (spatially tiled); `finalize` maps raw pixels to float32 [0, 1]
+    (elementwise).
     """
     plan = plan_decode(z.shape[2], cfg)
     if plan.t_lat == 1:
-        return finalize(decode_fn(z)[:, :, -1:])
+        yield finalize(decode_fn(z)[:, :, -1:])
+        return
     if plan.pad_tokens:
         z = torch.cat([z, z[:, :, -1:].expand(-1, -1, plan.pad_tokens, -1, -1)], dim=2)
     span, pre = cfg.tokens_chunk_size * cfg.vae_ratio_t, cfg.frame_pre_padding
-    out = None
-    pos = 0
+    left = plan.frames
 
-    def write(part: torch.Tensor) -> None:
-        nonlocal out, pos
-        if part.shape[2] == 0:
-            return
-        part = finalize(part)
-        if out is None:
-            out = part.new_empty(*part.shape[:2], plan.frames, *part.shape[3:])
-        n = min(part.shape[2], plan.frames - pos)
-        if n > 0:
-            out[:, :, pos : pos + n] = part[:, :, :n]
-            pos += n
+    def final(part: torch.Tensor) -> torch.Tensor | None:
+        nonlocal left
+        n = min(part.shape[2], left)
+        if n <= 0:
+            return None
+        left -= n
+        return finalize(part[:, :, :n])
 
     carry = None
     for a, b in plan.chunks:
@@ -190,11 +189,25 @@ def decode_chunked(z: torch.Tensor, decode_fn: TileFn, finalize: Callable[[torch
         main = raw[:, :, pre:span]
         if carry is not None:
             main = blend(carry, main, cfg.frame_overlap, dim=2)
-        write(main)
         carry = raw[:, :, span + pre : 2 * span].clone() if cfg.token_drop > 0 else None
-        del raw
-    if carry is not None:
-        write(carry)
+        part = final(main)
+        del raw, main
+        if part is not None:
+            yield part
+    if carry is not None and (part := final(carry)) is not None:
+        yield part
+
+
+def decode_chunked(z: torch.Tensor, decode_fn: TileFn, finalize: Callable[[torch.Tensor], torch.Tensor],
+                   cfg: VideoVAEConfig) -> torch.Tensor:
+    """De-normalised latent [B, C, t, h, w] -> finalized pixels [B, 3, frames, H, W] (float32): `decoded_parts`
+    written into one tensor."""
+    out, pos = None, 0
+    for part in decoded_parts(z, decode_fn, finalize, cfg):
+        if out is None:
+            out = part.new_empty(*part.shape[:2], plan_decode(z.shape[2], cfg).frames, *part.shape[3:])
+        out[:, :, pos : pos + part.shape[2]] = part
+        pos += part.shape[2]
     return out
 
 
