@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -74,14 +75,16 @@ def test_streamed_mp4_has_the_bytes_of_the_one_shot_mp4(tmp_path, chunks, with_a
 
 
 def test_the_file_records_the_x264_options(tmp_path):
-    """x264 writes its settings into the stream (an SEI): CRF 18 and macroblock-tree rate control off, as the
-    writer has always asked, YUV 4:2:0 at the frames' size."""
+    """x264 writes its settings into the stream (an SEI): CRF 18, macroblock-tree rate control off, a fixed number
+    of frame threads, YUV 4:2:0 at the frames' size."""
     frames, audio = _clip(22)
     path = mp4.write_mp4(tmp_path / "a.mp4", frames, 24, audio)
     settings = re.search(rb"x264 - core \d+ .*? options: ([^\x00]*)", path.read_bytes())
     assert settings is not None
     options = dict(kv.split("=", 1) for kv in settings.group(1).decode().split())
     assert options["crf"] == "18.0" and options["mbtree"] == "0"
+    # frame threads, a fixed count: the bits do not depend on the machine's cores
+    assert options["threads"] == str(mp4.X264_THREADS) and options["sliced_threads"] == "0"
     with av.open(str(path)) as c:
         v = c.streams.video[0]
         assert (v.width, v.height, v.codec_context.pix_fmt, c.streams.audio[0].rate) == (96, 64, "yuv420p", 32000)
@@ -98,6 +101,8 @@ class _FailingEncoder:
         outer = self
 
         class Stream:
+            codec_context = types.SimpleNamespace()
+
             def encode(self, frame=None):
                 if frame is None and outer.fail_at is None:
                     raise RuntimeError("x264 exploded\nwhile flushing")

@@ -25,9 +25,11 @@ AUDIO_BLOCK = 1024  # samples per audio frame handed to the encoder (AAC frame s
 # libx264 options besides the CRF. Macroblock-tree rate control is off: with B-frames, x264's AVX-512 code for it
 # depends on memory it has not written (its output changes with what the heap held before), so on CPUs with AVX-512
 # the same frames could encode to different bits from one call to the next. Without it a clip is a function of its
-# frames (bframes=0 or x264 without AVX-512 would do too). Threads: PyAV's defaults (x264's sliced threads, as many
-# as the machine has cores), so the bits also depend on the core count, as they always have.
+# frames (bframes=0 or x264 without AVX-512 would do too). Threads: x264's frame threads, a fixed number of them
+# (its output is deterministic for a given thread count, and with a fixed count it does not depend on the machine's
+# cores); frame threads keep up with the video decode where sliced threads (PyAV's default) do not.
 X264_OPTIONS = {"mbtree": "0"}
+X264_THREADS = 8
 _STOP = object()  # the worker's sign to stop without writing more
 
 
@@ -192,6 +194,7 @@ class Mp4Stream:
         video = container.add_stream("libx264", rate=self.fps)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
         video.options = {"crf": str(self.crf), **X264_OPTIONS}
+        video.codec_context.thread_type, video.codec_context.thread_count = "FRAME", X264_THREADS
         audio = None
         if self.sample_rate is not None:
             audio = container.add_stream("aac", rate=self.sample_rate, layout="stereo")
