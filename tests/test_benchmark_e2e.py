@@ -253,3 +253,17 @@ def test_runner_smoke_times_comfyui_nodes_in_the_same_run(tmp_path, comfy_root):
     assert r["comfyui"]["version"] and r["comfyui"]["comfy_kitchen"]
     q = _compare(tmp_path / "r.json", tmp_path, contract=tmp_path / "e2e.json")
     assert has(q.stdout, "info nvfp4  comfyui  text_encode") and has(q.stdout, "info nvfp4  total_ratio")
+
+
+def test_committed_h200_result_ran_the_contract_and_compare_passes_it(tmp_path):
+    """The committed end-to-end result (benchmarks/results/e2e-h200.json) holds both configurations with both sides'
+    stage tables from one run, and compare passes it: rules, then targets."""
+    committed = ROOT / "benchmarks" / "results" / "e2e-h200.json"
+    r = json.loads(committed.read_text())
+    assert set(r["configs"]) == set(json.loads(CONTRACT.read_text())["configs"])
+    for name, entry in r["configs"].items():
+        for side in ("h3direct", "comfyui"):
+            assert set(STAGES) <= set(entry[side]["stages"]), (name, side)
+    p = _compare(committed, tmp_path)
+    assert p.returncode == 0 and not p.stderr, p.stdout + p.stderr
+    assert "FAIL" not in p.stdout and "MISS" not in p.stdout
