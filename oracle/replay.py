@@ -367,7 +367,7 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
         if passed is None:
             lines.append(f"[{label}] {c.line()}{extra}")
             continue
-        ok = bool(ok) and passed
+        ok = passed if ok is None else ok and passed  # bitwise equal passes with or without a rule
         lines.append(f"[{label}] {c.line()}{extra}  {'ok' if passed else 'OVER BUDGET'} ({rule.describe()})")
     return ok, lines
 

@@ -80,6 +80,8 @@ def test_replay_report_fails_on_injected_error() -> None:
     assert not ok and "OVER BUDGET" in lines[0] and "[3, 1]" in lines[0]
     ok, lines = report("comfy", [("x.out", bad)], trace, Rule())
     assert ok is None and "OVER" not in lines[0]  # no rule given: reported, not judged
+    ok, lines = report("comfy", [("x.out", ref.clone())], trace, Rule())
+    assert ok is True and "ok" in lines[0]  # bitwise equal: within any rule, never "drifted"
 
 
 def test_the_fp32_twin_goes_beside_the_low_precision_trace():
