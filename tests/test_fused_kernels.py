@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from h3direct import triton_build
 from h3direct.dit import blocks, fused
 from h3direct.dit.timesteps import ModRun
 
@@ -365,11 +366,11 @@ def test_launch_config_rejects_unknown_keys():
 
 def test_launch_table_by_compute_capability(monkeypatch):
     """The Hopper entry on sm_90, the untuned default on any other GPU, on the CPU and without a device."""
-    monkeypatch.setattr(fused, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_build, "capability", lambda index: (9, 0))
     assert fused.launch_table(torch.device("cuda", 0)) is fused.LAUNCH[(9, 0)]
     assert fused.launch_config("gated_residual", device=torch.device("cuda", 0)) == fused.LAUNCH[(9, 0)][
         "gated_residual"]
-    monkeypatch.setattr(fused, "_capability", lambda index: (12, 1))
+    monkeypatch.setattr(triton_build, "capability", lambda index: (12, 1))
     assert fused.launch_table(torch.device("cuda", 0)) is fused.DEFAULT_LAUNCH
     assert fused.launch_table(torch.device("cpu")) is fused.DEFAULT_LAUNCH
     assert fused.launch_table() is fused.DEFAULT_LAUNCH

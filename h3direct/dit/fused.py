@@ -28,12 +28,11 @@ them in Triton's interpreter on CPU tensors.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from h3direct.dit.host import upload
 from h3direct.triton_build import build as _kernel
+from h3direct.triton_build import for_device
 from h3direct.triton_build import interpreting as _interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
@@ -77,16 +76,11 @@ DEFAULT_LAUNCH: dict[str, dict] = {  # untuned: Triton's usual 4 warps (8 for th
 }
 
 LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
-    (9, 0): {  # Hopper (H100, H200)
-        "norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 8},
+    (9, 0): {  # Hopper (H100, H200); the e4m3 kernels are not tuned yet: the defaults
+        **DEFAULT_LAUNCH,
         "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
         "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
-        "swiglu": {"ROWS": 1, "BLOCK": 1024, "num_warps": 4},
         "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
-        # not tuned yet (the defaults): tools/tune_kernels.py prints the entries
-        "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
-        "residual_norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
-        "swiglu_e4m3": {"ROWS": 1, "num_warps": 16},
     },
 }
 
@@ -110,18 +104,10 @@ SWEEP: dict[str, list[dict]] = {  # (norms and rope: 4 to 64 values per thread a
 _OPTIONS = ("num_warps", "num_stages")
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def launch_table(device: torch.device | None = None) -> dict[str, dict]:
     """The launch configs for kernels run on `device`: `LAUNCH` for its compute capability, else `DEFAULT_LAUNCH`
     (other GPUs, the CPU interpreter, and None)."""
-    if device is None or device.type != "cuda":
-        return DEFAULT_LAUNCH
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return LAUNCH.get(_capability(index), DEFAULT_LAUNCH)
+    return for_device(LAUNCH, DEFAULT_LAUNCH, device)
 
 
 def launch_config(kernel: str, config: dict | None = None, device: torch.device | None = None) -> dict:
