@@ -344,17 +344,18 @@ def _as_list(out: Any) -> list:
 def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
            local: dict[str, Any] | None = None) -> tuple[bool | None, list[str]]:
     """outputs: [(recorded name, tensor)]; local: {name: fp32 evaluation on the same inputs} for the ratio rule.
-    One line per output; the verdict is None when no rule was given."""
+    One line per output; the verdict: False when one output fails (or has another shape), None when one is not
+    judged (no rule given, not bitwise equal), else True (bitwise equal passes with or without a rule)."""
     import torch
 
     from h3direct.traces.metrics import compare, rel_l2
 
-    ok: bool | None = None if rule.budget is None and rule.ratio is None else True
+    verdicts: list[bool | None] = []
     lines = []
     for name, g in outputs:
         ref = trace.get(name)
         if tuple(g.shape) != tuple(ref.shape):
-            ok = False
+            verdicts.append(False)
             lines.append(f"[{label}] {name}: shape {tuple(g.shape)} vs recorded {tuple(ref.shape)}")
             continue
         c = compare(name, g, ref)
@@ -364,12 +365,16 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
         identical = torch.equal(g.float().cpu(), ref.float())
         passed = True if identical else rule.judge(c.rel_l2, errs)
         extra = f"  vs fp32: ours {errs[0]:.3e}, ComfyUI {errs[1]:.3e}" if errs else ""
+        verdicts.append(passed)
         if passed is None:
             lines.append(f"[{label}] {c.line()}{extra}")
             continue
-        ok = passed if ok is None else ok and passed  # bitwise equal passes with or without a rule
         lines.append(f"[{label}] {c.line()}{extra}  {'ok' if passed else 'OVER BUDGET'} ({rule.describe()})")
-    return ok, lines
+    if False in verdicts:
+        return False, lines
+    if None in verdicts or not verdicts and rule.budget is None and rule.ratio is None:
+        return None, lines
+    return True, lines
 
 
 def _kernel_lines(derived: DerivedInputs, names: list[str], attention, device: str) -> list[str]:

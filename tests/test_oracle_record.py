@@ -82,6 +82,11 @@ def test_replay_report_fails_on_injected_error() -> None:
     assert ok is None and "OVER" not in lines[0]  # no rule given: reported, not judged
     ok, lines = report("comfy", [("x.out", ref.clone())], trace, Rule())
     assert ok is True and "ok" in lines[0]  # bitwise equal: within any rule, never "drifted"
+    two = Trace(Path("x.safetensors"), {"a.out": ref, "b.out": ref}, {})
+    ok, _ = report("comfy", [("a.out", ref.clone()), ("b.out", bad)], two, Rule())
+    assert ok is None  # one equal, one unjudged: no verdict, never "all within budget"
+    ok, _ = report("comfy", [("a.out", ref.clone()), ("b.out", bad)], two, Rule(budget=1e-5))
+    assert ok is False
 
 
 def test_the_fp32_twin_goes_beside_the_low_precision_trace():
