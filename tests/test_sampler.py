@@ -256,3 +256,25 @@ def test_noise_bitwise_vs_comfy_prepare_noise_golden():
     ref = goldens.load("prepare_noise_seed42")
     got = hnoise.initial_noise(42, VS, AS)
     assert torch.equal(got.video, ref["video"]) and torch.equal(got.audio, ref["audio"])
+
+
+@pytest.mark.parametrize("manifest, words", [
+    ({"steps": 2, "sampler": "ddim"}, "sampler 'ddim': not one of euler"),
+    ({"steps": 2, "scheduler": "karras"}, "scheduler 'karras': not one of simple"),
+    ({"steps": 0}, "steps 0: at least 1"),
+])
+def test_a_trace_manifests_sampling_settings_are_checked_before_anything_runs(manifest, words):
+    """A generation trace's manifest is a file: a name the sampler does not know is one line, not a KeyError."""
+    from h3direct.errors import RequestError
+    from h3direct.traces.evaluate import short_generation
+
+    with pytest.raises(RequestError, match=words):
+        short_generation(None, None, manifest)  # no model, no inputs: the check comes first
+
+
+def test_cache_settings_refuse_an_unknown_mode():
+    from h3direct.errors import RequestError
+    from h3direct.sampling.rules import CacheSettings
+
+    with pytest.raises(RequestError, match="cache_mode 'fastcache': not one of off, easycache, h3_cache"):
+        CacheSettings(mode="fastcache")

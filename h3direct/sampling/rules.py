@@ -53,8 +53,8 @@ def check_canvas(width: int, height: int, frames: int) -> None:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """An opt-in step cache (`sampling/caches.py`); mode off runs no cache code at all. The mode's name is checked
-    where a request names it (`app/request.py`); these are the rules of its window and threshold."""
+    """An opt-in step cache (`sampling/caches.py`); mode off runs no cache code at all. The rules of its mode,
+    window and threshold, wherever the settings come from (a request, a trace's manifest)."""
 
     mode: str = "off"
     threshold: float = 0.2
@@ -63,9 +63,22 @@ class CacheSettings:
     subsample_factor: int = 8
 
     def __post_init__(self):
+        if self.mode not in CACHE_MODES:
+            raise RequestError("cache_mode", f" {self.mode!r}: not one of {', '.join(CACHE_MODES)}")
         if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
             raise RequestError("cache_*", f": cache start_percent={self.start_percent}, "
                                f"end_percent={self.end_percent}: need 0 ≤ start ≤ end ≤ 1")
         if self.threshold < 0 or self.subsample_factor < 1:
             raise RequestError("cache_*", f": cache threshold={self.threshold} must be ≥ 0 and "
                                f"subsample_factor={self.subsample_factor} ≥ 1")
+
+
+def check_sampling(sampler: str, scheduler: str, steps: int) -> None:
+    """The sampler's, schedule's and step count's rules for settings read from a file (a trace's manifest; a request
+    checks its own fields)."""
+    if sampler not in SAMPLERS:
+        raise RequestError("sampler", f" {sampler!r}: not one of {', '.join(SAMPLERS)}")
+    if scheduler not in SCHEDULERS:
+        raise RequestError("scheduler", f" {scheduler!r}: not one of {', '.join(SCHEDULERS)}")
+    if steps < 1:
+        raise RequestError("steps", f" {steps}: at least 1")

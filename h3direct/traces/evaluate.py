@@ -85,13 +85,16 @@ def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend:
     sampler and denoiser on the same inputs, sampler, scheduler, shift, steps and step cache: {name: tensor} under
     the trace's names (`sampler.sigmas`, `sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`,
     `cache.evaluated`)."""
+    from h3direct.sampling.rules import check_sampling
     from h3direct.sampling.sampler import sample
     from h3direct.sampling.schedules import sigmas_for
 
     m = manifest
+    sampler, scheduler, steps = str(m.get("sampler", "euler")), str(m.get("scheduler", "simple")), int(m["steps"])
+    check_sampling(sampler, scheduler, steps)  # a bad manifest is one line, before anything runs
     scale = audio_scale_of(model)
     shift = float(m.get("sampling", {}).get("shift", 12.0))
-    sigmas = sigmas_for(int(m["steps"]), str(m.get("scheduler", "simple")), shift=shift).to(device)
+    sigmas = sigmas_for(steps, scheduler, shift=shift).to(device)
     ours: dict[str, torch.Tensor] = {"sampler.sigmas": sigmas}
 
     def on_step(s) -> None:
@@ -119,7 +122,7 @@ def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend:
             denoiser, _, step_cache = with_cache(denoiser, settings, shift)
         noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
         out = sample(denoiser, noise_v, noise_a, sigmas, latent_video=lat_v, latent_audio=lat_a,
-                     sampler=str(m.get("sampler", "euler")), audio_scale=scale, callback=on_step, **masks)
+                     sampler=sampler, audio_scale=scale, callback=on_step, **masks)
     ours["sample_out.video"], ours["sample_out.audio"] = out.video, out.audio
     if step_cache is not None:
         reused = set(step_cache.reused_steps(sigmas.cpu()))
