@@ -82,6 +82,7 @@ BAD = [  # (argv, words the one line must contain); paths relative to the `files
     (["generate", "--max-steps", "0", "-o", O], "--max-steps 0"),
     (["decode-latent", "garbage.png", "--vae", "garbage.png", "--out", O], "not a readable safetensors"),
     (["decode-latent", "missing.safetensors", "--vae", "garbage.png", "-o", O], "not found"),
+    (["decode-latent", "garbage.png", "--vae", "garbage.png", "--ffmpeg-loglevel", "loud", "-o", O], "'loud'"),
     (["serve", "--port", "99999"], "99999"),
     (["serve", "--port", "http"], "http"),
     (["serve", "--output-root", "file.png/out"], "not a folder"),

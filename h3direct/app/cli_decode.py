@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from h3direct.app.cli_flags import HelpFormatter, add_fields, given
+from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mp4 to write (--out is an old spelling)")
     add_fields(parser, ModelSpec, ("vae", "vae_config", "audio_vae", "audio_vae_config", "vae_dtype",
                                    "vae_tile_size", "device", "threads"), env=True)
-    parser.add_argument("--ffmpeg-loglevel", default="error", help="FFmpeg log level (quiet, error, warning, info)")
+    parser.add_argument("--ffmpeg-loglevel", choices=tuple(FFMPEG_LOGLEVELS), default="error", help="FFmpeg log level")
     parser.add_argument("--quiet", action="store_true", help="print nothing on success")
 
 

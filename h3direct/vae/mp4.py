@@ -229,15 +229,17 @@ def write_mp4(path: str | Path, frames_uint8: np.ndarray, fps: int, audio_f32: n
         return stream.finish(audio)
 
 
+# FFmpeg's log levels by name (`--ffmpeg-loglevel`), each as PyAV's constant ("quiet" is PANIC, as ffmpeg's -v quiet)
+FFMPEG_LOGLEVELS = {"quiet": "PANIC", "panic": "PANIC", "fatal": "FATAL", "error": "ERROR", "warning": "WARNING",
+                    "info": "INFO", "verbose": "VERBOSE", "debug": "DEBUG"}
+
+
 def _set_loglevel(av, name: str | None) -> None:
     if name is None:
         return
-    levels = {"quiet": av.logging.PANIC, "panic": av.logging.PANIC, "fatal": av.logging.FATAL,
-              "error": av.logging.ERROR, "warning": av.logging.WARNING, "info": av.logging.INFO,
-              "verbose": av.logging.VERBOSE, "debug": av.logging.DEBUG}
-    if name not in levels:
-        raise H3Error(f"unknown FFmpeg log level {name!r}; known: {', '.join(levels)}")
-    av.logging.set_level(levels[name])
+    if name not in FFMPEG_LOGLEVELS:
+        raise H3Error(f"unknown FFmpeg log level {name!r}; known: {', '.join(FFMPEG_LOGLEVELS)}")
+    av.logging.set_level(getattr(av.logging, FFMPEG_LOGLEVELS[name]))
 
 
 def pixels_to_uint8(pixels) -> np.ndarray:
