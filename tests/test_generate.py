@@ -6,15 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import av  # (the media extra: CI installs it, so its absence fails)
 import numpy as np
 import pytest
 import torch
 
 from h3direct.app import bundled, cli
-
-av = pytest.importorskip("av")
-
-
 
 
 def _run(argv, capsys):

@@ -11,14 +11,12 @@ import threading
 import time
 import types
 
+import av  # (the media extra: CI installs it, so its absence fails)
 import numpy as np
 import pytest
 import torch
 
 from h3direct.errors import H3Error
-
-av = pytest.importorskip("av")
-
 from h3direct.vae import mp4  # noqa: E402  (after the PyAV check)
 
 

@@ -7,13 +7,12 @@ import hashlib
 import json
 from pathlib import Path
 
+import av  # (the media extra: CI installs it, so its absence fails)
 import numpy as np
 import pytest
 import torch
 
 from h3direct.app import cli
-
-av = pytest.importorskip("av")
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "generate" / "bundled_golden.npz"
 # the golden's requests (made with H3Pipeline.bundled() on one CPU thread, the generate command's choice for them)

@@ -162,7 +162,6 @@ def _call(url: str, method: str, path: str, body=None):
 @pytest.fixture
 def serve(cache_env, tmp_path):
     """`serve(policy)`: the service with that text-encoder policy over a real socket; its URL and Service."""
-    pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not installed")
     from h3direct.app.cli_serve import service_of
     from h3direct.app.serve import HTTPServer, bind
 

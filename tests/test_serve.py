@@ -18,12 +18,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import av  # (the media and serve extras: CI installs them, so their absence fails)
+import fastapi  # noqa: F401
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not installed")
-av = pytest.importorskip("av")
 
 from h3direct import __version__  # noqa: E402
 from h3direct.app import bundled, cli, limits  # noqa: E402
