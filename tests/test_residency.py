@@ -51,22 +51,16 @@ def test_an_unknown_policy_is_one_line():
 @pytest.mark.parametrize("spare, unified, want", [(0, True, "resident"), (-1, True, "unload"),
                                                    (-1, False, "offload")])
 def test_the_pipeline_asks_auto_with_the_footprint_of_its_files(cache_env, monkeypatch, spare, unified, want):
-    # a CUDA device of exactly the bundled files' weights + the margin (+ spare bytes), injected
-    files = bundled_files()
-    from h3direct.app.footprint import Held, of_files
-
-    hot = sum(of_files(files, Held(torch.float32, torch.float32, None, "tiny", "tiny")).values())
+    # a CUDA device of exactly the bundled models' weights as loaded (counted here, tensor by tensor) + the margin
+    # (+ spare bytes), injected
+    loaded = _pipeline("resident")
+    models = (loaded.dit, loaded.video_vae, loaded.audio_vae, loaded.text_encoder.net)
+    hot = sum(t.numel() * t.element_size() for m in models
+              for t in {id(t): t for t in (*m.parameters(), *m.buffers())}.values())
     monkeypatch.setattr(residency, "machine_of", lambda dev: Machine("cuda", hot + WORKING_MARGIN + spare, unified))
     pipe = _pipeline("auto")
     assert pipe.text.policy == want and pipe.text.asked == "auto", pipe.text.why
     assert sum(pipe.footprint().values()) == hot
-
-
-def bundled_files() -> dict:
-    from h3direct.app import bundled
-
-    b = bundled.ensure()
-    return {c: str(getattr(b, c)) for c in ("dit", "video_vae", "audio_vae", "text_encoder")}
 
 
 # ---- bitwise the same under every policy ----------------------------------------------------------
