@@ -108,7 +108,7 @@ def test_checker_allows_the_right_direction(tmp_path):
 # folder names of the harness and of what sits beside the checkout; a runtime string naming one is a path into them
 HARNESS_PATHS = re.compile(r"(^|[/\\])(parity_tests|fixtures|benchmarks|oracle)([/\\]|$)|(^|[/\\])\.\.[/\\]shared"
                            r"|shared[/\\]oracle")
-HARNESS_NAMES = {"parity_tests", "fixtures", "benchmarks", "shared"}
+HARNESS_NAMES = {"parity_tests", "fixtures", "benchmarks", "oracle", "shared"}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -156,7 +156,8 @@ def test_runtime_reads_no_harness_path():
     'import os\nROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures")\n',
     'SHARED = "../shared/oracle"\n',
     'def f(root):\n    return root / "benchmarks/results"\n',
-], ids=["parents-join", "os-path-join", "relative-string", "fragment"])
+    'from pathlib import Path\nR = Path(__file__).parents[1] / "oracle"\n',
+], ids=["parents-join", "os-path-join", "relative-string", "fragment", "oracle-join"])
 def test_path_checker_catches_a_harness_path(tmp_path, source):
     (tmp_path / "h3direct").mkdir()
     (tmp_path / "h3direct" / "mod.py").write_text('"""Reads fixtures/ in its docstring only: allowed."""\n' + source)
