@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 
 from h3direct.checkpoint.keys import BLOCK_LINEARS as NVFP4_LINEARS  # noqa: E402
+from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS  # noqa: E402
 
 
 def dit_formats(config, weights: str) -> dict[str, str]:
@@ -143,8 +144,6 @@ def build_audio_vae(preset: str, device, seed: int = 0):
 
 # ---------------------------------------------------------------- text encoder
 
-TEXT_NVFP4_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                      "mlp.up_proj", "mlp.down_proj")
 TEXT_RESIDUAL_OUT = {"model": ("self_attn.o_proj", "mlp.down_proj"), "visual": ("attn.proj", "mlp.linear_fc2")}
 TEXT_SEED_OFFSET = 300  # the text encoder's generator: seed + this (the DiT and VAEs draw from their own)
 

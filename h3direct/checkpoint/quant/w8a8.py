@@ -31,7 +31,6 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import einops
@@ -40,6 +39,7 @@ import torch
 from h3direct.checkpoint.quant.nvfp4 import BLOCK, e2m1_table, unswizzle_block_scales
 from h3direct.counts import count_fp8_linear
 from h3direct.errors import ConfigError
+from h3direct.triton_build import interpreting
 
 E4M3_MAX = 448.0
 ALIGN = 16  # _scaled_mm: K and N multiples of 16
@@ -140,7 +140,7 @@ def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale:
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
-    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (t.is_cuda or interpreting()):
         return False
     try:
         import triton  # noqa: F401
