@@ -31,11 +31,6 @@ class ConfigError(H3Error):
 _NAME = re.compile(r"(?<![-\w])[a-z][a-z0-9_]*\*?")
 
 
-def field_name(name: str) -> str:
-    """A field as a request (and the HTTP API) names it: `ref_images`."""
-    return name
-
-
 def flag_name(name: str) -> str:
     """A field as the command line names it: `--ref-images` (a name that is already a flag stays)."""
     return name if name.startswith("-") else "--" + name.replace("_", "-")
@@ -50,12 +45,12 @@ class RequestError(H3Error):
 
     def __init__(self, field: str, detail: str, *, kind: str = "value", path=None):
         self.field, self.detail, self.kind = field, detail, kind
-        super().__init__(self._text(field_name), path=path)
+        super().__init__(field + detail, path=path)  # as the request (and the HTTP API) names its fields
 
     def _text(self, spell: Callable[[str], str]) -> str:
         return _NAME.sub(lambda m: spell(m.group(0)), self.field) + self.detail
 
-    def render(self, spell: Callable[[str], str] = field_name) -> str:
+    def render(self, spell: Callable[[str], str]) -> str:
         text = self._text(spell)
         return f"{self.path}: {text}" if self.path else text
 

@@ -57,13 +57,11 @@ def add_fields(group, cls, names=None, *, aliases: dict | None = None, metavars:
                  metavar=(metavars or {}).get(f.name), env=f"H3_{f.name.upper()}" if env and spec.env else None)
 
 
-def add_options(group, *, per_request_only: bool = False, load_time_only: bool = False) -> None:
+def add_options(group) -> None:
     """Flags for the options of `dit.options.Options` under their flat names (`--sol-tau`, `--fused`, ...)."""
     from h3direct.dit.options import flat_options
 
     for o in flat_options():
-        if (per_request_only and not o.spec.per_request) or (load_time_only and o.spec.per_request):
-            continue
         choices = o.spec.choices
         if o.flat == "attention":
             from h3direct.dit.options import BACKENDS
@@ -78,10 +76,10 @@ def given(args: argparse.Namespace, names) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def option_names(*, per_request_only: bool = False) -> list[str]:
+def option_names() -> list[str]:
     from h3direct.dit.options import flat_options
 
-    return [o.flat for o in flat_options() if o.spec.per_request or not per_request_only]
+    return [o.flat for o in flat_options()]
 
 
 def field_names(cls) -> list[str]:

@@ -158,8 +158,6 @@ def _provenance(args: argparse.Namespace) -> dict:
     for name, found in files.items():
         request[name] = found if name.startswith("ref_") else found[0]
     settings = {k: v for k, v in prov.get("settings", {}).items() if k != "nvfp4_mode" or v is not None}
-    if settings.get("nvfp4_mode") is None:
-        settings.pop("nvfp4_mode", None)
     return {"request": request, "options": prov["options"], "settings": settings, "weights": prov.get("weights")}
 
 

@@ -20,7 +20,7 @@ from h3direct.fields import kind_of, parse_env, spec_of
 # variables that once meant something and now have no counterpart: set, they are an error (never silently ignored)
 REFUSED = {
     "H3_SOL_INT8_QK": "comfy-kitchen's sol_attn has no precision switch (its QK product is always INT8)",
-    "H3_SOL_INT8_PV": "comfy-kitchen's sol_attn has no precision switch (its QK product is always INT8)",
+    "H3_SOL_INT8_PV": "comfy-kitchen's sol_attn has no precision switch for its PV product",
 }
 
 
