@@ -574,10 +574,12 @@ def test_e4m3_rows_catch_a_wrong_row():
 def _block_inputs(s=70, hidden=64):
     from h3direct.dit.rope import rope_angles, rotation_table
 
+    frames = s // 35  # 35 rows a frame (5 x 7), s a multiple of 35
     x = torch.randn(s, hidden, generator=torch.Generator().manual_seed(5)).bfloat16()
     t_emb = torch.randn(1, 16, generator=torch.Generator().manual_seed(6)).bfloat16()
-    runs = [ModRun(0, 20, 1), ModRun(20, 50, 0), ModRun(50, 70, 2)]
-    pos = torch.stack(torch.meshgrid(torch.arange(2.0), torch.arange(5.0), torch.arange(7.0), indexing="ij"), -1)
+    runs = [ModRun(0, 10 * frames, 1), ModRun(10 * frames, 25 * frames, 0), ModRun(25 * frames, s, 2)]
+    pos = torch.stack(torch.meshgrid(torch.arange(float(frames)), torch.arange(5.0), torch.arange(7.0),
+                                     indexing="ij"), -1)
     table = rotation_table(rope_angles(pos.reshape(-1, 3).double(), 1.0 / 100 ** (torch.arange(5) / 5)),
                            torch.bfloat16)
     return x, t_emb, runs, table
@@ -605,9 +607,18 @@ def test_dit_block_fp8_linears_take_e4m3_rows_bitwise(monkeypatch):
             assert calls.fp8_linear == {"emulated (cpu), e4m3 input": 2, "emulated (cpu)": 2}
         finally:
             hook.remove()
-        chunked = blk(inputs[0].clone(), *inputs[1:], options=Options(kernels=KernelOptions(mlp_chunks=2)))
+        # 140 rows: two row chunks (70 would be one: fewer than 2 x CHUNK_ALIGN rows), each fc1 call a tensor
+        long = _block_inputs(140)
+        with counting() as calls:
+            chunked = blk(long[0].clone(), *long[1:], options=Options(kernels=KernelOptions(mlp_chunks=2)))
+        assert calls.fp8_linear == {"emulated (cpu), e4m3 input": 3, "emulated (cpu)": 3}  # qkv, fc2 x 2; out, fc1 x 2
+        hook = blk.mlp.register_forward_hook(lambda m, args, out: None)
+        try:
+            whole = blk(long[0].clone(), *long[1:])
+        finally:
+            hook.remove()
     assert torch.equal(ours, mlp_hooked)
-    assert _rel(chunked, ours.double()) < 2e-2
+    assert torch.equal(chunked, whole)
 
 
 def test_plain_linears_never_see_e4m3_rows(monkeypatch):
