@@ -169,8 +169,8 @@ def path_flags(path: str, reference: str, options: dict | None = None) -> list[s
     attention, fp8 = split_path(path)
     flags = ["--attention", attention or reference] + (["--fp8-linear"] if fp8 else [])
     for name, value in (options or {}).items():
-        flag = name.replace("_", "-")
-        flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+        flag = flag_name(name)
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
     return flags
 
 
