@@ -189,7 +189,7 @@ def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_pat
                                                                          bundled.DEFAULT_HEIGHT, bundled.DEFAULT_STEPS)
     assert any("--width/--height/--steps" in n and "96x64" in n for n in notes), notes
     assert any("--frames 30 snapped up to 39" in n for n in notes), notes
-    from h3direct.sampling.conditioning import align_frame_count  # the grid the note and the pipeline use
+    from h3direct.sampling.rules import align_frame_count  # the grid the note and the pipeline use
 
     assert align_frame_count(30) == 39 and align_frame_count(22) == 22 and align_frame_count(5) == 5
 

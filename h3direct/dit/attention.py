@@ -69,11 +69,9 @@ _REGISTRY: dict[str, Backend] = {}
 _PREFIX_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3_attention_prefix_rows", default=None)
 
 
-def register(name: str, fn, available, exact: bool, options: type | None = None):
-    if options is not BACKEND_OPTIONS.get(name):
-        raise ValueError(f"backend {name!r}: its options class must be AttentionOptions.{name}'s "
-                         f"({BACKEND_OPTIONS.get(name)})")
-    _REGISTRY[name] = Backend(name, fn, available, exact, options)
+def register(name: str, fn, available, exact: bool):
+    """A backend under `name`; its options class is the one `AttentionOptions` holds for it (None: it takes none)."""
+    _REGISTRY[name] = Backend(name, fn, available, exact, BACKEND_OPTIONS.get(name))
 
 
 def backends() -> list[str]:
@@ -430,8 +428,8 @@ def _fa3_fp8_available(like, opts: AttentionOptions):
 register("sdpa", _dense_v(_sdpa), _always, exact=True)
 register("cudnn_sdpa", _dense_v(_cudnn), _cudnn_available, exact=True)
 register("fa3", _fa3, _fa3_available, exact=True)
-register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False, options=BACKEND_OPTIONS["fa3_fp8"])
+register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False)
 register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
-register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False, options=BACKEND_OPTIONS["kj_head_sliced"])
-register("sol_attn", _dense_v(_sol), _sol_available, exact=False, options=BACKEND_OPTIONS["sol_attn"])
+register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
+register("sol_attn", _dense_v(_sol), _sol_available, exact=False)

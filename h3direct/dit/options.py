@@ -40,7 +40,7 @@ class FP8AttentionOptions:
     strict: bool = field(False, "a call that would fall back is an error instead", env=True)
 
     def __post_init__(self):
-        check(self, "fp8_attn_")
+        check(self, self.PREFIX + "_")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class HeadSliceOptions:
     size: int = field(8, "heads per slice", rule=lambda v: v >= 1, expect="a positive integer", env=True)
 
     def __post_init__(self):
-        check(self, "head_slice_")
+        check(self, self.PREFIX + "_")
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,6 @@ class AttentionOptions:
         if not isinstance(self.backend, str) or not self.backend:
             raise RequestError("attention", f" {self.backend!r}: must be the name of an attention backend",
                                kind="choice")
-
-    def of(self, name: str):
-        """The options of backend `name` (None for a backend that takes none)."""
-        return getattr(self, name, None) if name in BACKEND_OPTIONS else None
 
     def using(self, backend: str) -> AttentionOptions:
         return dataclasses.replace(self, backend=backend)

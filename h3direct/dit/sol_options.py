@@ -64,7 +64,7 @@ class SolOptions:
     strict: bool = field(False, "a call that would fall back is an error instead", env=True)
 
     def __post_init__(self):
-        check(self, "sol_")
+        check(self, self.PREFIX + "_")
 
     def kernel_kwargs(self, prefix_rows: int | None) -> dict:
         """Keyword arguments of `comfy_kitchen.sol_attn` (besides q, k, v) for one call.

@@ -22,14 +22,7 @@ import numpy as np
 import torch
 
 from h3direct.errors import H3Error
-from h3direct.sampling.rules import (  # noqa: F401  (re-exported: the grid and the caps are the rules' facts)
-    CANVAS_MULTIPLE,
-    MAX_REF_AUDIOS,
-    MAX_REF_IMAGES,
-    MAX_REF_VIDEOS,
-    align_frame_count,
-    check_canvas,
-)
+from h3direct.sampling.rules import CANVAS_MULTIPLE, align_frame_count, check_canvas
 
 # time: pixel frames per second, audio latent frames per second, audio samples per second
 FPS = 24

@@ -24,7 +24,6 @@ import torch
 
 from h3direct.errors import H3Error
 from h3direct.sampling import host_sigma
-from h3direct.sampling.rules import SAMPLERS  # noqa: F401  (the names a request may ask for)
 
 DenoiseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
