@@ -13,6 +13,8 @@ import argparse
 from h3direct.app.cli_flags import HelpFormatter, add_fields, given
 from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
 
+VAE_FLAGS = ("vae", "vae_config", "audio_vae", "audio_vae_config", "vae_dtype", "vae_tile_size", "device", "threads")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from h3direct.app.models import ModelSpec
@@ -22,8 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "e.g. from h3direct generate --save-latent F")
     parser.add_argument("--output", "-o", "--out", dest="out", required=True, metavar="FILE.mp4",
                         help="mp4 to write (--out is an old spelling)")
-    add_fields(parser, ModelSpec, ("vae", "vae_config", "audio_vae", "audio_vae_config", "vae_dtype",
-                                   "vae_tile_size", "device", "threads"), env=True)
+    add_fields(parser, ModelSpec, VAE_FLAGS, env=True)
     parser.add_argument("--ffmpeg-loglevel", choices=tuple(FFMPEG_LOGLEVELS), default="error", help="FFmpeg log level")
     parser.add_argument("--quiet", action="store_true", help="print nothing on success")
 
@@ -46,8 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     from h3direct.app.pipeline import resolve_device
     from h3direct.vae.decode_latent import decode
 
-    fields = {**env.read_settings(), **given(args, ("vae", "vae_config", "audio_vae", "audio_vae_config",
-                                                    "vae_dtype", "vae_tile_size", "device", "threads"))}
+    fields = {**env.read_settings(), **given(args, VAE_FLAGS)}
     fields.pop("tokenizer", None)
     spec = ModelSpec(**fields)  # files, headers, kinds and configs checked here
     b = None if spec.vae and spec.audio_vae else bundled.ensure()

@@ -100,7 +100,7 @@ def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
     opts = Options.from_flat({**environment.read_options(env), **(base["options"] if base else {}),
                               **given(args, option_names())})
     spec = ModelSpec(**{**environment.read_settings(env), **(base["settings"] if base else {}),
-                        **given(args, MODEL_FILES + MODEL_RUNTIME)})
+                        **given(args, field_names(ModelSpec))})
     fields = {**(base["request"] if base else {}), **given(args, REQUEST_FLAGS + CACHE_FLAGS),
               **given(args, ("progress", "profile_memory"))}
     if "prompt_file" in fields and base is not None and "prompt_file" in given(args, ("prompt_file",)):

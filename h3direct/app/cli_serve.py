@@ -17,9 +17,6 @@ import argparse
 
 from h3direct.app.cli_flags import HelpFormatter, add_fields, add_options, field_names, given, option_names
 
-MODEL_FLAGS = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer",
-               "compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size", "text_encoder_policy")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from h3direct.app.limits import Limits
@@ -32,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-queue", action="store_true", help="same as --queue-size 0")
     add_fields(parser.add_argument_group("limits (requests beyond them are refused before any compute)"), Limits)
     add_fields(parser.add_argument_group("models (as `h3direct generate`; each omitted model: bundled tiny)"),
-               ModelSpec, MODEL_FLAGS, env=True)
+               ModelSpec, env=True)
     add_options(parser.add_argument_group("options: every request's defaults (a request may set those that need no "
                                           "reload; env H3_<NAME> read once at startup; a flag wins)"))
 
@@ -56,6 +53,6 @@ def service_of(args: argparse.Namespace, *, env=None):
         server["queue_size"] = 0
     settings = ServerSettings(**server)
     limits = Limits(**given(args, field_names(Limits)))
-    spec = ModelSpec(**{**environment.read_settings(env), **given(args, MODEL_FLAGS)})
+    spec = ModelSpec(**{**environment.read_settings(env), **given(args, field_names(ModelSpec))})
     options = Options.from_flat({**environment.read_options(env), **given(args, option_names())})
     return Service(settings, spec, options, limits)
