@@ -122,15 +122,10 @@ def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
 # ---------------------------------------------------------------- h3direct
 
 def _load_time(model, options) -> None:
-    """The load-time kernel options on the built model: FP8 block linears (once, in place), NVFP4 dequantization."""
-    from h3direct.dit.linear import NVFP4Linear, apply_fp8_linears
+    """The path's load-time kernel options on the built model (`dit.loader.apply_load_time`)."""
+    from h3direct.dit.loader import apply_load_time
 
-    k = options.kernels
-    if k.fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
-        apply_fp8_linears(model, k.fp8_linear, k.fp8_strict)
-    for m in model.modules():
-        if isinstance(m, NVFP4Linear):
-            m.dequant = k.nvfp4_dequant
+    apply_load_time(model, **options.kernels.load_time())
 
 
 def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) -> tuple[dict, dict, dict | None]:

@@ -206,6 +206,7 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
     from h3direct.app.request import GenerateRequest
     from h3direct.config import H3Config
     from h3direct.dit.attention import unavailable_reason
+    from h3direct.dit.loader import apply_load_time
     from h3direct.text.load import make_tokenizer
 
     spec, side, seed = contract["configs"][name], contract["h3direct"], contract["weights"].get("seed", 0)
@@ -223,11 +224,13 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
         models["dit"], builds["dit"] = build_dit(H3Config.from_name(preset.dit_config), spec["dit"], dev,
                                                  nvfp4_mode=spec.get("nvfp4_mode", "w4a16"), seed=seed,
                                                  fp8_linear=options.kernels.fp8_linear)
+        apply_load_time(models["dit"], **options.kernels.load_time())  # the rest of the path's load-time options
         models["video"], builds["video_vae"] = build_video_vae(preset.vae_preset, dev, vae_dtype, seed)
         models["audio"], builds["audio_vae"] = build_audio_vae(preset.vae_preset, dev, seed)
         text = _Counted(models["text"])
         pipe = H3Pipeline(models["dit"], models["video"], models["audio"], text_encoder=text,
-                          tokenize=make_tokenizer(tokenizer), device=dev, vae_dtype=vae_dtype)
+                          tokenize=make_tokenizer(tokenizer), device=dev, vae_dtype=vae_dtype,
+                          kernels=options.kernels)
         settings = {**C.path_settings(models["dit"], options, builds["dit"], like), "dit": spec["dit"],
                     "text_encoder": spec["text_encoder"],
                     "text_compute_dtype": str(models["text"].compute_dtype).removeprefix("torch."),

@@ -134,6 +134,17 @@ def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvf
                            fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict)
 
 
+def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str = "auto",
+                    fp8_strict: bool = False) -> None:
+    """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: the NVFP4 layers'
+    dequantization path, and FP8 block linears (made once, in place; a model that has them already keeps them)."""
+    for module in model.modules():
+        if isinstance(module, NVFP4Linear):
+            module.dequant = nvfp4_dequant
+    if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
+        apply_fp8_linears(model, fp8_linear, fp8_strict)
+
+
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
                     nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None,
                     nvfp4_dequant: str = "auto", fp8_strict: bool = False) -> H3DiT:
@@ -188,13 +199,12 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
     for mod_name, module in model.named_modules():
         if isinstance(module, NVFP4Linear):  # the JSON marker's length is the file's
             module.comfy_quant = torch.empty_like(state[f"{mod_name}.comfy_quant"], device="meta")
-            module.dequant = nvfp4_dequant
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
     model.fp8_linear = "off"
     del state
     # after the strict load: the checkpoint's names are checked as stored
-    apply_fp8_linears(model, fp8_linear, fp8_strict)
+    apply_load_time(model, fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict)
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:
