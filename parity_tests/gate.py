@@ -168,14 +168,18 @@ def attention_key(backend) -> str:
     return slice_backend(opts) if opts.backend == "kj_head_sliced" else opts.backend
 
 
-def own_dtype(attention, compute: str, device: str) -> str:
-    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
+def dtype_reason(attention, compute: str, device: str) -> str | None:
+    """Why the backend cannot run `compute` ("fp32", "bf16", "fp16") operands on `device` (None: it can), probed
+    with a tensor of that dtype there."""
     from h3direct.dit.attention import unavailable_reason
 
-    def runs(c):
-        return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[c]))) is None
+    return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[compute])))
 
-    return compute if runs(compute) or not runs("bf16") else "bf16"
+
+def own_dtype(attention, compute: str, device: str) -> str:
+    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
+    runs = dtype_reason(attention, compute, device) is None
+    return compute if runs or dtype_reason(attention, "bf16", device) is not None else "bf16"
 
 
 def lowp_twin(case: DitCase, compute: str) -> Path | None:
@@ -194,13 +198,10 @@ def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:
     fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run.
     An approximate backend is only run at its kernel sites and in the quality check (in bf16 where it must); the
     rest of its gate runs on the exact path in the trace's own dtype."""
-    from h3direct.dit.attention import is_exact, unavailable_reason
+    from h3direct.dit.attention import is_exact
 
-    def probe(c):
-        return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[c])))
-
-    reason = probe(compute)
-    if reason is not None and compute == "fp32" and probe("bf16") is None:
+    reason = dtype_reason(attention, compute, device)
+    if reason is not None and compute == "fp32" and dtype_reason(attention, "bf16", device) is None:
         return ("bf16" if is_exact(attention) else compute), None
     return compute, reason
 

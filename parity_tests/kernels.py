@@ -30,12 +30,11 @@ def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run_dtype(backend, dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype the backend runs these operands in: their own, else bf16 for a bf16/fp16-only backend."""
-    from h3direct.dit.attention import unavailable_reason
+    """The dtype the backend runs these operands in (`gate.own_dtype`)."""
+    from parity_tests.gate import DTYPES, own_dtype
 
-    if unavailable_reason(backend, torch.empty(0, device=device, dtype=dtype)) is None:
-        return dtype
-    return torch.bfloat16
+    name = next(k for k, v in DTYPES.items() if getattr(torch, v) == dtype)
+    return getattr(torch, DTYPES[own_dtype(backend, name, str(device))])
 
 
 def ran_backend(backend, stats: dict) -> str:
