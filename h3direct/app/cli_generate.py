@@ -121,10 +121,10 @@ def check_backend(options, spec) -> None:
 
     from h3direct.app.pipeline import resolve_device
     from h3direct.dit import attention
+    from h3direct.dit.loader import parse_compute_dtype
 
     device = resolve_device(spec.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        spec.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = parse_compute_dtype(spec.compute_dtype_on(device))
     attention.check_backend(options.attention, torch.empty(0, device=device, dtype=dtype))
 
 

@@ -87,6 +87,10 @@ class ModelSpec:
     def all_bundled(self) -> bool:
         return not (self.checkpoint or self.vae or self.audio_vae or self.text_encoder)
 
+    def compute_dtype_on(self, device) -> str:
+        """The DiT's compute dtype on `device`: as given, else bf16 on CUDA and fp32 elsewhere."""
+        return self.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+
     def dit_config(self):
         """The DiT's config from its header (the bundled preset without a checkpoint); nothing is loaded."""
         from h3direct.app import bundled
@@ -150,7 +154,7 @@ def load_pipeline(spec: ModelSpec, kernels=None, *, text_encoder: bool = True):
     from h3direct.app.pipeline import H3Pipeline, peak_memory, resolve_device
 
     device = resolve_device(spec.device)
-    compute = spec.compute_dtype or ("bf16" if device.type == "cuda" else "fp32")
+    compute = spec.compute_dtype_on(device)
     set_threads(spec, device)
     seconds = {}
     b = None
