@@ -24,7 +24,8 @@ def clip(pipe, request, options, *, callback=None, on_stage=None, ffmpeg_logleve
     from h3direct.vae.mp4 import Mp4Stream
 
     options = pipe.effective(options)
-    tag = json.dumps(provenance.provenance_of(request, options, pipe), separators=(",", ":"), ensure_ascii=False)
+    prov = provenance.provenance_of(request, options, pipe)
+    tag = json.dumps(prov, separators=(",", ":"), ensure_ascii=False)
     meta = {"comment": tag, "encoder": f"h3direct {provenance.version()}"}
     out = request.resolved.output
     writer = parallel.is_writer()  # under torchrun every rank holds the same clip; rank 0 writes it
@@ -35,6 +36,7 @@ def clip(pipe, request, options, *, callback=None, on_stage=None, ffmpeg_logleve
     with stream if stream is not None else contextlib.nullcontext():
         res = pipe.generate(request, options, callback=callback, on_stage=on_stage,
                             on_frames=None if stream is None else stream.add)
+        res.provenance = prov
         if on_stage is not None:
             on_stage("write")
         t = time.perf_counter()
@@ -69,7 +71,7 @@ def summary_of(request, options, res, out, pipe, sources: dict, timings: dict, l
     from h3direct.app.pipeline import peak_memory
 
     peak, kind = peak_memory(pipe.device)
-    settings = provenance.settings_of(pipe)
+    prov = res.provenance or provenance.provenance_of(request, options, pipe)
     summary = {
         "output": None if out is None else os.path.abspath(out), "task": res.task, "frames": res.frame_count,
         "fps": res.fps, "width": res.width, "height": res.height, "audio_samples": int(res.audio.shape[0]),
@@ -77,10 +79,10 @@ def summary_of(request, options, res, out, pipe, sources: dict, timings: dict, l
         "steps": res.steps, "seed": request.seed, "sampler": request.sampler, "scheduler": request.scheduler,
         "cfg": request.cfg, "cache_mode": request.cache_mode, "reused_steps": res.reused_steps,
         "timings": timings, "peak_memory_bytes": peak, "peak_memory_kind": kind,
-        "device": str(pipe.device), "compute_dtype": settings["compute_dtype"],
+        "device": str(pipe.device), "compute_dtype": prov["settings"]["compute_dtype"],
         "vae_dtype": str(pipe.vae_dtype).replace("torch.", ""), "attention": options.attention.backend,
         "cpu_threads": torch.get_num_threads(), "models": sources,
-        "provenance": provenance.provenance_of(request, options, pipe),
+        "provenance": prov,
     }
     if res.calls.get("attention"):  # backends that count their calls (sol_attn: kernel vs documented fallback)
         summary["attention_calls"] = res.calls["attention"]

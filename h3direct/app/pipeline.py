@@ -80,6 +80,7 @@ class Result:
     reused_steps: list = field(default_factory=list)
     step_seconds: list = field(default_factory=list)
     calls: dict = field(default_factory=dict)  # this generation's counted calls (`h3direct.counts`)
+    provenance: dict | None = None  # what the clip was made from (`app.provenance`; set by `app.generate.clip`)
 
     @property
     def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
