@@ -108,6 +108,15 @@ def workload(width: int, height: int, frames: int, text_len: int) -> dict:
     }
 
 
+def reference_image(wl: dict, seed: int):
+    """The workload's reference image [1, H, W, 3] in [0, 1] at the canvas size: the same values in every process
+    and every benchmark (a CPU generator at seed + 3)."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed + 3)
+    return torch.rand(1, wl["height"], wl["width"], 3, generator=g)
+
+
 def step_flops(config, seq_len: int) -> dict:
     """TFLOP of one DiT forward in the 4·num_layers block linears and in attention (2 FLOP per MAC)."""
     c = config

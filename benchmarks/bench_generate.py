@@ -94,12 +94,10 @@ def _encoders(video_vae, audio_vae, vae_dtype: str):
 
 def reference_conditioning(wl: dict, video_vae, audio_vae, vae_dtype: str, seed: int):
     """Ref2VA with one random reference image at the target canvas -> h3direct.sampling.conditioning.H3Conditioning."""
-    import torch
 
     from h3direct.sampling.conditioning import ref2va
 
-    g = torch.Generator(device="cpu").manual_seed(seed + 3)
-    img = torch.rand(1, wl["height"], wl["width"], 3, generator=g)
+    img = C.reference_image(wl, seed)
     enc_v, enc_a = _encoders(video_vae, audio_vae, vae_dtype)
     try:
         import PIL  # noqa: F401  (ref2va resizes with Pillow's Lanczos)
@@ -209,8 +207,7 @@ def _drive_pipeline(run: C.Run, args, wl: dict, models: dict, text, tags) -> Non
     dev = args.device
     pipe = H3Pipeline(models["dit"], models["video_vae"], models["audio_vae"], device=dev,
                       vae_dtype=torch.float16 if args.vae_dtype == "fp16" else torch.float32)
-    g = torch.Generator(device="cpu").manual_seed(args.seed + 3)
-    img = torch.rand(1, wl["height"], wl["width"], 3, generator=g)
+    img = C.reference_image(wl, args.seed)
 
     def on_step(ev) -> None:
         C.log(f"   step {ev.index + 1}/{ev.total} sigma {ev.sigma:.4f}: {ev.seconds:.2f} s")

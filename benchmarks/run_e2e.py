@@ -164,14 +164,6 @@ def workload(contract: dict, args) -> tuple[dict, C.Preset]:
             "fps": w["fps"]}, preset
 
 
-def reference_image(wl: dict, seed: int):
-    """The reference image [1, H, W, 3] in [0, 1] at the canvas size: the same values in every process."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed + 3)
-    return torch.rand(1, wl["height"], wl["width"], 3, generator=g)
-
-
 def probe_mp4(path) -> dict:
     """What an mp4 holds: decoded video frames, size, rate, audio streams, bytes."""
     import av
@@ -235,7 +227,7 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
                     "text_encoder": spec["text_encoder"],
                     "text_compute_dtype": str(models["text"].compute_dtype).removeprefix("torch."),
                     "vae_dtype": vae_name, "tokenizer": str(tokenizer)}
-        img = reference_image(wl, seed)
+        img = C.reference_image(wl, seed)
         with tempfile.TemporaryDirectory() as tmp:
             def request(steps: int, file: str):
                 return GenerateRequest(prompt=wl["prompt"], width=wl["width"], height=wl["height"],
@@ -398,7 +390,7 @@ def comfy_generation(env, contract: dict, name: str, wl: dict, preset, dev) -> d
         del sd
         C.free_memory(dev)
     builds["vae_s"] = time.perf_counter() - t
-    img = reference_image(wl, seed)
+    img = C.reference_image(wl, seed)
     cond_rows = []
 
     def v3(node):  # a V3 node's class as ComfyUI's executor calls it (hidden inputs: none)
