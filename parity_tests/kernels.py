@@ -66,7 +66,7 @@ def sol_algorithm(q, k, v, prefix_rows, options=None) -> torch.Tensor:
 
     from h3direct.dit.sol_options import SolOptions
 
-    kw = (options or SolOptions()).kernel_kwargs(prefix_rows)
+    kw = (options or SolOptions()).kernel_kwargs(prefix_rows, algorithm=True)
     kw.pop("token_aug", None)  # the eager reference has no token routing stage
     b, h, s, d = q.shape
     per_head = b * s * s * 4

@@ -26,13 +26,19 @@ def sol_options(env: dict) -> SolOptions:
 
 
 def test_sol_defaults_map_onto_kernel_arguments():
-    kw = sol_options({}).kernel_kwargs(prefix_rows=1180)
-    # 1,180 conditioning rows (text 256 + reference 510 + audio 414) -> key blocks [0, 19) are sinks, and their
-    # query blocks attend every key exactly
-    assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19],
-                  "sink_q": [0, 19]}
-    none = sol_options({}).kernel_kwargs(prefix_rows=None)
-    assert "sink_blocks" not in none and "sink_q" not in none
+    opts = sol_options({})
+    kw = opts.kernel_kwargs(prefix_rows=1180)
+    # 1,180 conditioning rows (text 256 + reference 510 + audio 414) -> key blocks [0, 19) are sinks; their query
+    # blocks (rows [0, 1216)) attend every key exactly through the rows backend, so the kernel routes every block
+    assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19]}
+    assert opts.exact_query_rows(1180, rows=20050) == 19 * 64 and opts.exact_query_rows(1180, rows=1000) == 1000
+    # the algorithm (the eager reference) has them as its exact query blocks, as has the kernel under rows_backend
+    # kernel
+    assert opts.kernel_kwargs(prefix_rows=1180, algorithm=True)["sink_q"] == [0, 19]
+    assert sol_options({"H3_SOL_ROWS_BACKEND": "kernel"}).kernel_kwargs(prefix_rows=1180)["sink_q"] == [0, 19]
+    none = opts.kernel_kwargs(prefix_rows=None)
+    assert "sink_blocks" not in none and "sink_q" not in none and opts.exact_query_rows(None, rows=64) == 0
+    assert sol_options({"H3_SOL_EXACT_ROWS": "0"}).exact_query_rows(1180, rows=20050) == 0
 
 
 @pytest.mark.parametrize("env, key, want", [
@@ -42,7 +48,7 @@ def test_sol_defaults_map_onto_kernel_arguments():
     ({"H3_SOL_TAIL": "0"}, "tail", False),
     ({"H3_SOL_TOKEN_AUG": "128"}, "token_aug", 128),
     ({"H3_SOL_SINKS": "none"}, "sink_blocks", None),
-    ({"H3_SOL_EXACT_ROWS": "0"}, "sink_q", None),
+    ({"H3_SOL_EXACT_ROWS": "0", "H3_SOL_ROWS_BACKEND": "kernel"}, "sink_q", None),
 ], ids=["tau", "topk", "topk-needs-type", "tail", "token_aug", "no-sinks", "routed-rows"])
 def test_sol_env_mapping(env, key, want):
     assert sol_options(env).kernel_kwargs(prefix_rows=100).get(key) == want
@@ -56,6 +62,7 @@ def test_sol_env_mapping(env, key, want):
     ({"H3_SOL_TOKEN_AUG": "100"}, "multiple of 64"),
     ({"H3_SOL_STRICT": "maybe"}, "1/0, true/false, yes/no or on/off"),
     ({"H3_SOL_FALLBACK": "sol_attn"}, "another attention backend"),
+    ({"H3_SOL_ROWS_BACKEND": "sage2"}, "sdpa, cudnn_sdpa, fa3, kernel"),
     ({"H3_SOL_INT8_QK": "1"}, "no precision switch"),
     ({"H3_SOL_INT8_PV": "0"}, "no precision switch"),
 ])
@@ -87,22 +94,53 @@ def test_sol_kwargs_match_comfy_kitchen_signature():
     assert err(with_sinks) < err(no_sinks) < 1.0
 
 
-def test_sol_rows_before_the_video_attend_exactly():
-    """With the default options the query rows before the target video (text, references, audio) attend every key
-    exactly: on attention without locality (random q, k) they equal dense attention, while routed rows do not."""
+@pytest.mark.parametrize("rows_backend", ["sdpa", "kernel"])
+def test_sol_rows_before_the_video_attend_exactly(rows_backend):
+    """With exact_rows on (the default) the query blocks before the target video (text, references, audio) attend
+    every key exactly: on attention without locality (random q, k) they equal dense attention, while routed rows do
+    not. With an exact rows backend they are that backend's rows, over every key, and the video rows are the kernel's
+    with every block routed; q, k, v are strided views of one qkv tensor, as the DiT hands them over."""
     ck = pytest.importorskip("comfy_kitchen")
     if not hasattr(ck, "sol_attn"):
         pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 640, 2, 128, generator=g) for _ in range(3))
-    dense = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    qkv = torch.randn(640, 3, 2, 128, generator=g)
+    q, k, v = (qkv[:, i].unsqueeze(0).transpose(1, 2) for i in range(3))  # [1, 2, 640, 128] views
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     prefix = 150  # rows [0, 150) precede the video: query blocks [0, 3) are exact
-    out = ck.sol_attn(q, k, v, **sol_options({}).kernel_kwargs(prefix_rows=prefix))
-    routed = ck.sol_attn(q, k, v, **sol_options({"H3_SOL_EXACT_ROWS": "0"}).kernel_kwargs(prefix_rows=prefix))
-    err = lambda x, rows: float((x[:, rows] - dense[:, rows]).norm() / dense[:, rows].norm())  # noqa: E731
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(rows_backend=rows_backend, min_tokens=0))
+    with A.sequence_hints(prefix):
+        out = A.sol_call(q, k, v, ck.sol_attn, opts)
+    routed = ck.sol_attn(*(x.transpose(1, 2) for x in (q, k, v)),
+                         **SolOptions(exact_rows=False).kernel_kwargs(prefix_rows=prefix)).transpose(1, 2)
+    err = lambda x, rows: float((x[:, :, rows] - dense[:, :, rows]).norm() / dense[:, :, rows].norm())  # noqa: E731
     head, tail = slice(0, 192), slice(192, 640)
     assert err(out, head) < 1e-5 < err(routed, head)
     assert err(out, tail) > 1e-2  # the video rows stay sparse
+    if rows_backend == "sdpa":
+        assert torch.equal(out[:, :, head], A._sdpa(q[:, :, head], k, v))
+        assert torch.equal(out[:, :, tail], routed[:, :, tail])
+
+
+def test_sol_rows_backend_must_run_here(monkeypatch):
+    """An exact rows backend that cannot run here makes sol_attn unavailable, naming the option at fault (the
+    kernel itself stands in as available; fa3 cannot run on the CPU)."""
+    monkeypatch.setattr(A, "sol_kernel_reason", lambda like: None)
+    like = torch.empty(0, dtype=torch.bfloat16)
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(rows_backend="fa3", fallback="sdpa"))
+    reason = A.unavailable_reason(opts, like)
+    assert reason.startswith("its exact rows' backend sol_rows_backend 'fa3' cannot run: ") and "\n" not in reason
+    for ok in (SolOptions(rows_backend="sdpa", fallback="sdpa"), SolOptions(rows_backend="fa3", exact_rows=False,
+                                                                            fallback="sdpa")):
+        assert A.unavailable_reason(AttentionOptions("sol_attn", sol_attn=ok), like) is None
+
+
+def test_sol_rows_backends_are_the_exact_backends():
+    """rows_backend's choices are the registry's exact backends (and the kernel): one list, checked here."""
+    from h3direct.dit.sol_options import ROWS_BACKENDS
+
+    exact = {n for n in A.backends() if A._REGISTRY[n].exact}
+    assert set(ROWS_BACKENDS) - {"kernel"} == exact
 
 
 def test_sol_without_kernel_is_unavailable_not_substituted():
@@ -123,7 +161,7 @@ def test_sol_documented_fallback_is_counted_and_strict_refuses():
     ck = pytest.importorskip("comfy_kitchen")
     if not hasattr(ck, "sol_attn"):
         pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
-    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa", min_tokens=256))
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa", min_tokens=256, rows_backend="kernel"))
     q = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
     with counting() as calls:
         assert torch.equal(A.sol_call(q, q, q, ck.sol_attn, opts), A._sdpa(q, q, q))

@@ -102,3 +102,38 @@ def test_a_degraded_kernel_is_caught(lane_backend):
     finally:
         A._REGISTRY["sage2"] = real
     assert not v_.passed and math.isfinite(v_.error)
+
+
+@pytest.mark.parametrize("rows_backend", ["fa3", "sdpa", "kernel"])
+def test_sol_reads_strided_views_and_writes_its_exact_rows(rows_backend, lane_backend):
+    """sol_attn takes q, k, v as the DiT hands them over (strided views into one qkv projection output, v
+    included) with the same bits as dense copies; with an exact rows backend its first query blocks are that
+    backend's rows over every key and the rest are the kernel's with every block routed, bit for bit."""
+    from h3direct.dit.options import AttentionOptions
+    from h3direct.dit.sol_options import SolOptions
+
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    opts = AttentionOptions("sol_attn", sol_attn=SolOptions(rows_backend=rows_backend, fallback="sdpa"))
+    lane_backend(opts, like)
+    pos, prefix = positions(6144)
+    q, k, v = structured_qkv(pos, HEADS, 128, "cuda", seed=11)
+    qkv = torch.stack([x[0].transpose(0, 1) for x in (q, k, v)], dim=1)  # [S, 3, H, D], as the projection's rows
+    views = [qkv[:, i].unsqueeze(0).transpose(1, 2) for i in range(3)]  # [1, H, S, D], row stride 3·H·D
+    dense = [A.dense_rows(x) for x in views]  # the same values in dense [B, S, H, D] storage
+    assert views[2].stride(2) == 3 * HEADS * 128 and dense[2].stride(2) == HEADS * 128
+    with torch.no_grad(), A.sequence_hints(prefix):
+        strided_out = A.attention(*views, opts)
+        dense_out = A.attention(*dense, opts)
+    assert torch.equal(strided_out, dense_out)
+    if rows_backend == "kernel":
+        return
+    import comfy_kitchen as ck
+
+    rows = SolOptions().exact_query_rows(prefix, 6144)
+    with torch.no_grad():
+        exact_rows = A._REGISTRY[rows_backend].run(views[0][:, :, :rows], views[1], views[2], opts)
+        routed = ck.sol_attn(*(x.transpose(1, 2) for x in dense),
+                             **SolOptions(exact_rows=False).kernel_kwargs(prefix))
+    out = strided_out[0].view(6144, HEADS, 128)
+    assert torch.equal(out[:rows], exact_rows[0].transpose(0, 1))
+    assert torch.equal(out[rows:], routed[0, rows:])

@@ -21,7 +21,8 @@ with a backend's constraints); its function and availability check get the call'
 | kj_head_sliced  | heads in slices of `size` (8) through `backend` (sage2) (`HeadSliceOptions`)              |
 | sol_attn        | comfy-kitchen >= 0.2.40 `sol_attn` (sparse, INT8); `SolOptions` (sol_options.py).         |
 |                 | A call shorter than `min_tokens` or with head_dim != 128 runs its `fallback`; such calls  |
-|                 | are counted (`h3direct.counts`) and `strict` makes them errors.                           |
+|                 | are counted (`h3direct.counts`) and `strict` makes them errors. The query rows before the |
+|                 | target video attend every key exactly, through `rows_backend` (an exact backend).         |
 |                 | No kernel (CPU, old comfy-kitchen, < sm_80) = unavailable, never a substitute.            |
 
 An unknown or unavailable backend raises `BackendUnavailable` with the reason and the list of backends
@@ -360,15 +361,45 @@ def sol_call(q, k, v, kernel, options: str | AttentionOptions = "sol_attn"):
         return _run_fallback("sol_attn", "sol_strict", sol.fallback, sol.strict, why,
                              "head_dim" if why.startswith("head") else "short", q, k, v, opts)
     count_attention("sol_attn", "kernel")
-    # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows, so this is free
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **sol.kernel_kwargs(_PREFIX_ROWS.get()))
+    prefix = _PREFIX_ROWS.get()
+    rows = sol.exact_query_rows(prefix, q.shape[2]) if sol.rows_backend != "kernel" else 0
+
+    def exact_rows():  # the exact query blocks: the rows backend over every key
+        return _REGISTRY[sol.rows_backend].run(q[:, :, :rows], k, v, opts).transpose(1, 2)
+
+    def routed():  # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows: free
+        return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **sol.kernel_kwargs(prefix))
+
+    if not rows:
+        return routed().transpose(1, 2)
+    if q.is_cuda:  # both only read q, k, v: the exact rows run beside the kernel, on a second stream
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            exact = exact_rows()
+        out = routed()
+        main.wait_stream(side)
+        exact.record_stream(main)
+    else:
+        exact, out = exact_rows(), routed()
+    out[:, :rows] = exact  # written over the kernel's routed rows
     return out.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=8)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _sol_available(like, opts: AttentionOptions):
     reason = sol_kernel_reason(like) or _half_only(like)
     if reason is not None:
         return reason
+    rows = opts.sol_attn.rows_backend
+    if opts.sol_attn.exact_rows and rows != "kernel":
+        why = _REGISTRY[rows].reason(like, opts)
+        if why is not None:
+            return f"its exact rows' backend sol_rows_backend {rows!r} cannot run: {why}"
     if opts.sol_attn.strict:
         return None  # calls that cannot run the kernel raise, one by one
     return _fallback_unavailable("sol_attn", "sol_fallback", opts.sol_attn.fallback, like, opts)
@@ -432,4 +463,4 @@ register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False)
 register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
-register("sol_attn", _dense_v(_sol), _sol_available, exact=False)
+register("sol_attn", _sol, _sol_available, exact=False)  # reads v as the strided view it is

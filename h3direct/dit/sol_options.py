@@ -17,9 +17,12 @@ variable `H3_SOL_<NAME>` (the flag or field wins):
 | `sinks`       | prefix  | `sink_blocks`: `prefix` = the key blocks holding the rows before the target video   |
 |               |         | (text, references, keyframes, target audio) when the DiT says where they end;       |
 |               |         | `none` = no sinks                                                                   |
-| `exact_rows`  | on      | `sink_q`: the query blocks of the rows before the target video attend every key     |
-|               |         | exactly (the sparse routing assumes video locality, which text, reference and      |
-|               |         | audio queries lack); off = every query block is routed                             |
+| `exact_rows`  | on      | the query blocks of the rows before the target video attend every key exactly (the |
+|               |         | sparse routing assumes video locality, which text, reference and audio queries     |
+|               |         | lack); off = every query block is routed                                           |
+| `rows_backend`| sdpa    | what computes those exact query blocks: an exact backend (sdpa, cudnn_sdpa, fa3)   |
+|               |         | over every key, written over the kernel's routed rows; `kernel` = the kernel's own |
+|               |         | `sink_q` (INT8 QK; one 64-row block per program over all key blocks: slower)       |
 | `tail`        | on      | `tail` (off drops the pooled term of unrouted blocks)                              |
 | `token_aug`   | 0       | `token_aug` (0 or a multiple of 64 up to 256)                                      |
 | `min_tokens`  | 4096    | below this sequence length the call runs `fallback` (documented fallback)          |
@@ -38,6 +41,7 @@ from h3direct.fields import check, field, positive
 
 SOL_BLOCK = 64  # query/key block size of the kernel
 SOL_HEAD_DIM = 128  # the only head size the kernel takes
+ROWS_BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "kernel")  # the exact backends of attention.py, or the kernel itself
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class SolOptions:
     sinks: str = field("prefix", "prefix: the key blocks of the rows before the target video always attend exactly; "
                        "none: no sinks", choices=("prefix", "none"), env=True)
     exact_rows: bool = field(True, "the query rows before the target video attend every key exactly", env=True)
+    rows_backend: str = field("sdpa", "what computes those exact rows: an exact attention backend over every key, or "
+                              "kernel: the sparse kernel's own exact query blocks (INT8 QK)", choices=ROWS_BACKENDS,
+                              env=True)
     tail: bool = field(True, "keep the pooled term of unrouted key blocks", env=True)
     token_aug: int = field(0, "token routing augmentation (0 or a multiple of 64 up to 256)",
                            rule=lambda v: 0 <= v <= 256 and v % 64 == 0, expect="0 or a multiple of 64 up to 256",
@@ -66,14 +73,23 @@ class SolOptions:
     def __post_init__(self):
         check(self, self.PREFIX + "_")
 
-    def kernel_kwargs(self, prefix_rows: int | None) -> dict:
+    def exact_query_rows(self, prefix_rows: int | None, rows: int) -> int:
+        """How many leading query rows attend every key exactly: the whole 64-row blocks that hold the `prefix_rows`
+        rows before the target video (0: none), capped at the sequence's `rows`."""
+        if not (self.exact_rows and prefix_rows):
+            return 0
+        return min(rows, math.ceil(prefix_rows / SOL_BLOCK) * SOL_BLOCK)
+
+    def kernel_kwargs(self, prefix_rows: int | None, *, algorithm: bool = False) -> dict:
         """Keyword arguments of `comfy_kitchen.sol_attn` (besides q, k, v) for one call.
 
-        prefix_rows: rows before the target video in the packed sequence (None when unknown)."""
+        prefix_rows: rows before the target video in the packed sequence (None when unknown). The exact rows go to
+        the kernel as `sink_q` when `rows_backend` is kernel, or for the `algorithm` as a whole (comfy-kitchen's eager
+        reference: those rows are its exact attention, whichever backend computes them here)."""
         kw = {"tau": self.tau, "tail": self.tail, "token_aug": self.token_aug,
               "topk_ratio": self.topk_ratio if self.thresh_type == "topk" else 0.0}
         if self.sinks == "prefix" and prefix_rows:
             kw["sink_blocks"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
-        if self.exact_rows and prefix_rows:
+        if self.exact_rows and prefix_rows and (algorithm or self.rows_backend == "kernel"):
             kw["sink_q"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
         return kw
