@@ -151,16 +151,17 @@ def kind_of(path: str) -> str:
     return "exact" if is_exact(path) else "approximate"
 
 
-def unavailable(path: str, device: str) -> str | None:
-    """Why `path` cannot run on `device` (None: it can)."""
-    from h3direct.dit.attention import unavailable_reason
+def unavailable(path: str, device: str, options=None) -> str | None:
+    """Why `path` cannot run on `device` with the attention backends' `options` (an AttentionOptions, e.g. the gate's
+    `--option` values; None: their defaults). None: it can."""
+    from h3direct.dit.attention import as_options, unavailable_reason
 
     attention, fp8 = split_path(path)
     if fp8 and not knows_flag("--fp8-linear"):
         return "this h3direct's generate has no --fp8-linear"
     if attention is None or kind_of(path) == "unknown":
         return None  # fp8_linear over the reference; an unknown name is not a skip: the run fails with one line
-    return unavailable_reason(attention, _probe(device))
+    return unavailable_reason(as_options(options or attention).using(attention), _probe(device))
 
 
 def path_flags(path: str, reference: str, options: dict | None = None) -> list[str]:

@@ -5,7 +5,8 @@ the run, above its minimum sequence): when NAME is an approximate path (sage2,
 ck_int8, sol_attn, kj_head_sliced over sage2, fa3_fp8, ...; `--e2e-path fp8_linear` for the FP8 block linears), one
 4-step generation on the device's exact path and one on NAME, same seed and inputs, decoded to frames and audio:
 PSNR / SSIM of the frames and SNR of the waveform against the mode's declared quality (budgets.toml, mode quality).
-For an exact NAME there is no item. Skips: no CUDA device, or NAME cannot run here (with the reason). The CPU
+For an exact NAME there is no item. Skips: no CUDA device, or `--device cpu` for a GPU-only NAME (with the
+reason); on a GPU, a NAME that cannot run there fails. The CPU
 machinery tests are in the unit lane (tests/gate/test_e2e_frames_machinery.py).
 """
 
@@ -48,9 +49,11 @@ def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report):
     device = gate_options["device"]
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
-    why = E.unavailable(e2e_path, device)
-    if why is not None:
-        pytest.skip(f"{e2e_path} cannot run here: {why}")
+    why = E.unavailable(e2e_path, device, gate_options["attention"])
+    if why is not None:  # on a GPU the gate was asked for this path: that it cannot run is a failure, not a skip
+        if torch.device(device).type == "cuda":
+            pytest.fail(f"{e2e_path} cannot run on this GPU: {why}", pytrace=False)
+        pytest.skip(f"{e2e_path} needs a GPU: {why}")
     from h3direct.dit.options import changed_options
 
     result = E.compare_paths(e2e_model, e2e_path, device=device, budgets=gate_options["budgets"],

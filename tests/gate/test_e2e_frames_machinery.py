@@ -147,6 +147,24 @@ def test_an_approximate_path_without_a_declared_quality_fails_before_running(tes
         E.compare_paths(E.E2EModel(), "int8qk_emul", budgets=t)
 
 
+def test_availability_is_judged_with_the_gate_options(monkeypatch):
+    """`--option` values reach the e2e item's availability check: sol_attn whose documented fallback is sage2 (its
+    default) cannot run without SageAttention, the same backend with `sol_fallback=sdpa` can (sol_attn's kernel stands
+    in as available)."""
+    from h3direct.dit import attention as A
+    from h3direct.dit.options import AttentionOptions
+    from h3direct.dit.sol_options import SolOptions
+
+    monkeypatch.setattr(A, "sol_kernel_reason", lambda like: None)
+    monkeypatch.setattr(E, "_probe", lambda device: torch.empty(0, dtype=torch.bfloat16))  # as on a GPU
+    sage = A._REGISTRY["sage2"]
+    monkeypatch.setitem(A._REGISTRY, "sage2", A.Backend("sage2", sage.fn, lambda like: "sageattention is not importable",
+                                                        exact=False))
+    assert "sol_fallback 'sage2'" in E.unavailable("sol_attn+fp8_linear", "cpu")
+    opts = AttentionOptions("fa3", sol_attn=SolOptions(fallback="sdpa"))
+    assert E.unavailable("sol_attn+fp8_linear", "cpu", opts) is None
+
+
 def test_paths_and_references():
     from h3direct.dit.attention import backends, is_exact
 
@@ -199,7 +217,7 @@ def test_the_gate_item_exists_only_for_an_approximate_path():
     if torch.cuda.is_available():
         return
     assert approx.returncode == 0 and "1 skipped" in approx.stdout, approx.stdout[-2000:]
-    assert "ck_int8 cannot run here: needs a CUDA device" in approx.stdout, approx.stdout[-2000:]
+    assert "ck_int8 needs a GPU: needs a CUDA device" in approx.stdout, approx.stdout[-2000:]
 
 
 def test_a_paths_backend_options_become_generates_own_flags():
