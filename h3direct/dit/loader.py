@@ -28,6 +28,7 @@ from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
 from h3direct.dit.linear import (
     NVFP4_MODES,
+    FP8Linear,
     Linear,
     NVFP4Linear,
     apply_fp8_linears,
@@ -122,32 +123,35 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
 
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
              device: str | torch.device = "cpu", fp8_linear: str | None = None, nvfp4_dequant: str = "auto",
-             fp8_strict: bool = False) -> H3DiT:
+             fp8_strict: bool = False, fp8_accum: str = "fast") -> H3DiT:
     """The kernel options fixed when the weights load (`KernelOptions.load_time()`): `fp8_linear` "stream"/"resident":
     the 200 (full model) block linears become FP8 W8A8 layers after loading (`linear.apply_fp8_linears`; opt-in,
-    approximate; None/"off": as stored), `fp8_strict` their strictness, `nvfp4_dequant` the NVFP4 layers'
-    dequantization path on CUDA."""
+    approximate; None/"off": as stored), `fp8_strict` their strictness, `fp8_accum` their GEMMs' accumulation,
+    `nvfp4_dequant` the NVFP4 layers' dequantization path on CUDA."""
     compute = parse_compute_dtype(compute_dtype)
     check_fp8_linear(fp8_linear)
     sd, _meta = read_state_dict(path)
     return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path,
-                           fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict)
+                           fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
+                           fp8_accum=fp8_accum)
 
 
 def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str = "auto",
-                    fp8_strict: bool = False) -> None:
+                    fp8_strict: bool = False, fp8_accum: str = "fast") -> None:
     """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: the NVFP4 layers'
     dequantization path, and FP8 block linears (made once, in place; a model that has them already keeps them)."""
     for module in model.modules():
         if isinstance(module, NVFP4Linear):
             module.dequant = nvfp4_dequant
+        elif isinstance(module, FP8Linear):  # made by an earlier call: the settings that are not its weights
+            module.strict, module.accum = fp8_strict, fp8_accum
     if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
-        apply_fp8_linears(model, fp8_linear, fp8_strict)
+        apply_fp8_linears(model, fp8_linear, fp8_strict, fp8_accum)
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
                     nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None,
-                    nvfp4_dequant: str = "auto", fp8_strict: bool = False) -> H3DiT:
+                    nvfp4_dequant: str = "auto", fp8_strict: bool = False, fp8_accum: str = "fast") -> H3DiT:
     fp8_linear = check_fp8_linear(fp8_linear)
     formats = quant_formats(sd, source)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
@@ -204,7 +208,8 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
     model.fp8_linear = "off"
     del state
     # after the strict load: the checkpoint's names are checked as stored
-    apply_load_time(model, fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict)
+    apply_load_time(model, fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
+                    fp8_accum=fp8_accum)
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:

@@ -27,6 +27,7 @@ DEFAULT_BACKEND = "sdpa"
 BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
 NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
 FP8_LINEAR_MODES = ("off", "stream", "resident")
+FP8_ACCUM = ("fast", "fp32")  # the FP8 GEMMs' accumulation (w8a8.linear_w8a8)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class KernelOptions:
     fp8_linear: str = field("off", "opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs; stream = NVFP4 "
                             "weights stay packed (made fp8 per call), resident = fp8 weights held",
                             choices=FP8_LINEAR_MODES, per_request=False, bare="stream")
+    fp8_accum: str = field("fast", "the FP8 GEMMs' accumulation on CUDA: fast = the tensor cores' own accumulator over "
+                           "the whole K (cuBLAS fast accumulation; the default of torchao's Float8MMConfig), fp32 = "
+                           "partial sums promoted to fp32 registers (slower)", choices=FP8_ACCUM, env=True,
+                           per_request=False)
     fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "
                              "an emulation", env=True, per_request=False)
 

@@ -22,7 +22,11 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
 
 - ``scaled_mm``: CUDA, bf16 activations, compute capability >= 8.9, K and N multiples of 16, Triton importable:
   Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
-  out_dtype=bf16)` (bias added after the GEMM); ``scaled_mm, e4m3 input``: the same GEMM on an :class:`E4M3Rows`;
+  out_dtype=bf16, use_fast_accum=accum == "fast")` (bias added after the GEMM); ``scaled_mm, e4m3 input``: the same
+  GEMM on an :class:`E4M3Rows`. ``accum`` (the option ``fp8_accum``): "fast" accumulates in the tensor cores' own
+  accumulator over the whole K (cuBLAS fast accumulation, torchao's Float8MMConfig default), "fp32" promotes the
+  partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
+  gate's rule for FP8 linears bounds;
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
   path by design; on CUDA it is a fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it
@@ -178,10 +182,10 @@ def _gpu_reason(x: torch.Tensor, dtype: torch.dtype, k: int, n: int) -> str | No
 
 
 def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, *, strict: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, strict: bool = False, accum: str = "fast") -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row (here, or
     already: `E4M3Rows`). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an
-    error."""
+    error. `accum`: the GEMM's accumulation on CUDA ("fast" / "fp32", module docstring); the emulation is fp32."""
     # x [..., K] -> [..., N]
     pre = isinstance(x, E4M3Rows)
     codes = x.data if pre else x
@@ -199,7 +203,7 @@ def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Ten
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2)
     if reason is None:
         y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :].contiguous(),
-                             out_dtype=torch.bfloat16)
+                             out_dtype=torch.bfloat16, use_fast_accum=accum == "fast")
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*lead, n)
