@@ -76,11 +76,14 @@ DEFAULT_LAUNCH: dict[str, dict] = {  # untuned: Triton's usual 4 warps (8 for th
 }
 
 LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
-    (9, 0): {  # Hopper (H100, H200); the e4m3 kernels are not tuned yet: the defaults
+    (9, 0): {  # Hopper (H100, H200)
         **DEFAULT_LAUNCH,
         "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
         "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
         "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
+        "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 16},
+        "residual_norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 32},
+        "swiglu_e4m3": {"ROWS": 1, "num_warps": 32},
     },
 }
 
