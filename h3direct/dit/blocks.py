@@ -209,9 +209,6 @@ class DiTBlock(nn.Module):
         qkv_e4m3 = fuse and takes_e4m3(self.attn.qkv_proj, self.attn)
         fc1_e4m3 = fuse and options.kernels.mlp_chunks <= 1 and takes_e4m3(self.mlp.fc1, self.mlp)
         h = _modulated(self.norm1, x, shift_a, scale_a, runs, fuse, e4m3=qkv_e4m3)
-        for later in (self.attn.out_proj, self.mlp.fc1, self.mlp.fc2):  # FP8 stream weights made during attention
-            if isinstance(later, FP8Linear) and options.kernels.mlp_chunks <= 1:
-                later.prefetch()
         attn_out = self.attn(h, rope_table, options=options, sp=sp)
         del h
         if fuse:  # attention's gated residual, then norm2 + the MLP's modulation, in one pass over x

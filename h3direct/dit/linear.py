@@ -19,8 +19,6 @@ JSON marker) and run in one of two modes (see `h3direct.checkpoint.quant.nvfp4`)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,40 +169,16 @@ class FP8Linear(nn.Module):
             q = q[:n, :k].contiguous()
         return q, self.w_scale[:n]
 
-    def prefetch(self) -> None:
-        """stream mode on CUDA: start making the e4m3 weight now, on a second stream, for the next call (the caller
-        runs other work meanwhile: the block's attention); that call waits for it. Elsewhere nothing."""
-        if self.mode != "stream" or not self.packed.is_cuda:
-            return
-        main = torch.cuda.current_stream(self.packed.device)
-        side = weight_stream(self.packed.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self._made = self.fp8_weight()
-
     def forward(self, x) -> torch.Tensor:
         """x: a tensor [..., K], or its rows already quantized (`w8a8.E4M3Rows`, written by a fused kernel)."""
         from h3direct.checkpoint.quant import w8a8
 
-        made, self._made = getattr(self, "_made", None), None
-        if made is None:
-            w8, s = self.fp8_weight()
-        else:  # prefetched: made on the weight stream
-            main = torch.cuda.current_stream(self.packed.device)
-            main.wait_stream(weight_stream(self.packed.device))
-            w8, s = made
-            w8.record_stream(main)
+        w8, s = self.fp8_weight()
         return w8a8.linear_w8a8(x, w8, s, self.bias, strict=self.strict, accum=self.accum)
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, fp8 e4m3 w8a8 {self.mode} (from {self.source}), "
                 f"{self.accum} accumulation")
-
-
-@functools.lru_cache(maxsize=8)
-def weight_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream FP8 linears make prefetched e4m3 weights on (`FP8Linear.prefetch`)."""
-    return torch.cuda.Stream(device)
 
 
 def check_fp8_linear(mode: str | None) -> str:
