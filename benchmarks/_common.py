@@ -366,16 +366,49 @@ def package_versions() -> dict:
     return out
 
 
-def git_commit() -> str:
-    """This checkout's HEAD, `+changes` when tracked files differ from it."""
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """This checkout's HEAD, `+changes` when tracked files differ from it. A copy of the checkout made elsewhere (a
+    GPU machine's) may carry a stale HEAD: `source_tree` names the files that ran."""
     try:
-        p = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+        p = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                            timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return p.stdout.strip() + ("+changes" if dirty else "") if p.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def source_tree(root: Path = REPO_ROOT) -> str | None:
+    """The git tree hash of the checkout's files as they are (tracked files and the untracked ones git does not
+    ignore), whatever its HEAD: equal to `git rev-parse C^{tree}` for the commit C whose files ran (`commit_of_tree`
+    finds C). The files are hashed into a scratch index, not stored; only the (small, unreferenced) tree objects are
+    written. None without git."""
+    import tempfile
+
+    def git(*args, **kw):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60, check=True, **kw)
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            files = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
+            git("update-index", "--add", "--info-only", "-z", "--stdin", input=files, env=env)
+            return git("write-tree", "--missing-ok", env=env).stdout.decode().strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def commit_of_tree(tree: str | None, root: Path = REPO_ROOT) -> str | None:
+    """The newest commit of this repository whose files are `tree` (None: none here has them)."""
+    if not tree:
+        return None
+    try:
+        log = subprocess.run(["git", "-C", str(root), "log", "--all", "--format=%H %T"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((c for c, t in (line.split() for line in log.splitlines() if line.strip()) if t == tree), None)
 
 
 def run_comfy_process(args, only: str, dev: str) -> dict:

@@ -185,6 +185,7 @@ def info_lines(contract: dict, result: dict) -> list[str]:
     else:
         lines.append(f"ComfyUI {comfy.get('version')} (commit {comfy.get('commit')}), comfy-kitchen "
                      f"{comfy.get('comfy_kitchen')}, SageAttention {comfy.get('sageattention')}")
+    lines.append(measured_code(result))
     for name, c in (comfy.get("configs") or {}).items():
         s = number(c.get("s_per_step"))
         what = f"{s:.3f} s/step ({c.get('chosen')})" if _ok(c) and s else c.get("status")
@@ -296,11 +297,24 @@ def e2e_value_of(contract: dict, result: dict, name: str, metric: str) -> tuple[
     return v, "" if v is not None else f"{metric} {raw!r} is not a finite number"
 
 
+def measured_code(result: dict) -> str:
+    """Which h3direct ran: the commit of this repository whose files are the result's `tree`, else what is known."""
+    from benchmarks._common import commit_of_tree
+
+    tree = result.get("tree")
+    if not tree:
+        return f"h3direct: no tree recorded (its checkout's HEAD: {result.get('commit')})"
+    commit = commit_of_tree(tree)
+    return (f"h3direct: tree {tree[:12]} = commit {commit[:12]}" if commit else
+            f"h3direct: tree {tree[:12]}, which no commit here has (its checkout's HEAD: {result.get('commit')})")
+
+
 def e2e_info_lines(contract: dict, result: dict) -> list[str]:
-    """Each configuration's stage table, both sides, and the ComfyUI that ran."""
+    """Each configuration's stage table, both sides, the ComfyUI and the h3direct that ran."""
     comfy = result.get("comfyui") if isinstance(result.get("comfyui"), dict) else {}
     lines = [f"ComfyUI {comfy.get('version')} (commit {comfy.get('commit')}), comfy-kitchen "
-             f"{comfy.get('comfy_kitchen')}" if comfy else (result.get("comfyui_note") or "no same-run ComfyUI")]
+             f"{comfy.get('comfy_kitchen')}" if comfy else (result.get("comfyui_note") or "no same-run ComfyUI"),
+             measured_code(result)]
     for name, entry in (result.get("configs") or {}).items():
         for side in ("h3direct", "comfyui"):
             got = entry.get(side) if isinstance(entry, dict) else None

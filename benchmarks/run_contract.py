@@ -428,7 +428,7 @@ def main(argv=None) -> int:
     dev = args.device
     w = contract["weights"]
     result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
-              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(),
+              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(),
               "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
               "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]}}

@@ -77,7 +77,7 @@ def main(args, contract: dict, argv) -> int:
     wl, preset = workload(contract, args)
     result = {"contract": contract["contract"], "kind": "e2e", "smoke": args.smoke,
               "device": C.env_info(dev).get("gpu") or dev,
-              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(),
+              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(),
               "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
               "weights": {**contract["weights"], "dit_preset": preset.dit_config, "vae": preset.vae_preset,

@@ -274,3 +274,41 @@ def test_user_settings_open_comfyui_after_mains_allocator_step(tmp_path, comfy_r
     bad = subprocess.run([sys.executable, "-c", code, comfy_root, str(other.parent)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "a different 'comfy' package is already imported" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_source_tree_names_the_commit_whose_files_ran(tmp_path):
+    """A result records the git tree of the files that ran (`source_tree`), not only its checkout's HEAD, which a copy
+    made on another machine may carry stale; `compare` maps the tree back to the commit that has those files."""
+    from benchmarks import _common as C
+
+    repo = tmp_path / "r"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.org")
+    git("config", "user.name", "t")
+    (repo / "a.py").write_text("x = 1\n")
+    (repo / ".gitignore").write_text("ignored/\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    one = git("rev-parse", "HEAD")
+    assert C.source_tree(repo) == git("rev-parse", "HEAD^{tree}") and C.commit_of_tree(C.source_tree(repo), repo) == one
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "new.py").write_text("y = 1\n")  # untracked, not ignored: it runs, so it counts
+    changed = C.source_tree(repo)
+    blob = git("hash-object", "new.py")  # the files are hashed, not stored in the repository
+    assert subprocess.run(["git", "-C", str(repo), "cat-file", "-e", blob], capture_output=True).returncode != 0
+    assert changed != git("rev-parse", "HEAD^{tree}") and C.commit_of_tree(changed, repo) is None
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "big.bin").write_bytes(b"0")
+    assert C.source_tree(repo) == changed
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    two = git("rev-parse", "HEAD")
+    git("branch", "keep", two)
+    git("reset", "-q", "--soft", one)  # the files of two under a stale HEAD, as on a GPU machine's copy
+    assert C.git_commit(repo) == one + "+changes" and C.commit_of_tree(C.source_tree(repo), repo) == two
