@@ -211,6 +211,9 @@ def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
     assert exact["floor_ratio"] == pytest.approx(exact["s_per_step"] / r["hot_floor"]["s_per_step"])
     assert r["comfyui"] is None and "no same-run ComfyUI" in r["comfyui_note"]
     assert r["smoke"] is True and r["commit"] and r["env"]["packages"]["torch"]
+    from benchmarks._common import source_tree
+
+    assert r["tree"] == source_tree()  # the files that ran
     q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
     assert q.returncode == 1 and has(q.stdout, "FAIL rule   not a smoke run") and has(q.stdout, "no same-run ComfyUI")
 
