@@ -6,6 +6,8 @@
   kernel resolves its global names for one mode only.
 - `for_device(table, default, device)`: a kernel's launch config on `device`: the entry of `table` for the GPU's
   compute capability, else `default` (other GPUs, the CPU interpreter, no device).
+- `FP_OPTIONS`: compile options every launch passes. FMA contraction is pinned on: the kernels' bits were verified
+  against their references with it, and Triton 3.10 turns its default off.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def interpreting() -> bool:
 
 
 _BUILT: dict = {}
+
+FP_OPTIONS = {"enable_fp_fusion": True}
 
 
 def build(fn, **jit_options):

@@ -203,7 +203,7 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
     try:
         tr.compile(ASTSource(tr.jit(fused._swiglu_kernel), {**swiglu_sig, "a_ptr": "*bf16"},
                              {"ROWS": 1, "BLOCK": 1024, "ROUND": 2, "LIBDEVICE": True, "INTERPRET": False, **plain}),
-                   target=GPUTarget("cuda", 90, 32))
+                   target=GPUTarget("cuda", 90, 32), options=triton_build.FP_OPTIONS)
     except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
         if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
             pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
@@ -245,7 +245,8 @@ def test_kernels_compile_for_hopper(dtype, monkeypatch):
          {"D": 128, "HB": 8, "EXACT": True, "BF16_INT": False, "INTERPRET": False}),
     ]
     for fn, sig, const in kernels:
-        k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        k = tr.compile(ASTSource(tr.jit(fn), sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 8, **triton_build.FP_OPTIONS})
         assert ".target sm_90" in k.asm["ptx"]
         # e4m3 rows: the GPU's e4m3 conversion and IEEE division, as the FP8 linears' quantizer
         assert const.get("E4M3", False) == ("cvt.rn.satfinite.e4m3x2.f32" in k.asm["ptx"] and "div.rn.f32" in k.asm["ptx"])

@@ -13,6 +13,7 @@ import torch
 
 from h3direct.checkpoint.quant import nvfp4, nvfp4_triton, w8a8
 from h3direct.traces.metrics import bit_mismatch
+from h3direct.triton_build import FP_OPTIONS
 
 pytestmark = pytest.mark.skipif(nvfp4_triton.triton is None, reason="needs Triton (the `test` extra installs it on "
                                                                     "x86_64 Linux) to run the kernel in its interpreter")
@@ -203,7 +204,7 @@ def test_compiles_for_hopper_with_wide_memory_access(out_dtype, monkeypatch):
         k = tr.compile(ASTSource(tr.jit(nvfp4_triton._dequant_kernel), sig,
                                  {"BLK": blk, "OUT": code, "EVEN": False, "INTERPRET": False, "ENCODE": None},
                                  aligned),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **FP_OPTIONS})
     except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
         if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
             pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")

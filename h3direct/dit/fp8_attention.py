@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h3direct.triton_build import FP_OPTIONS
+
 try:  # Triton is optional (CUDA wheels of torch ship it; the test extra installs it for TRITON_INTERPRET=1 tests)
     import triton
     import triton.language as tl
@@ -139,7 +141,7 @@ def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.T
     block_s = max(1, min(64, 8192 // block_d))
     _quantize_kernel[(triton.cdiv(s, block_s), b * h)](
         x, mean_arg, inverse.contiguous(), out, s, h, d, x.stride(0), x.stride(1), x.stride(2),
-        HAS_MEAN=mean is not None, BLOCK_S=block_s, BLOCK_D=block_d)
+        HAS_MEAN=mean is not None, BLOCK_S=block_s, BLOCK_D=block_d, **FP_OPTIONS)
     return out
 
 

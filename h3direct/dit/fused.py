@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from h3direct.dit.host import upload
+from h3direct.triton_build import FP_OPTIONS, for_device
 from h3direct.triton_build import build as _kernel
-from h3direct.triton_build import for_device
 from h3direct.triton_build import interpreting as _interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
@@ -126,7 +126,8 @@ def launch_config(kernel: str, config: dict | None = None, device: torch.device 
 
 def _split(cfg: dict) -> tuple[dict, dict]:
     """(tile constexprs, launch options) of a launch config."""
-    return ({k: v for k, v in cfg.items() if k not in _OPTIONS}, {k: v for k, v in cfg.items() if k in _OPTIONS})
+    return ({k: v for k, v in cfg.items() if k not in _OPTIONS},
+            {**FP_OPTIONS, **{k: v for k, v in cfg.items() if k in _OPTIONS}})
 
 
 # ---- kernels (plain functions; `_kernel` jit-compiles them on first use) ------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 from h3direct.checkpoint.quant.nvfp4 import BLOCK, TILE_COLS, scale_storage_shape
 from h3direct.errors import CheckpointError
-from h3direct.triton_build import build, for_device, interpreting
+from h3direct.triton_build import FP_OPTIONS, build, for_device, interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
     import triton
@@ -186,7 +186,7 @@ def _launch(storage, dst: torch.Tensor, out_code: int, row_scales: torch.Tensor 
     rs = row_scales if row_scales is not None else g  # unread placeholder
     build(_dequant_kernel, do_not_specialize=["NB", "TILES_PER_ROW"])[(triton.cdiv(total, blk),)](
         words, scales, g, dst, rs, total, nb, tiles, BLK=blk, OUT=out_code, EVEN=total % blk == 0,
-        INTERPRET=interpreting(), ENCODE=encode, num_warps=warps)
+        INTERPRET=interpreting(), ENCODE=encode, num_warps=warps, **FP_OPTIONS)
 
 
 def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,

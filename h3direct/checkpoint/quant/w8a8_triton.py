@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3direct.triton_build import build, interpreting
+from h3direct.triton_build import FP_OPTIONS, build, interpreting
 
 
 def encode_e4m3(v, INTERPRET: tl.constexpr):
@@ -86,5 +86,5 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
         quant, encode = device_functions()
         build(_quant_rows_kernel)[(m,)](x2d, q, s, m, k, x2d.stride(0), ROWS=1, BLOCK=block, QUANT=quant,
-                                        ENCODE=encode, INTERPRET=interpreting(), num_warps=warps)
+                                        ENCODE=encode, INTERPRET=interpreting(), num_warps=warps, **FP_OPTIONS)
     return q.view(torch.float8_e4m3fn), s
