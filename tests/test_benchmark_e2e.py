@@ -103,6 +103,23 @@ def test_compare_fails_an_e2e_result_that_did_not_run_the_contract(tmp_path, whe
     assert has(p.stdout, "1 rule(s) broken: the result did not run the contract")
 
 
+def test_compare_holds_h3direct_to_the_contracts_options(tmp_path):
+    """The options the e2e contract names for h3direct (none today) are checked per configuration: a result that ran
+    another value fails, the same value passes."""
+    c = json.loads(CONTRACT.read_text())
+    for want, ok in ((2.0, False), (1.3, True)):  # _passing() ran sol_tau 1.3
+        c["h3direct"]["options"] = {"sol_tau": want}
+        contract = tmp_path / f"contract-{want}.json"
+        contract.write_text(json.dumps(c))
+        p = _compare(_passing(), tmp_path, contract)
+        if ok:
+            assert p.returncode == 0, p.stdout
+            continue
+        assert p.returncode == 1 and has(p.stdout, "2 rule(s) broken: the result did not run the contract"), p.stdout
+        for name in c["configs"]:
+            assert has(p.stdout, f"FAIL rule   {name} h3direct settings: options sol_tau 1.3 (contract 2.0)")
+
+
 def test_compare_fails_an_e2e_result_without_a_configuration(tmp_path):
     r = _passing()
     del r["configs"]["bf16"]
