@@ -24,6 +24,12 @@ class CallCounts:
     attention: dict[str, Counter] = field(default_factory=dict)  # backend -> {how it ran: calls}
     fp8_linear: Counter = field(default_factory=Counter)  # GEMM path -> calls
 
+    def add(self, counted: dict) -> None:
+        """Add another collector's `as_dict()` to this one (a service summing its finished jobs)."""
+        for backend, ways in counted.get("attention", {}).items():
+            self.attention.setdefault(backend, Counter()).update(ways)
+        self.fp8_linear.update(counted.get("fp8_linear", {}))
+
     def as_dict(self) -> dict:
         """{"attention": {...}, "fp8_linear": {...}}, only what was counted."""
         out = {}

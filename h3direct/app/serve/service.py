@@ -13,11 +13,11 @@ import ipaddress
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from h3direct.app.jobs import Job, JobQueue
+from h3direct.counts import CallCounts
 from h3direct.errors import RequestError
 from h3direct.fields import check, field
 from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
@@ -116,7 +116,7 @@ class Service:
         self.load_memory = 0
         self.weight_loads = 0
         self.weights: dict = {}  # component -> {"file", "sha256"}
-        self.calls = {"attention": {}, "fp8_linear": Counter()}  # every finished job's counted calls, summed
+        self.calls = CallCounts()  # every finished job's counted calls, summed
         self.queue = JobQueue(self._run_job, size=settings.queue_size, timeout_s=settings.job_timeout,
                               on_finish=self._forget)
         self.max_body_bytes = settings.max_body_mb << 20
@@ -286,9 +286,7 @@ class Service:
 
     def _add_calls(self, calls: dict) -> None:
         with self._lock:
-            for backend, counts in calls.get("attention", {}).items():
-                self.calls["attention"].setdefault(backend, Counter()).update(counts)
-            self.calls["fp8_linear"].update(calls.get("fp8_linear", {}))
+            self.calls.add(calls)
 
     # ---- /ready ----
     def ready(self) -> dict:
@@ -304,8 +302,7 @@ class Service:
                                           **self.weights.get("text_encoder", {}), "device": None}
         components["dit"]["compute_dtype"] = str(pipe.dit.compute_dtype).removeprefix("torch.")
         with self._lock:
-            calls = {"attention": {b: dict(c) for b, c in self.calls["attention"].items()},
-                     "fp8_linear": dict(self.calls["fp8_linear"])}
+            calls = {"attention": {}, "fp8_linear": {}, **self.calls.as_dict()}
         if pipe.kernels.fp8_linear != "off":  # opt-in approximate block linears, chosen when the weights loaded
             components["dit"]["fp8_linear"] = {"mode": pipe.kernels.fp8_linear, "calls": calls["fp8_linear"]}
         return {"status": "ready", "version": version(), "device": str(pipe.device), "components": components,
