@@ -157,7 +157,7 @@ def test_help_shows_choices_and_defaults(capsys):
 def test_choices_match_the_runtime():
     """The CLI names its choices without importing torch; they must be the runtime's own tables (the sampler's
     functions, the schedulers, the registered backends, the NVFP4 modes, the VAE dtypes, the cache defaults)."""
-    from h3direct.app import cli_footprint, footprint, residency
+    from h3direct.app import cli_flags, cli_footprint, footprint, residency
     from h3direct.app.request import GenerateRequest
     from h3direct.dit.attention import backends
     from h3direct.dit.linear import NVFP4_MODES
@@ -172,9 +172,20 @@ def test_choices_match_the_runtime():
     assert tuple(backends()) == BACKENDS and models.NVFP4_MODES == NVFP4_MODES
     assert set(models.VAE_DTYPES) <= set(VIDEO_DTYPES)
     assert models.TEXT_ENCODER_POLICIES == residency.POLICIES and cli_footprint.WEIGHTS == footprint.WEIGHTS
+    from h3direct.vae import mp4
+
+    assert cli_flags.FFMPEG_LOGLEVELS == tuple(mp4.FFMPEG_LOGLEVELS)
     defaults, request = CacheSettings(), GenerateRequest()
     for k in ("threshold", "start_percent", "end_percent", "subsample_factor"):
         assert getattr(request, f"cache_{k}") == getattr(defaults, k)
+
+
+def test_every_parser_is_built_without_torch():
+    """`h3direct --help` and each subcommand's parser name their choices from torch-free tables: building them all
+    imports no torch (a flag table imported from a model module once made every `--help` load it)."""
+    code = "import sys; from h3direct.app import cli; cli.build_parser(None); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-1500:]
 
 
 def test_notes_for_a_snapped_frame_count_and_a_defaulted_size(cache_env, tmp_path):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from h3direct.app.cli_flags import HelpFormatter, add_fields, given
-from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
+from h3direct.app.cli_flags import FFMPEG_LOGLEVELS, HelpFormatter, add_fields, given
 
 VAE_FLAGS = ("vae", "vae_config", "audio_vae", "audio_vae_config", "vae_dtype", "vae_tile_size", "device", "threads")
 
@@ -25,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", "--out", dest="out", required=True, metavar="FILE.mp4",
                         help="mp4 to write (--out is an old spelling)")
     add_fields(parser, ModelSpec, VAE_FLAGS, env=True)
-    parser.add_argument("--ffmpeg-loglevel", choices=tuple(FFMPEG_LOGLEVELS), default="error", help="FFmpeg log level")
+    parser.add_argument("--ffmpeg-loglevel", choices=FFMPEG_LOGLEVELS, default="error", help="FFmpeg log level")
     parser.add_argument("--quiet", action="store_true", help="print nothing on success")
 
 

@@ -12,6 +12,9 @@ from typing import Any
 
 from h3direct.fields import Spec, kind_of, spec_of
 
+# FFmpeg's log level names (`vae.mp4.FFMPEG_LOGLEVELS` maps them onto PyAV's), here so that the flags need no torch
+FFMPEG_LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug")
+
 
 class HelpFormatter(argparse.HelpFormatter):
     """Shows each flag's default after its help, unless there is none to show (None, empty, a plain switch)."""

@@ -28,9 +28,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3direct.app.cli_flags import HelpFormatter, add_fields, add_options, field_names, given, option_names
+from h3direct.app.cli_flags import (
+    FFMPEG_LOGLEVELS,
+    HelpFormatter,
+    add_fields,
+    add_options,
+    field_names,
+    given,
+    option_names,
+)
 from h3direct.errors import RequestError
-from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
 
 MODEL_FILES = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer")
 MODEL_RUNTIME = ("compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size",
@@ -70,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fields(parser.add_argument_group("limits (requests beyond them are refused before any compute)"), Limits)
     g = parser.add_argument_group("output")
     add_fields(g, GenerateRequest, ("progress", "profile_memory"))
-    g.add_argument("--ffmpeg-loglevel", choices=tuple(FFMPEG_LOGLEVELS), default="error", help="FFmpeg log level")
+    g.add_argument("--ffmpeg-loglevel", choices=FFMPEG_LOGLEVELS, default="error", help="FFmpeg log level")
     g.add_argument("--quiet", "-q", action="store_true", help="print nothing on stdout and no progress (errors only)")
 
 

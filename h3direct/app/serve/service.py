@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3direct.app.cli_flags import FFMPEG_LOGLEVELS
 from h3direct.app.jobs import Job, JobQueue
 from h3direct.counts import CallCounts
 from h3direct.errors import RequestError
 from h3direct.fields import check, field
-from h3direct.vae.mp4 import FFMPEG_LOGLEVELS
 
 DEFAULT_PORT = 8188
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
@@ -49,7 +49,7 @@ class ServerSettings:
                                         "(Authorization: Bearer <token>)", kind=str)
     insecure: bool = field(False, "serve beyond this machine without a token (anyone who reaches the port may "
                            "generate and read the outputs)")
-    ffmpeg_loglevel: str = field("error", "FFmpeg log level", choices=tuple(FFMPEG_LOGLEVELS))
+    ffmpeg_loglevel: str = field("error", "FFmpeg log level", choices=FFMPEG_LOGLEVELS)
     quiet: bool = field(False, "no access log on stderr")
 
     def __post_init__(self):
