@@ -13,6 +13,7 @@ operands, and its outputs against h3direct's own exact path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -66,7 +67,8 @@ def sol_algorithm(q, k, v, prefix_rows, options=None) -> torch.Tensor:
 
     from h3direct.dit.sol_options import SolOptions
 
-    kw = (options or SolOptions()).kernel_kwargs(prefix_rows, algorithm=True)
+    # the algorithm's exact query rows are its own (sink_q), whichever backend computes them in the runtime
+    kw = dataclasses.replace(options or SolOptions(), rows_backend="kernel").kernel_kwargs(prefix_rows)
     kw.pop("token_aug", None)  # the eager reference has no token routing stage
     b, h, s, d = q.shape
     per_head = b * s * s * 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import comfy_kitchen as ck  # the `kitchen` extra (>= 0.2.40: sol_attn), installed by CI
 import pytest
 import torch
 
@@ -32,10 +33,10 @@ def test_sol_defaults_map_onto_kernel_arguments():
     # blocks (rows [0, 1216)) attend every key exactly through the rows backend, so the kernel routes every block
     assert kw == {"tau": 1.3, "tail": True, "token_aug": 0, "topk_ratio": 0.0, "sink_blocks": [0, 19]}
     assert opts.exact_query_rows(1180, rows=20050) == 19 * 64 and opts.exact_query_rows(1180, rows=1000) == 1000
-    # the algorithm (the eager reference) has them as its exact query blocks, as has the kernel under rows_backend
-    # kernel
-    assert opts.kernel_kwargs(prefix_rows=1180, algorithm=True)["sink_q"] == [0, 19]
+    # the kernel has them as its exact query blocks when it computes them itself
     assert sol_options({"H3_SOL_ROWS_BACKEND": "kernel"}).kernel_kwargs(prefix_rows=1180)["sink_q"] == [0, 19]
+    assert opts.rows_elsewhere == "sdpa" and SolOptions(rows_backend="kernel").rows_elsewhere is None
+    assert SolOptions(exact_rows=False).rows_elsewhere is None
     none = opts.kernel_kwargs(prefix_rows=None)
     assert "sink_blocks" not in none and "sink_q" not in none and opts.exact_query_rows(None, rows=64) == 0
     assert sol_options({"H3_SOL_EXACT_ROWS": "0"}).exact_query_rows(1180, rows=20050) == 0
@@ -75,9 +76,6 @@ def test_sol_bad_options_are_one_line_errors(env, needle):
 def test_sol_kwargs_match_comfy_kitchen_signature():
     """The mapped arguments are accepted by comfy-kitchen's sol_attn and change what it computes (its eager
     reference runs on the CPU)."""
-    ck = pytest.importorskip("comfy_kitchen")
-    if not hasattr(ck, "sol_attn"):
-        pytest.skip(f"comfy-kitchen {getattr(ck, '__version__', '')} has no sol_attn (needs >= 0.2.40)")
     params = inspect.signature(ck.sol_attn).parameters
     opts = SolOptions(thresh_type="topk", topk_ratio=0.25)
     kw = opts.kernel_kwargs(prefix_rows=70)
@@ -100,9 +98,6 @@ def test_sol_rows_before_the_video_attend_exactly(rows_backend):
     every key exactly: on attention without locality (random q, k) they equal dense attention, while routed rows do
     not. With an exact rows backend they are that backend's rows, over every key, and the video rows are the kernel's
     with every block routed; q, k, v are strided views of one qkv tensor, as the DiT hands them over."""
-    ck = pytest.importorskip("comfy_kitchen")
-    if not hasattr(ck, "sol_attn"):
-        pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(640, 3, 2, 128, generator=g)
     q, k, v = (qkv[:, i].unsqueeze(0).transpose(1, 2) for i in range(3))  # [1, 2, 640, 128] views
@@ -120,6 +115,20 @@ def test_sol_rows_before_the_video_attend_exactly(rows_backend):
     if rows_backend == "sdpa":
         assert torch.equal(out[:, :, head], A._sdpa(q[:, :, head], k, v))
         assert torch.equal(out[:, :, tail], routed[:, :, tail])
+
+
+def test_sol_algorithm_has_the_exact_rows_whichever_backend_computes_them():
+    """The gate's reference (comfy-kitchen's eager Sol-Attn under the backend's options) keeps the query blocks before
+    the video exact for every rows backend: the kernel is judged against the algorithm, not against a routed one."""
+    from parity_tests.kernels import sol_algorithm
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 640, 128, generator=g) for _ in range(3))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, 640, 256)
+    for rows in ("sdpa", "fa3", "kernel"):
+        ref = sol_algorithm(q, k, v, 150, SolOptions(rows_backend=rows))
+        assert float((ref[:, :192] - dense[:, :192]).norm() / dense[:, :192].norm()) < 1e-5, rows
+        assert float((ref[:, 192:] - dense[:, 192:]).norm() / dense[:, 192:].norm()) > 1e-2, rows
 
 
 def test_sol_rows_backend_must_run_here(monkeypatch):
@@ -158,9 +167,6 @@ def test_sol_documented_fallback_is_counted_and_strict_refuses():
     counted (in the caller's scoped collector); the rest run the kernel (here comfy-kitchen's own eager sol_attn
     reference, the CPU form of the algorithm), with the sinks of the current sequence; sol_strict turns fallbacks
     into errors."""
-    ck = pytest.importorskip("comfy_kitchen")
-    if not hasattr(ck, "sol_attn"):
-        pytest.skip("comfy-kitchen has no sol_attn (needs >= 0.2.40)")
     opts = AttentionOptions("sol_attn", sol_attn=SolOptions(fallback="sdpa", min_tokens=256, rows_backend="kernel"))
     q = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
     with counting() as calls:

@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import comfy_kitchen as ck  # comfy-kitchen (the `kitchen` extra) is the NVFP4 reference (installed by CI)
 import pytest
 import torch
 import torch.nn.functional as F
+from comfy_kitchen.float_utils import from_blocked, to_blocked
+from comfy_kitchen.tensor import QuantizedTensor
+from comfy_kitchen.tensor import TensorCoreNVFP4Layout as CKNVFP4Layout
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from h3direct.checkpoint.quant import nvfp4
 from parity_tests.discovery import FIXTURES, SHARED_ORACLE
-
-ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the `kitchen` extra) is the NVFP4 reference")
-from comfy_kitchen.float_utils import from_blocked, to_blocked  # noqa: E402
-from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
-from comfy_kitchen.tensor import TensorCoreNVFP4Layout as CKNVFP4Layout  # noqa: E402
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 SHARED_NVFP4 = ["h3_tiny_nvfp4", "h3_tiny_curve_nvfp4"]  # quantized by ComfyUI from the shared bf16 files
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

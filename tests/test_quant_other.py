@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import comfy_kitchen as ck  # comfy-kitchen (the `kitchen` extra) is the reference (installed by CI)
 import pytest
 import torch
+from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorWiseINT8Layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from h3direct.checkpoint.quant import FORMATS, NVFP4_MARKER, fp8, int8
 from h3direct.errors import CheckpointError
-
-ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the `kitchen` extra) is the reference")
-from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorWiseINT8Layout  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]

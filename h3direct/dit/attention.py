@@ -362,10 +362,10 @@ def sol_call(q, k, v, kernel, options: str | AttentionOptions = "sol_attn"):
                              "head_dim" if why.startswith("head") else "short", q, k, v, opts)
     count_attention("sol_attn", "kernel")
     prefix = _PREFIX_ROWS.get()
-    rows = sol.exact_query_rows(prefix, q.shape[2]) if sol.rows_backend != "kernel" else 0
+    rows = sol.exact_query_rows(prefix, q.shape[2]) if sol.rows_elsewhere else 0
 
     def exact_rows():  # the exact query blocks: the rows backend over every key
-        return _REGISTRY[sol.rows_backend].run(q[:, :, :rows], k, v, opts).transpose(1, 2)
+        return _REGISTRY[sol.rows_elsewhere].run(q[:, :, :rows], k, v, opts).transpose(1, 2)
 
     def routed():  # the kernel takes [B, S, H, D]; the DiT's q/k/v are [B, H, S, D] views of [S, H, D] rows: free
         return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **sol.kernel_kwargs(prefix))
@@ -395,8 +395,8 @@ def _sol_available(like, opts: AttentionOptions):
     reason = sol_kernel_reason(like) or _half_only(like)
     if reason is not None:
         return reason
-    rows = opts.sol_attn.rows_backend
-    if opts.sol_attn.exact_rows and rows != "kernel":
+    rows = opts.sol_attn.rows_elsewhere
+    if rows is not None:
         why = _REGISTRY[rows].reason(like, opts)
         if why is not None:
             return f"its exact rows' backend sol_rows_backend {rows!r} cannot run: {why}"

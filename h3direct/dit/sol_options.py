@@ -21,8 +21,9 @@ variable `H3_SOL_<NAME>` (the flag or field wins):
 |               |         | sparse routing assumes video locality, which text, reference and audio queries     |
 |               |         | lack); off = every query block is routed                                           |
 | `rows_backend`| sdpa    | what computes those exact query blocks: an exact backend (sdpa, cudnn_sdpa, fa3)   |
-|               |         | over every key, written over the kernel's routed rows; `kernel` = the kernel's own |
-|               |         | `sink_q` (INT8 QK; one 64-row block per program over all key blocks: slower)       |
+|               |         | over every key, written over the kernel's routed rows (sdpa and cudnn_sdpa copy v  |
+|               |         | dense, fa3 reads it strided); `kernel` = the kernel's own `sink_q` (INT8 QK; one   |
+|               |         | 64-row block per program over all key blocks: slower)                              |
 | `tail`        | on      | `tail` (off drops the pooled term of unrouted blocks)                              |
 | `token_aug`   | 0       | `token_aug` (0 or a multiple of 64 up to 256)                                      |
 | `min_tokens`  | 4096    | below this sequence length the call runs `fallback` (documented fallback)          |
@@ -73,23 +74,31 @@ class SolOptions:
     def __post_init__(self):
         check(self, self.PREFIX + "_")
 
+    @property
+    def rows_elsewhere(self) -> str | None:
+        """The exact backend that computes the exact query rows outside the kernel (None: the kernel does, or there
+        are none)."""
+        return self.rows_backend if self.exact_rows and self.rows_backend != "kernel" else None
+
     def exact_query_rows(self, prefix_rows: int | None, rows: int) -> int:
         """How many leading query rows attend every key exactly: the whole 64-row blocks that hold the `prefix_rows`
         rows before the target video (0: none), capped at the sequence's `rows`."""
-        if not (self.exact_rows and prefix_rows):
-            return 0
-        return min(rows, math.ceil(prefix_rows / SOL_BLOCK) * SOL_BLOCK)
+        return min(rows, _blocks(prefix_rows) * SOL_BLOCK) if self.exact_rows else 0
 
-    def kernel_kwargs(self, prefix_rows: int | None, *, algorithm: bool = False) -> dict:
+    def kernel_kwargs(self, prefix_rows: int | None) -> dict:
         """Keyword arguments of `comfy_kitchen.sol_attn` (besides q, k, v) for one call.
 
-        prefix_rows: rows before the target video in the packed sequence (None when unknown). The exact rows go to
-        the kernel as `sink_q` when `rows_backend` is kernel, or for the `algorithm` as a whole (comfy-kitchen's eager
-        reference: those rows are its exact attention, whichever backend computes them here)."""
+        prefix_rows: rows before the target video in the packed sequence (None when unknown). The exact query rows
+        go to the kernel as `sink_q` only when it computes them itself (`rows_backend` kernel)."""
         kw = {"tau": self.tau, "tail": self.tail, "token_aug": self.token_aug,
               "topk_ratio": self.topk_ratio if self.thresh_type == "topk" else 0.0}
         if self.sinks == "prefix" and prefix_rows:
-            kw["sink_blocks"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
-        if self.exact_rows and prefix_rows and (algorithm or self.rows_backend == "kernel"):
-            kw["sink_q"] = [0, math.ceil(prefix_rows / SOL_BLOCK)]
+            kw["sink_blocks"] = [0, _blocks(prefix_rows)]
+        if self.exact_rows and prefix_rows and self.rows_elsewhere is None:
+            kw["sink_q"] = [0, _blocks(prefix_rows)]
         return kw
+
+
+def _blocks(prefix_rows: int | None) -> int:
+    """The 64-row blocks that hold the rows before the target video (0 when unknown)."""
+    return math.ceil(prefix_rows / SOL_BLOCK) if prefix_rows else 0
