@@ -18,7 +18,7 @@ from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from h3direct.counts import counting
 from h3direct.dit.linear import FP8Linear, Linear, NVFP4Linear
 from h3direct.dit.loader import apply_load_time, load_dit
-from h3direct.errors import RequestError
+from h3direct.errors import ConfigError, RequestError
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
@@ -211,6 +211,10 @@ def test_accumulation_option_reaches_every_fp8_linear():
         assert accums == {want} and f"{want} accumulation" in repr(model.blocks[0].mlp.fc1)
     apply_load_time(model, fp8_linear="stream", fp8_accum="fast")  # a model that has FP8 linears takes the new one
     assert {m.accum for m in model.modules() if isinstance(m, FP8Linear)} == {"fast"}
+    for other in ("resident", "off"):  # but not another mode: its linears were made FP8 once
+        with pytest.raises(ConfigError, match=f"fp8_linear '{other}': this model's block linears were made FP8 "
+                                              "'stream'"):
+            apply_load_time(model, fp8_linear=other)
 
 
 def test_stream_and_resident_give_the_same_product():

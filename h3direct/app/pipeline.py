@@ -188,7 +188,7 @@ class H3Pipeline:
         self.tokenize = tokenize
         self.vae_dtype = vae_dtype if vae_dtype is not None else next(video_vae.parameters()).dtype
         self.vae_tile_size = vae_tile_size  # None: the VAE's own; 0: untiled (checked by `app.models.ModelSpec`)
-        # the kernel options fixed when the weights loaded (fp8_linear, nvfp4_dequant, fp8_strict)
+        # the kernel options fixed when the weights loaded (`KernelOptions.load_time()`)
         self.kernels = kernels or KernelOptions(fp8_linear=getattr(dit, "fp8_linear", "off"))
         self.sources = dict(sources or {})
         self.load_seconds: dict = {}
@@ -218,8 +218,8 @@ class H3Pipeline:
                    kernels: KernelOptions | None = None, text_encoder_policy: str = "auto") -> H3Pipeline:
         """Load ComfyUI-format files. `text_encoder` None: generate() then needs `text_embeds`; `tokenizer`: a Qwen2
         tokenizer folder, 'bytes' or a callable (None: the one that comes with the text encoder's file).
-        `kernels`: the kernel options fixed at load (`fp8_linear` "stream"/"resident": FP8 W8A8 DiT block linears,
-        opt-in, approximate; `nvfp4_dequant`; `fp8_strict`). `vae_dtype` None: fp16 on CUDA, fp32 on the CPU
+        `kernels`: its load-time options (`KernelOptions.load_time()`: FP8 W8A8 DiT block linears, opt-in and
+        approximate, and their settings; the NVFP4 dequantization path). `vae_dtype` None: fp16 on CUDA, fp32 on the CPU
         (ComfyUI's choice). `text_encoder_policy`: where the text encoder stays between requests
         (`app/residency.py`: auto, resident, offload, unload)."""
         from h3direct.app.footprint import Held

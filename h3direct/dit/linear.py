@@ -118,23 +118,23 @@ class FP8Linear(nn.Module):
     ``stream`` (NVFP4 sources only): the NVFP4 tensors stay resident and the e4m3 weight is made on every call (one
     Triton pass on CUDA) under per-channel scales computed once from the fp32-decoded rows."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str, source: str, strict: bool = False,
-                 accum: str = "fast"):
+    def __init__(self, in_features: int, out_features: int, mode: str, source: str):
         super().__init__()
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode, self.source = mode, source
-        self.strict = strict  # option fp8_strict (fixed when loaded): an emulated GEMM on CUDA is an error
-        self.accum = accum  # option fp8_accum (fixed when loaded): the GEMM's accumulation on CUDA
+        # the load-time options fp8_strict (an emulated GEMM on CUDA is an error) and fp8_accum (the GEMM's
+        # accumulation on CUDA), set by `dit.loader.apply_load_time`
+        self.strict, self.accum = False, "fast"
         self.bias = None
 
     @classmethod
-    def from_module(cls, layer: nn.Module, mode: str, strict: bool = False, accum: str = "fast") -> FP8Linear:
+    def from_module(cls, layer: nn.Module, mode: str) -> FP8Linear:
         from h3direct.checkpoint.quant import w8a8
 
         if mode not in ("stream", "resident"):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
         if isinstance(layer, NVFP4Linear):
-            new = cls(layer.in_features, layer.out_features, mode, "nvfp4", strict, accum)
+            new = cls(layer.in_features, layer.out_features, mode, "nvfp4")
             scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2)
             if mode == "stream":
                 new.register_buffer("packed", layer.weight)
@@ -146,8 +146,7 @@ class FP8Linear(nn.Module):
                 new.register_buffer("weight8", q[: layer.out_features, : layer.in_features].contiguous())
                 new.register_buffer("w_scale", scales[: layer.out_features].contiguous())
         elif isinstance(layer, Linear):
-            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""),
-                      strict, accum)
+            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""))
             q, s = w8a8.quantize_rows(layer.weight.detach())
             new.register_buffer("weight8", q)
             new.register_buffer("w_scale", s)
@@ -189,16 +188,15 @@ def check_fp8_linear(mode: str | None) -> str:
     return KernelOptions(fp8_linear=mode or "off").fp8_linear
 
 
-def apply_fp8_linears(model: nn.Module, mode: str, strict: bool = False, accum: str = "fast") -> int:
+def apply_fp8_linears(model: nn.Module, mode: str) -> int:
     """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
-    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident");
-    `strict`, `accum`: the options fp8_strict, fp8_accum."""
+    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
     if check_fp8_linear(mode) == "off":
         return 0
     names = block_linear_names(model)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode, strict, accum))
+        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode))
     model.fp8_linear = mode
     return len(names)

@@ -138,15 +138,20 @@ def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvf
 
 def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str = "auto",
                     fp8_strict: bool = False, fp8_accum: str = "fast") -> None:
-    """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: the NVFP4 layers'
-    dequantization path, and FP8 block linears (made once, in place; a model that has them already keeps them)."""
+    """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: FP8 block linears (made once,
+    in place; a model that has them in another mode is refused), their strictness and accumulation, and the NVFP4
+    layers' dequantization path."""
+    held = getattr(model, "fp8_linear", "off")
+    if held not in ("off", fp8_linear):
+        raise ConfigError(f"fp8_linear {fp8_linear!r}: this model's block linears were made FP8 {held!r} when it "
+                          f"loaded; load it again for another mode")
+    if fp8_linear != "off" and held == "off":
+        apply_fp8_linears(model, fp8_linear)
     for module in model.modules():
         if isinstance(module, NVFP4Linear):
             module.dequant = nvfp4_dequant
-        elif isinstance(module, FP8Linear):  # made by an earlier call: the settings that are not its weights
+        elif isinstance(module, FP8Linear):
             module.strict, module.accum = fp8_strict, fp8_accum
-    if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
-        apply_fp8_linears(model, fp8_linear, fp8_strict, fp8_accum)
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,

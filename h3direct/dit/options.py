@@ -93,7 +93,7 @@ class KernelOptions:
                             "weights stay packed (made fp8 per call), resident = fp8 weights held",
                             choices=FP8_LINEAR_MODES, per_request=False, bare="stream")
     fp8_accum: str = field("fast", "the FP8 GEMMs' accumulation on CUDA: fast = the tensor cores' own accumulator over "
-                           "the whole K (cuBLAS fast accumulation; the default of torchao's Float8MMConfig), fp32 = "
+                           "the whole K (cuBLAS fast accumulation; the default of FBGEMM's rowwise FP8 GEMM), fp32 = "
                            "partial sums promoted to fp32 registers (slower)", choices=FP8_ACCUM, env=True,
                            per_request=False)
     fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "

@@ -24,7 +24,7 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
   Triton per-row activation quantization, then `torch._scaled_mm(x8, w8ᵀ, scale_a=s_x[M,1], scale_b=s_w[1,N],
   out_dtype=bf16, use_fast_accum=accum == "fast")` (bias added after the GEMM); ``scaled_mm, e4m3 input``: the same
   GEMM on an :class:`E4M3Rows`. ``accum`` (the option ``fp8_accum``): "fast" accumulates in the tensor cores' own
-  accumulator over the whole K (cuBLAS fast accumulation, torchao's Float8MMConfig default), "fp32" promotes the
+  accumulator over the whole K (cuBLAS fast accumulation, the default of FBGEMM's f8f8bf16_rowwise), "fp32" promotes the
   partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
   gate's rule for FP8 linears bounds;
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
