@@ -46,7 +46,7 @@ if str(HERE) not in sys.path:
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 from compare import e2e_ratios  # noqa: E402
 
-DIT_ONLY = {"paths": None, "floor_seconds": None, "no_vae": False}  # run_contract flags of the DiT contract alone
+DIT_ONLY = {"paths": None, "floor_seconds": None, "no_vae": False, "comfy_rounds": 2}  # run_contract flags of the DiT contract alone
 TOKENIZER = "comfy/text_encoders/qwen25_tokenizer"  # the Qwen2 tokenizer's files in a ComfyUI checkout
 VIT_FIELDS = ("num_layers", "heads", "dim_head", "rope_theta", "rope_dim_ratio", "bias", "eps", "num_register_tokens",
               "ff_mult")  # VideoVAEConfig fields that are ComfyUI's ViT3DDecoder's, the rest MiniMaxH3VideoVAE's
@@ -223,10 +223,11 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
         pipe = H3Pipeline(models["dit"], models["video"], models["audio"], text_encoder=text,
                           tokenize=make_tokenizer(tokenizer), device=dev, vae_dtype=vae_dtype,
                           kernels=options.kernels)
-        settings = {**C.path_settings(models["dit"], options, builds["dit"], like), "dit": spec["dit"],
-                    "text_encoder": spec["text_encoder"],
+        settings = {**C.path_settings(models["dit"], options, builds["dit"], like),
+                    "dit": weight_format(models["dit"]), "text_encoder": weight_format(models["text"]),
                     "text_compute_dtype": str(models["text"].compute_dtype).removeprefix("torch."),
-                    "vae_dtype": vae_name, "tokenizer": str(tokenizer)}
+                    "vae_dtype": VAE_DTYPES[str(next(models["video"].parameters()).dtype).removeprefix("torch.")],
+                    "tokenizer": str(tokenizer)}
         img = C.reference_image(wl, seed)
         with tempfile.TemporaryDirectory() as tmp:
             def request(steps: int, file: str):
@@ -257,6 +258,17 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
 
 
 # ---------------------------------------------------------------- ComfyUI, one configuration per process
+
+VAE_DTYPES = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}  # torch dtype -> the contract's name
+
+
+def weight_format(model) -> str:
+    """What a built model holds (not what was asked for): "nvfp4" when its linears keep NVFP4's packed bytes, else
+    "bf16"."""
+    from h3direct.app.footprint import by_dtype
+
+    return "nvfp4" if by_dtype(model).get("uint8") else "bf16"
+
 
 def comfy_worker(args, contract: dict) -> int:
     """--comfy-only CONFIG: ComfyUI with the contract's settings runs the generation through its own nodes; the
@@ -444,7 +456,7 @@ def comfy_generation(env, contract: dict, name: str, wl: dict, preset, dev) -> d
         stages = generation(wl["steps"], "clip")
         (written,) = sorted(Path(tmp).glob("clip*.mp4"))
         mp4 = probe_mp4(written)
-    settings = {"settings": contract["comfyui"]["settings"], "attention": contract["comfyui"]["attention"],
+    settings = {"settings": env.settings, "attention": contract["comfyui"]["attention"],
                 "dit": spec["dit"], "text_encoder": spec["text_encoder"], "dit_dtype": str(patcher.model_dtype()),
                 "vae_dtype": str(vaes["video"].vae_dtype), "shift": [config.sigma_shift_video, config.sigma_shift_audio]}
     return {"status": "ok", "settings": settings, "text_tokens": cond_rows[-1], "steps": wl["steps"],
@@ -464,7 +476,7 @@ def merge(args, contract: dict) -> int:
             _fail(f"--merge {path}: {exc}")
     first = parts[0]
     for path, part in zip(args.merge, parts, strict=True):
-        for key in ("contract", "commit", "device", "smoke", "workload", "weights"):
+        for key in ("contract", "commit", "tree", "device", "smoke", "workload", "weights"):
             if part.get(key) != first.get(key):
                 _fail(f"--merge {path}: {key} {part.get(key)!r} differs from {args.merge[0]}'s {first.get(key)!r}")
     if first.get("contract") != contract["contract"]:

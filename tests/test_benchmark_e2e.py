@@ -214,11 +214,12 @@ def test_runner_smoke_makes_the_whole_generation_and_compare_refuses_it(tmp_path
 @pytest.mark.parametrize("flags, needle", [
     (["--smoke", "--configs", "fp8"], "--configs: fp8 not a configuration of the contract (bf16, nvfp4)"),
     (["--smoke", "--paths", "exact"], "--paths: a flag of the DiT contract"),
+    (["--smoke", "--comfy-rounds", "1"], "--comfy-rounds: a flag of the DiT contract"),
     (["--device", "cpu"], "the text encoder needs the Qwen2 tokenizer"),
     (["--smoke", "--tokenizer", "/"], "--tokenizer: "),
     (["--smoke", "--comfy-root", "/"], "--comfy-root:"),
     (["--smoke", "--steps", "0"], "--steps 0"),
-], ids=["config", "dit-flag", "no-tokenizer", "bad-tokenizer", "bad-comfy-root", "steps"])
+], ids=["config", "dit-flag", "rounds-flag", "no-tokenizer", "bad-tokenizer", "bad-comfy-root", "steps"])
 def test_runner_bad_flags_are_one_line_exit_2(tmp_path, flags, needle):
     p = _run(tmp_path, *flags)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
@@ -284,3 +285,14 @@ def test_committed_h200_result_ran_the_contract_and_compare_passes_it(tmp_path):
     p = _compare(committed, tmp_path)
     assert p.returncode == 0 and not p.stderr, p.stdout + p.stderr
     assert "FAIL" not in p.stdout and "MISS" not in p.stdout
+
+
+def test_a_result_records_the_formats_its_models_hold():
+    """The e2e result's `dit` / `text_encoder` formats are read from the built models (what ran), so compare's
+    settings rule can catch a build that is not the contract's."""
+    from benchmarks.run_e2e import weight_format
+    from h3direct.dit.loader import load_dit
+
+    fx = ROOT / "fixtures"
+    assert weight_format(load_dit(fx / "h3_fx_curve_nvfp4.safetensors")) == "nvfp4"
+    assert weight_format(load_dit(fx / "h3_fx_bf16.safetensors")) == "bf16"
