@@ -76,6 +76,11 @@ def _run_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     return out
 
 
+def differs(want: dict, got: dict) -> str | None:
+    """Each key of `want` whose value `got` does not have, as "key got (contract want)"; None when none."""
+    return "; ".join(f"{k} {got.get(k)!r} (contract {v!r})" for k, v in want.items() if got.get(k) != v) or None
+
+
 def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     """(rule, None when it holds else why not) for every rule of the DiT contract (module docstring)."""
     out = _run_rules(contract, result)
@@ -83,9 +88,7 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     pairs = {"width": "width", "height": "height", "frames": "frames", "text_tokens": "text_len", "seq_len": "seq_len"}
     diff = [f"{k} {r.get(rk)!r} (contract {w[k]!r})" for k, rk in pairs.items() if k in w and r.get(rk) != w[k]]
     out.append(("workload", "; ".join(diff) or None))
-    weights = result.get("weights") or {}
-    diff = [f"{k} {weights.get(k)!r} (contract {v!r})" for k, v in contract["weights"].items() if weights.get(k) != v]
-    out.append(("weights", "; ".join(diff) or None))
+    out.append(("weights", differs(contract["weights"], result.get("weights") or {})))
     want = contract["steps"]
     got = result.get("steps") or {}
     diff = [f"{k} {got.get(k)!r} (contract {want[k]!r})" for k in ("warmup", "timed") if got.get(k) != want[k]]
@@ -227,9 +230,7 @@ def e2e_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     w, r = contract["workload"], result.get("workload") or {}
     diff = [f"{k} {r.get(k)!r} (contract {w[k]!r})" for k in E2E_WORKLOAD if k in w and r.get(k) != w[k]]
     out.append(("workload", "; ".join(diff) or None))
-    weights = result.get("weights") or {}
-    diff = [f"{k} {weights.get(k)!r} (contract {v!r})" for k, v in contract["weights"].items() if weights.get(k) != v]
-    out.append(("weights", "; ".join(diff) or None))
+    out.append(("weights", differs(contract["weights"], result.get("weights") or {})))
     for name in contract["configs"]:
         entry = (result.get("configs") or {}).get(name)
         if not isinstance(entry, dict) or not isinstance(entry.get("h3direct"), dict):
