@@ -235,3 +235,27 @@ def test_without_a_text_encoder_the_errors_are_one_line(cache_env):
     embeds = TextConditioning(torch.zeros(1, 4, pipe.dit.config.text_dim), torch.ones(4, dtype=torch.long))
     with pytest.raises(RequestError, match="needs a negative prompt, which needs a text encoder"):
         pipe.generate(GenerateRequest(**TINY, text_embeds=embeds, cfg=2.0), decode=False)
+
+
+def test_unload_checks_the_text_encoder_file_before_the_first_request(cache_env, tmp_path):
+    """Under `unload` the encoder is loaded only per request; a file with a missing tensor is still refused when the
+    pipeline loads (one-line CheckpointError), not by every request afterwards."""
+    from safetensors.torch import load_file, save_file
+
+    from h3direct.app import bundled
+    from h3direct.app.pipeline import H3Pipeline
+    from h3direct.errors import CheckpointError
+
+    b = bundled.ensure()
+    sd = load_file(str(b.text_encoder))
+    dropped = next(k for k in sorted(sd) if k.endswith("layers.0.mlp.down_proj.weight"))
+    bad = tmp_path / "text_encoder.safetensors"
+    save_file({k: v for k, v in sd.items() if k != dropped}, str(bad))
+    with pytest.raises(CheckpointError, match="down_proj"):
+        H3Pipeline.from_files(b.dit, b.video_vae, b.audio_vae, bad, tokenizer=b.tokenizer,
+                              video_vae_config=b.video_vae_config, audio_vae_config=b.audio_vae_config,
+                              device="cpu", text_encoder_policy="unload")
+    good = H3Pipeline.from_files(b.dit, b.video_vae, b.audio_vae, b.text_encoder, tokenizer=b.tokenizer,
+                                 video_vae_config=b.video_vae_config, audio_vae_config=b.audio_vae_config,
+                                 device="cpu", text_encoder_policy="unload")
+    assert good.text.loads == 0 and good.text_encoder is None

@@ -532,5 +532,7 @@ def _text_slot(files: dict, asked: str, dev: torch.device, held):
     machine = residency.machine_of(dev)
     hot = footprint.of_files(files, held) if asked == "auto" and machine.device_type == "cuda" else None
     policy, why = residency.choose(asked, sum((hot or {}).values()), machine)
+    if policy == "unload" and hot is None:  # loaded only per request: its keys and shapes are checked now, as a
+        footprint.hold("text_encoder", footprint.header_state_dict(path))  # load would (meta tensors, no data)
     return residency.TextEncoderSlot(lambda d: load_text_encoder(path, device=d), policy, dev, why=why,
                                      asked=asked), hot
