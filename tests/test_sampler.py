@@ -262,13 +262,19 @@ def test_noise_bitwise_vs_comfy_prepare_noise_golden():
     ({"steps": 2, "sampler": "ddim"}, "sampler 'ddim': not one of euler"),
     ({"steps": 2, "scheduler": "karras"}, "scheduler 'karras': not one of simple"),
     ({"steps": 0}, "steps 0: at least 1"),
+    ({}, "trace manifest: 'steps' is missing"),
+    ({"steps": "two"}, "trace manifest: invalid literal for int"),
+    ({"steps": 2, "cache": {"mode": "easycache"}}, "trace manifest: 'threshold' is missing"),
+    ({"steps": 2, "cache": {"mode": "fastcache", "threshold": 0.2, "start_percent": 0.1, "end_percent": 0.9}},
+     "cache_mode 'fastcache': not one of"),
 ])
 def test_a_trace_manifests_sampling_settings_are_checked_before_anything_runs(manifest, words):
-    """A generation trace's manifest is a file: a name the sampler does not know is one line, not a KeyError."""
-    from h3direct.errors import RequestError
+    """A generation trace's manifest is a file: a name the sampler does not know, a missing or malformed field, is one
+    line, not a KeyError or ValueError traceback."""
+    from h3direct.errors import H3Error
     from h3direct.traces.evaluate import short_generation
 
-    with pytest.raises(RequestError, match=words):
+    with pytest.raises(H3Error, match=words):
         short_generation(None, None, manifest)  # no model, no inputs: the check comes first
 
 

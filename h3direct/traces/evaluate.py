@@ -79,21 +79,38 @@ def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str | Options = DEFAULT
     return out
 
 
+def _manifest_sampling(m: dict):
+    """(sampler, scheduler, steps, shift, cache settings or None) of a generation trace's manifest, each checked by
+    the rules a request's fields follow; a missing or malformed field is a one-line H3Error."""
+    from h3direct.errors import H3Error
+    from h3direct.sampling.rules import CacheSettings, check_sampling
+
+    try:
+        sampler, scheduler, steps = str(m.get("sampler", "euler")), str(m.get("scheduler", "simple")), int(m["steps"])
+        shift = float(m.get("sampling", {}).get("shift", 12.0))
+        c = m.get("cache")
+        cache = CacheSettings(mode=c["mode"], threshold=float(c["threshold"]), start_percent=float(c["start_percent"]),
+                              end_percent=float(c["end_percent"]),
+                              subsample_factor=int(c.get("subsample_factor", 8))) if c else None
+    except KeyError as exc:
+        raise H3Error(f"trace manifest: {exc} is missing") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise H3Error(f"trace manifest: {exc}") from None
+    check_sampling(sampler, scheduler, steps)
+    return sampler, scheduler, steps, shift, cache
+
+
 def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend: str | Options = DEFAULT_BACKEND,
                      device="cpu") -> dict[str, torch.Tensor]:
     """The generation a `kind: generate` trace records (`python -m oracle record-generate`), run by h3direct's
     sampler and denoiser on the same inputs, sampler, scheduler, shift, steps and step cache: {name: tensor} under
     the trace's names (`sampler.sigmas`, `sampler.step{i}.x.*`, `sampler.step{i}.denoised.*`, `sample_out.*`,
     `cache.evaluated`)."""
-    from h3direct.sampling.rules import check_sampling
     from h3direct.sampling.sampler import sample
     from h3direct.sampling.schedules import sigmas_for
 
-    m = manifest
-    sampler, scheduler, steps = str(m.get("sampler", "euler")), str(m.get("scheduler", "simple")), int(m["steps"])
-    check_sampling(sampler, scheduler, steps)  # a bad manifest is one line, before anything runs
+    sampler, scheduler, steps, shift, cache = _manifest_sampling(manifest)  # a bad manifest is one line, first
     scale = audio_scale_of(model)
-    shift = float(m.get("sampling", {}).get("shift", 12.0))
     sigmas = sigmas_for(steps, scheduler, shift=shift).to(device)
     ours: dict[str, torch.Tensor] = {"sampler.sigmas": sigmas}
 
@@ -112,14 +129,10 @@ def short_generation(model: H3DiT, inputs: H3Inputs, manifest: dict, *, backend:
         context = model.preprocess_text(inputs["text_states"].to(device), options=options)
         denoiser = Denoiser(model, context, conditioning_of(inputs), scale, options=options)
         step_cache = None
-        if m.get("cache"):  # ComfyUI ran with its EasyCache node: h3direct's cache with the same settings
-            from h3direct.sampling.caches import CacheSettings, with_cache
+        if cache is not None:  # ComfyUI ran with its EasyCache node: h3direct's cache with the same settings
+            from h3direct.sampling.caches import with_cache
 
-            c = m["cache"]
-            settings = CacheSettings(mode=c["mode"], threshold=float(c["threshold"]),
-                                     start_percent=float(c["start_percent"]), end_percent=float(c["end_percent"]),
-                                     subsample_factor=int(c.get("subsample_factor", 8)))
-            denoiser, _, step_cache = with_cache(denoiser, settings, shift)
+            denoiser, _, step_cache = with_cache(denoiser, cache, shift)
         noise_v, noise_a = inputs["video_noise"].float().to(device), inputs["audio_noise"].float().to(device)
         out = sample(denoiser, noise_v, noise_a, sigmas, latent_video=lat_v, latent_audio=lat_a,
                      sampler=sampler, audio_scale=scale, callback=on_step, **masks)
