@@ -93,7 +93,7 @@ def dit_schema(config, weights: str) -> dict:
 
 
 def text_encoder_schema(config, weights: str) -> dict:
-    from h3direct.checkpoint.quant.nvfp4 import storage_shapes
+    from h3direct.checkpoint.quant.nvfp4 import STORAGE_DTYPES, storage_shapes
     from h3direct.text.load import nvfp4_layer_names
     from h3direct.text.qwen import QwenVL
 
@@ -101,10 +101,9 @@ def text_encoder_schema(config, weights: str) -> dict:
         net = QwenVL(config)
     sd = {k: _meta(t.shape, torch.bfloat16) for k, t in net.state_dict().items()}
     if weights == "nvfp4":
-        dtypes = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
         for layer in nvfp4_layer_names(config):
             stored = storage_shapes(tuple(sd.pop(f"{layer}.weight").shape))
-            sd.update({f"{layer}.{s}": _meta(shape, dtypes[s]) for s, shape in stored.items()})
+            sd.update({f"{layer}.{s}": _meta(shape, STORAGE_DTYPES[s]) for s, shape in stored.items()})
             sd[f"{layer}.comfy_quant"] = _marker()
     return sd
 

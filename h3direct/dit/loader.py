@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from h3direct.checkpoint.quant import state_dict_markers
+from h3direct.checkpoint.quant.nvfp4 import STORAGE_DTYPES
 from h3direct.config import H3Config
 from h3direct.dit import parallel
 from h3direct.dit.blocks import RMSNorm
@@ -191,8 +192,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
             t = sd[key]
             is_buffer = pname in dict(module.named_buffers(recurse=False))
             if isinstance(module, NVFP4Linear) and is_buffer:
-                expect = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn,
-                          "weight_scale_2": torch.float32, "comfy_quant": torch.uint8}[pname]
+                expect = {**STORAGE_DTYPES, "comfy_quant": torch.uint8}[pname]
                 if t.dtype != expect:
                     if pname == "weight_scale" and t.dtype == torch.uint8:
                         t = t.view(torch.float8_e4m3fn)

@@ -77,6 +77,10 @@ def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
     return _roundup(n, BLOCK), _roundup(k, BLOCK)
 
 
+# the stored dtypes of an NVFP4 layer, keyed by checkpoint suffix (the `comfy_quant` marker is uint8 bytes too)
+STORAGE_DTYPES = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
+
+
 def storage_shapes(shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
     """Stored shapes of an NVFP4 weight of logical shape [N, K], keyed by checkpoint suffix."""
     n16, k16 = padded_shape(shape)
