@@ -393,7 +393,8 @@ def source_tree(root: Path = REPO_ROOT) -> str | None:
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
             files = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
-            git("update-index", "--add", "--info-only", "-z", "--stdin", input=files, env=env)
+            # --remove: a tracked file deleted from the copy is not in the files that ran
+            git("update-index", "--add", "--remove", "--info-only", "-z", "--stdin", input=files, env=env)
             return git("write-tree", "--missing-ok", env=env).stdout.decode().strip()
     except (OSError, subprocess.SubprocessError):
         return None

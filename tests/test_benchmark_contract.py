@@ -309,6 +309,10 @@ def test_source_tree_names_the_commit_whose_files_ran(tmp_path):
     (repo / "ignored").mkdir()
     (repo / "ignored" / "big.bin").write_bytes(b"0")
     assert C.source_tree(repo) == changed
+    (repo / ".gitignore").rename(tmp_path / "gitignore")  # a tracked file gone from the copy: a tree without it
+    gone = C.source_tree(repo)
+    assert gone not in (None, changed)
+    (tmp_path / "gitignore").rename(repo / ".gitignore")
     git("add", "-A")
     git("commit", "-qm", "two")
     two = git("rev-parse", "HEAD")
