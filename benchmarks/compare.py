@@ -229,6 +229,8 @@ def e2e_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     out = _run_rules(contract, result)
     w, r = contract["workload"], result.get("workload") or {}
     diff = [f"{k} {r.get(k)!r} (contract {w[k]!r})" for k in E2E_WORKLOAD if k in w and r.get(k) != w[k]]
+    if r.get("warmup_steps") != contract.get("warmup_steps", 1):
+        diff.append(f"warmup_steps {r.get('warmup_steps')!r} (contract {contract.get('warmup_steps', 1)!r})")
     out.append(("workload", "; ".join(diff) or None))
     out.append(("weights", differs(contract["weights"], result.get("weights") or {})))
     for name in contract["configs"]:

@@ -50,7 +50,8 @@ def _passing() -> dict:
                 "stages": stages, "peak_gpu_gib": 60.0, "mp4": dict(mp4), "mp4_encode_busy_s": 3.5}
 
     return {"contract": c["contract"], "kind": "e2e", "smoke": False, "device": "NVIDIA H200",
-            "env": {"device": "cuda"}, "workload": {k: w[k] for k in w if k not in ("note", "references")},
+            "env": {"device": "cuda"}, "workload": {**{k: w[k] for k in w if k not in ("note", "references")},
+                                                        "warmup_steps": c["warmup_steps"]},
             "weights": dict(c["weights"]), "comfyui": {"version": "0.33.0", "commit": "abc"},
             "configs": {n: {"h3direct": side(n, "h3direct", 28.0), "comfyui": side(n, "comfyui", 45.0)}
                         for n in c["configs"]}}
@@ -70,6 +71,7 @@ def test_compare_passes_an_e2e_result_that_ran_the_contract_and_met_it(tmp_path)
     ("smoke", True, "FAIL rule   not a smoke run"),
     ("device", "NVIDIA A100-SXM4-80GB", "FAIL rule   device: the contract is for 'NVIDIA H200'"),
     ("workload.steps", 4, "FAIL rule   workload: steps 4 (contract 8)"),
+    ("workload.warmup_steps", 0, "FAIL rule   workload: warmup_steps 0 (contract 1)"),
     ("workload.prompt", "a cat", "FAIL rule   workload: prompt 'a cat'"),
     ("workload.width", 832, "FAIL rule   workload: width 832 (contract 960)"),
     ("weights.text_encoder", "tiny", "FAIL rule   weights: text_encoder 'tiny' (contract 'qwen3vl_32b')"),
@@ -94,7 +96,7 @@ def test_compare_passes_an_e2e_result_that_ran_the_contract_and_met_it(tmp_path)
     ("configs.bf16.comfyui.stages.audio_decode_s", True,
      "FAIL rule   bf16 comfyui figures: not finite numbers: audio_decode_s True"),
     ("configs.bf16.h3direct.peak_gpu_gib", "60", "FAIL rule   bf16 h3direct figures: not finite numbers: peak_gpu_gib"),
-], ids=["smoke", "device", "steps", "prompt", "canvas", "weights", "attention", "te-format", "fp8", "vae-dtype",
+], ids=["smoke", "device", "steps", "warmup", "prompt", "canvas", "weights", "attention", "te-format", "fp8", "vae-dtype",
         "comfy-settings", "comfy-format", "text-tokens", "comfy-steps", "mp4-frames", "mp4-audio", "stage-inf",
         "stage-bool", "peak-string"])
 def test_compare_fails_an_e2e_result_that_did_not_run_the_contract(tmp_path, where, value, needle):
