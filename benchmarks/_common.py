@@ -366,6 +366,26 @@ def package_versions() -> dict:
     return out
 
 
+def run_device(args) -> str:
+    """The runner's device: --device, else cuda when there is one; --device cuda without one is a usage error."""
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        usage_error("--device cuda: no CUDA device here (use --device cpu with --smoke)")
+    return args.device
+
+
+def result_header(contract: dict, args, argv, dev: str, wl: dict) -> dict:
+    """What every contract result starts with: the contract, whether it is a smoke run, the device and environment,
+    the code (commit and the tree of the files that ran), the command, the date and the workload."""
+    return {"contract": contract["contract"], "smoke": args.smoke, "device": env_info(dev).get("gpu") or dev,
+            "env": {**env_info(dev), "packages": package_versions()}, "commit": git_commit(), "tree": source_tree(),
+            "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl}
+
+
 def git_commit(root: Path = REPO_ROOT) -> str:
     """This checkout's HEAD, `+changes` when tracked files differ from it. A copy of the checkout made elsewhere (a
     GPU machine's) may carry a stale HEAD: `source_tree` names the files that ran."""

@@ -419,18 +419,9 @@ def main(argv=None) -> int:
             return 2
     names = _check_args(args, contract)
     wl, preset = _workload(contract, args.smoke)
-    import torch
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda: no CUDA device here (use --device cpu with --smoke)")
-    dev = args.device
+    dev = C.run_device(args)
     w = contract["weights"]
-    result = {"contract": contract["contract"], "smoke": args.smoke, "device": C.env_info(dev).get("gpu") or dev,
-              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(),
-              "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
+    result = {**C.result_header(contract, args, argv, dev, wl),
               "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]}}
     order = [(n, a) for n, spec in (contract.get("comfyui") or {}).items() for a in spec["attention"]]
     rounds = []

@@ -67,19 +67,9 @@ def main(args, contract: dict, argv) -> int:
     if args.merge:
         return merge(args, contract)
     names, tokenizer = _check_args(args, contract)
-    import torch
-
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda: no CUDA device here (use --device cpu with --smoke)")
-    dev = args.device
+    dev = C.run_device(args)
     wl, preset = workload(contract, args)
-    result = {"contract": contract["contract"], "kind": "e2e", "smoke": args.smoke,
-              "device": C.env_info(dev).get("gpu") or dev,
-              "env": {**C.env_info(dev), "packages": C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(),
-              "command": ["python", "-m", "benchmarks.run_contract", *(argv if argv is not None else sys.argv[1:])],
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "workload": wl,
+    result = {**C.result_header(contract, args, argv, dev, wl), "kind": "e2e",
               "weights": {**contract["weights"], "dit_preset": preset.dit_config, "vae": preset.vae_preset,
                           "text_encoder": preset.text_encoder},
               "tokenizer": str(tokenizer), "configs": {}}
