@@ -366,6 +366,19 @@ def package_versions() -> dict:
     return out
 
 
+def write_result(path, result: dict) -> None:
+    """A result (or a ComfyUI worker's part of one) as JSON."""
+    Path(path).write_text(json.dumps(_jsonable(result), indent=1, default=str))
+
+
+def comfy_provenance(env) -> dict:
+    """Which ComfyUI ran and how it was opened (`oracle.comfy_env.ComfyEnv`), for a worker's result."""
+    from oracle.comfy_env import comfy_version
+
+    return {"commit": env.commit, "version": comfy_version(env.root), "attention_function": env.attention_function(),
+            "environment": env.describe()}
+
+
 def run_device(args) -> str:
     """The runner's device: --device, else cuda when there is one; --device cuda without one is a usage error."""
     import torch

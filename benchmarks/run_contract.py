@@ -296,17 +296,15 @@ def comfy_worker(args, contract: dict) -> int:
         from oracle.comfy_env import prepare_user_process
 
         prepare_user_process(args.comfy_root)  # before torch: ComfyUI's CUDA allocator choice
-    from oracle.comfy_env import comfy_version, open_comfy
+    from oracle.comfy_env import open_comfy
 
     cuda = device == "cuda"
     env = open_comfy(args.comfy_root, device=device, compute_dtype="bf16" if cuda else "fp32", attention=attention,
                      settings=spec["settings"])
     wl, preset = _workload(contract, args.smoke)
     res = _comfy_steps(env, contract, args, wl, preset, device)
-    res.update(config=config_name, attention=attention, settings=spec["settings"], commit=env.commit,
-               version=comfy_version(env.root), attention_function=env.attention_function(),
-               environment=env.describe())
-    Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    res.update(config=config_name, attention=attention, settings=spec["settings"], **C.comfy_provenance(env))
+    C.write_result(args.out, res)
     return 0
 
 
@@ -444,7 +442,7 @@ def main(argv=None) -> int:
         result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui_*)"
     for name, values in ratios(contract, result).items():
         result["paths"][name].update(values)
-    Path(args.out).write_text(json.dumps(C._jsonable(result), indent=1, default=str))
+    C.write_result(args.out, result)
     C.log(f"result: {args.out}")
     return 0
 

@@ -87,7 +87,7 @@ def main(args, contract: dict, argv) -> int:
                 result["comfyui"] = {"commit": c.get("commit"), "version": c.get("version"),
                                      "comfy_kitchen": c.get("environment", {}).get("comfy_kitchen")}
                 del result["comfyui_note"]
-            _write(args.out, result)
+            C.write_result(args.out, result)
         try:
             entry["h3direct"] = run_h3direct(contract, args, name, wl, preset, dev, tokenizer)
         except Exception as exc:  # noqa: BLE001 - one configuration failing (out of memory, ...) is its status
@@ -96,13 +96,11 @@ def main(args, contract: dict, argv) -> int:
         C.free_memory(dev)  # every block of this process back to the device before the next ComfyUI process
         C.log(f"h3direct {name}: {_summary(entry['h3direct'])}")
         entry.update(e2e_ratios(result).get(name, {}))
-        _write(args.out, result)
+        C.write_result(args.out, result)
     C.log(f"result: {args.out}")
     return 0
 
 
-def _write(path, result: dict) -> None:
-    Path(path).write_text(json.dumps(C._jsonable(result), indent=1, default=str))
 
 
 def _summary(side: dict) -> str:
@@ -277,7 +275,7 @@ def comfy_worker(args, contract: dict) -> int:
             from oracle.comfy_env import prepare_user_process
 
             prepare_user_process(args.comfy_root)  # before torch: ComfyUI's CUDA allocator choice
-        from oracle.comfy_env import comfy_version, open_comfy
+        from oracle.comfy_env import open_comfy
 
         env = open_comfy(args.comfy_root, device=device, compute_dtype="bf16" if device == "cuda" else "fp32",
                          attention=side["attention"], settings=side["settings"])
@@ -289,9 +287,8 @@ def comfy_worker(args, contract: dict) -> int:
     except H3Error as exc:  # a missing package, a checkout without H3: one line for the result's status
         print(f"run_contract: error: {exc}", file=sys.stderr)
         return 2
-    res.update(commit=env.commit, version=comfy_version(env.root), attention_function=env.attention_function(),
-               environment=env.describe())
-    _write(args.out, res)
+    res.update(C.comfy_provenance(env))
+    C.write_result(args.out, res)
     return 0
 
 
@@ -481,6 +478,6 @@ def merge(args, contract: dict) -> int:
         if part.get("comfyui") and not merged.get("comfyui"):
             merged["comfyui"] = part["comfyui"]
             merged.pop("comfyui_note", None)
-    _write(args.out, merged)
+    C.write_result(args.out, merged)
     C.log(f"merged {len(parts)} runs ({', '.join(merged['configs'])}): {args.out}")
     return 0
