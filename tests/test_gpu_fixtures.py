@@ -84,7 +84,6 @@ def test_record_device_cuda_without_a_gpu_is_one_line_exit_2(tmp_path):
 def test_sol_algorithm_is_exact_attention_on_the_short_gpu_fixture():
     """At S = 64 every key block is the query's own (diagonal) block: comfy-kitchen's Sol-Attn algorithm (what the
     gate holds sol_attn's kernel to) is exact attention on the fixture's recorded q/k/v, up to its bf16 inputs."""
-    pytest.importorskip("comfy_kitchen.backends.eager.sol_attn", reason="needs comfy-kitchen >= 0.2.40")
     from h3direct.dit.loader import load_dit
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.format import load_trace
