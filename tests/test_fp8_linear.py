@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 
 from h3direct.checkpoint.quant import w8a8
@@ -75,6 +76,28 @@ def test_round_to_nearest_even_on_e4m3_grid():
     assert torch.equal(q.to(torch.float32)[0], want)
 
 
+def test_codes_are_the_rounded_product_with_the_row_reciprocal():
+    """The rule, from numpy's fp32 arithmetic: codes = e4m3(clamp(x · fl(1 / s))), the reciprocal and the product
+    each rounded once (not the quotient x / s, which differs from it in the last fp32 bit for some x); rows whose
+    amax / 448 is not a normal fp32 number take s = 1 (no overflowing reciprocal, no NaN code)."""
+    x = _rows(5)
+    x[11] = torch.tensor([1e-37, -3e-38] * 100)  # amax / 448 is subnormal: s = 1, every code 0
+    x[12] = 0.0  # s = 3136 / 448 = 7: 1.3671875 / 7 = 0.1953125 is a tie of e4m3 (to even: 0.1875), but
+    x[12, :2] = torch.tensor([3136.0, 1.3671875])  # 1.3671875 · fl(1 / 7) rounds to the fp32 just above it
+    q, s = w8a8.quantize_rows(x)
+    x32 = x.numpy().astype(np.float32)
+    amax = np.abs(x32).max(axis=1)
+    want_s = (amax / np.float32(448.0)).astype(np.float32)
+    want_s = np.where(want_s >= np.float32(2.0 ** -126), want_s, np.float32(1.0)).astype(np.float32)
+    assert np.array_equal(s.numpy(), want_s)
+    inverse = (np.float32(1.0) / want_s).astype(np.float32)
+    product = np.clip((x32 * inverse[:, None]).astype(np.float32), -448.0, 448.0)
+    want = torch.from_numpy(product).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert s[11].item() == 1.0 and not q[11].to(torch.float32).any()
+    assert s[12].item() == 7.0 and q[12, 1].to(torch.float32).item() == 0.203125  # the product's, not 0.1875
+
+
 # ---------------------------------------------------------------- the W8A8 product (CPU emulation)
 
 def test_emulated_linear_vs_fp64():
@@ -131,6 +154,9 @@ _KERNEL_CHECK = textwrap.dedent("""
     x[3] = 0
     x[5, 7] = 448.0
     x[6] = torch.tensor([1e-30, -0.0] * 150)
+    x[8] = 0
+    x[8, :2] = torch.tensor([3136.0, 1.3671875])  # x / s on an e4m3 tie, x · fl(1 / s) just above it
+    x[9] = torch.tensor([1e-37, -3e-38] * 150)  # amax / 448 is not a normal fp32: s = 1
     sweep = torch.cat([torch.tensor([448.0]), torch.linspace(-448, 448, 40001), torch.logspace(-12, 2.65, 20001),
                        -torch.logspace(-12, 2.65, 2001), torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, 1.0625, 1.1875])])
     for name, t in (("fp32", x), ("bf16", x.bfloat16()), ("sweep", sweep[None]), ("strided", x[:, ::1][:, :256])):
@@ -385,6 +411,9 @@ def test_triton_kernels_on_cuda_are_bitwise_the_cpu_reference():
     x = _tokens(2048, 5376, seed=1).float()
     x[3] = 0.0
     x[5, 7] = 448.0
+    x[8] = 0.0
+    x[8, :2] = torch.tensor([3136.0, 1.3671875])  # x / s on an e4m3 tie, x · fl(1 / s) just above it
+    x[9] = torch.tensor([1e-37, -3e-38] * 2688)  # amax / 448 is not a normal fp32: s = 1
     sweep = torch.cat([torch.linspace(-448, 448, 40001), torch.logspace(-12, 2.65, 20001),
                        -torch.logspace(-12, 2.65, 2001), torch.tensor([2.0 ** -10, 3 * 2.0 ** -10, 1.0625, 1.1875])])
     rows = -(-len(sweep) // 4095)

@@ -81,7 +81,7 @@ LAUNCH: dict[tuple[int, int], dict[str, dict]] = {
         "residual_norm_modulate": {"ROWS": 1, "EXACT": True, "num_warps": 16},
         "gated_residual": {"ROWS": 4, "BLOCK": 2048, "num_warps": 8},
         "qk_norm_rope": {"HB": 16, "EXACT": True, "num_warps": 2},
-        "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 16},
+        "norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 8},
         "residual_norm_modulate_e4m3": {"ROWS": 1, "EXACT": True, "num_warps": 32},
         "swiglu_e4m3": {"ROWS": 1, "num_warps": 32},
     },

@@ -18,9 +18,10 @@ compiled and the same integer arithmetic under Triton's CPU interpreter (`TRITON
 truncates). `tests/test_nvfp4_triton.py` checks the interpreted kernel on the CPU and the compiled one on a GPU.
 
 The e4m3 conversion (`nvfp4_to_e4m3_triton`, run on every call of a `stream` FP8 linear) is the same kernel with
-a fourth output: the fp32 value w (as above) divided by its row's scale (IEEE division) and encoded by
-`w8a8_triton.encode_e4m3`, one byte a value. Per value it reads half a byte of codes and writes one byte; the block
-scale is read and decoded once per 16 values, the row scale once per block.
+a fourth output: the fp32 value w (as above) times the reciprocal of its row's scale (`w8a8`'s rule: the reciprocal
+an IEEE division, once per block; the product rounded once) and encoded by `w8a8_triton.encode_e4m3`, one byte a
+value. Per value it reads half a byte of codes and writes one byte; the block scale is read and decoded once per 16
+values, the row scale once per block.
 
 NaN block scales (E4M3 0x7F / 0xFF; never written by quantization) give NaN values; the NaN bit pattern may differ
 from torch's (and their e4m3 codes are not defined).
@@ -52,7 +53,7 @@ DEFAULT_LAUNCH: dict[str, tuple[int, int]] = {  # untuned: Triton's usual 4 warp
     "nvfp4_e4m3": (256, 4),
 }
 LAUNCH: dict[tuple[int, int], dict[str, tuple[int, int]]] = {
-    (9, 0): {"nvfp4_dequant": (512, 8), "nvfp4_e4m3": (128, 4)},  # Hopper (H100, H200)
+    (9, 0): {"nvfp4_dequant": (512, 8), "nvfp4_e4m3": (256, 8)},  # Hopper (H100, H200)
 }
 CONFIGS = ((128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8))
 
@@ -124,12 +125,13 @@ if triton is not None:
         out_off = i[:, None, None] * 16 + half[None, :, None] * 8 + k[None, None, :]
         if OUT == 0:
             y = val
-        elif OUT == 3:  # the row's scale, once per block; IEEE division as the torch reference
+        elif OUT == 3:  # the row's scale, once per block: its IEEE reciprocal times each value, as the torch reference
             if EVEN:
                 rs = tl.load(rs_ptr + r)
             else:
                 rs = tl.load(rs_ptr + r, mask=i < total, other=1.0)
-            y = ENCODE(tl.math.div_rn(val, tl.broadcast_to(rs[:, None, None], val.shape)), INTERPRET)
+            inverse = tl.math.div_rn(rs * 0.0 + 1.0, rs)
+            y = ENCODE(val * inverse[:, None, None], INTERPRET)
         elif OUT == 1:
             y = val.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
         elif INTERPRET:  # the interpreter's bf16 cast truncates: round by integer arithmetic

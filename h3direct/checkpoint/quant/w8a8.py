@@ -3,12 +3,16 @@ scales, `torch._scaled_mm` with rowwise scaling on Hopper-class GPUs, an fp32 em
 
 Quantization (both operands, same rule along the reduced dimension K):
 
-    s[r] = amax_k |t[r, k]| / 448          (fp32; a row of zeros gets s = 1, its codes are all 0)
-    q[r, k] = e4m3( clamp(t[r, k] / s[r], -448, 448) )      round to nearest, ties to even
+    s[r] = amax_k |t[r, k]| / 448          (fp32; s = 1 where that is not a normal fp32 number: a row of zeros,
+                                            or one whose amax < 448 · 2^-126; their codes are all 0)
+    q[r, k] = e4m3( clamp(t[r, k] · (1 / s[r]), -448, 448) )      round to nearest, ties to even
     y[m, n] ≈ s_x[m] · s_w[n] · Σ_k q_x[m, k] · q_w[n, k]   (+ bias)
 
 so every element keeps 3 mantissa bits (relative rounding error ≤ 2^-4) unless it falls into e4m3's subnormal range
-(|t| < 2^-6 · s, i.e. more than 2^15 below its row's largest element).
+(|t| < 2^-6 · s, i.e. more than 2^15 below its row's largest element). The codes take the row's reciprocal 1 / s
+(one IEEE division per row) times each element (one rounded product): the kernels that write e4m3 are bound by
+their arithmetic, and a product per element costs a fraction of an IEEE division. That product is within one fp32
+rounding (2^-24) of the quotient t / s, far below e4m3's 2^-4.
 
 Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; for NVFP4 the per-channel scale is
 taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
@@ -51,16 +55,21 @@ _ROW_CHUNK = 4096  # rows per step when quantizing a whole weight (bounds the fp
 
 # ---------------------------------------------------------------- torch quantization (the reference math)
 
+MIN_SCALE = 2.0 ** -126  # the smallest normal fp32 number: a smaller row scale would make 1 / s overflow
+
+
 def row_scales(t: torch.Tensor) -> torch.Tensor:
-    """[R, K] -> fp32 [R]: amax of each row / 448, 1 for an all-zero row."""
+    """[R, K] -> fp32 [R]: amax of each row / 448; 1 where that is below MIN_SCALE (an all-zero row included)."""
     amax = t.abs().amax(dim=-1).to(torch.float32)
     s = amax / E4M3_MAX
-    return torch.where(amax > 0, s, torch.ones_like(s))
+    return torch.where(s >= MIN_SCALE, s, torch.ones_like(s))
 
 
 def encode_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[R, K] and fp32 [R] scales -> float8_e4m3fn [R, K]: t / s in fp32, clamped to ±448, rounded to nearest even."""
-    q = t.to(torch.float32) / scales.to(torch.float32)[:, None]
+    """[R, K] and fp32 [R] scales -> float8_e4m3fn [R, K]: t · (1 / s) in fp32 (the reciprocal rounded once, then
+    the product), clamped to ±448, rounded to nearest even."""
+    inverse = 1.0 / scales.to(torch.float32)
+    q = t.to(torch.float32) * inverse[:, None]
     return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 

@@ -9,7 +9,8 @@
   inputs no fused kernel produces: the attention output).
 
 Divisions are IEEE-rounded (`tl.math.div_rn`: `div.rn.f32`, and no approximate division, in the PTX the CPU tests
-compile), as torch divides; Triton's `/` on fp32 is the approximate `div.full.f32`. The e4m3 encoding (inputs
+compile), as torch divides; Triton's `/` on fp32 is the approximate `div.full.f32`. There is one per row (the scale
+and its reciprocal); each element is one rounded product with the reciprocal (`w8a8`'s rule). The e4m3 encoding (inputs
 clamped to ±448, round to nearest, ties to even) is the GPU's conversion instruction when compiled (sm_89+:
 `cvt.rn.satfinite.e4m3x2.f32`, one instruction for two values) and integer arithmetic in Triton's interpreter
 (`TRITON_INTERPRET=1`, which the CPU tests use; its float8 cast is not torch's). Both are held to torch's float8
@@ -47,15 +48,17 @@ def encode_e4m3(v, INTERPRET: tl.constexpr):
 
 def quantize_tile(x, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 [R, B] whole rows (zeros past each row's end) -> (uint8 e4m3 codes [R, B], fp32 scales [R]):
-    s = amax / 448 (1 for a zero row), codes = encode(x / s); `w8a8.row_scales` / `w8a8.encode_rows`."""
+    s = amax / 448 (1 below the smallest normal fp32, a zero row included), codes = encode(x · (1 / s));
+    `w8a8.row_scales` / `w8a8.encode_rows`."""
     a = tl.abs(x)
     if INTERPRET:  # tl.max: a compiled-mode function when Triton was imported outside the interpreter
         amax = tl.reduce(a, 1, tl.standard._elementwise_max)
     else:
         amax = tl.max(a, axis=1)
     s = tl.math.div_rn(amax, amax * 0.0 + 448.0)  # literals: Triton kernels may not read globals
-    s = tl.where(amax > 0.0, s, 1.0)
-    return ENCODE(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), INTERPRET), s
+    s = tl.where(s >= 1.1754943508222875e-38, s, 1.0)  # w8a8.MIN_SCALE
+    inverse = tl.math.div_rn(s * 0.0 + 1.0, s)
+    return ENCODE(x * inverse[:, None], INTERPRET), s
 
 
 def device_functions() -> tuple:
