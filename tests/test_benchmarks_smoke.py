@@ -121,6 +121,39 @@ def test_bench_generate_tiny_pipeline(tmp_path):
     _check_generate(d)
 
 
+def test_bench_residency_tiny(tmp_path):
+    """The moves of each policy, as README's table states them: offload loads once into host memory, then every
+    request moves the encoder to the device and back; unload holds nothing, and every request reads the file to the
+    device and frees it. Each move timed; the encoder's bytes held between requests only under offload."""
+    d = _run("bench_residency", tmp_path, "--cycles", "2", "--weights", "nvfp4,bf16")
+    assert set(d["formats"]) == {"nvfp4", "bf16"}
+    for weights, entry in d["formats"].items():
+        _finite(entry["file_gib"], f"{weights} file_gib")
+        off, unl = entry["policies"]["offload"], entry["policies"]["unload"]
+        assert [(m["step"], m["move"], m["where"]) for m in off["moves"]] == [
+            ("start", "load", "host"), ("acquire", "to_device", "device"), ("release", "to_host", "host"),
+            ("acquire", "to_device", "device"), ("release", "to_host", "host")]
+        assert [(m["step"], m["move"], m["where"]) for m in unl["moves"]] == [
+            ("start", "none", "unloaded"), ("acquire", "load", "device"), ("release", "free", "unloaded"),
+            ("acquire", "load", "device"), ("release", "free", "unloaded")]
+        assert (off["loads"], unl["loads"]) == (1, 2)
+        assert off["encoder_gib_between_requests"] > 0 and unl["encoder_gib_between_requests"] is None
+        for policy in (off, unl):
+            for m in policy["moves"][1:]:
+                _finite(m["seconds"], f"{weights} {m['move']} seconds")
+        assert set(off["median_s"]) == {"to_device", "to_host"} and set(unl["median_s"]) == {"load", "free"}
+
+
+@pytest.mark.parametrize("flags", [("--weights", "fp8"), ("--policies", "resident"), ("--cycles", "0"),
+                                   ("--dir", "/nonexistent/h3")])
+def test_bench_residency_bad_flags(flags, tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_residency.py"), "--preset", "tiny", "--device", "cpu",
+                           "--out", str(tmp_path / "r.json"), *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 2 and not (tmp_path / "r.json").exists()
+
+
 def test_bench_serve_tiny(tmp_path):
     """benchmarks/bench_serve.py end to end on the CPU: files written, `h3direct serve` started, /ready recorded,
     one Ref2VA request answered with an mp4 of the asked size, SIGTERM -> exit 0."""

@@ -10,8 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from h3direct.checkpoint.quant import w8a8
