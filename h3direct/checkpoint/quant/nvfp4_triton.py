@@ -71,7 +71,7 @@ if triton is not None:
         # words: int32 [N16 * NB, 2] (block i = row i // NB, scale column i % NB; word h holds columns 8h..8h+7,
         # byte j of a word the columns 2j (high nibble) and 2j + 1 (low nibble)); out: [N16 * NB, 16] values.
         # OUT: 0 fp32, 1 fp16, 2 bf16 (16-bit outputs are stored as their int16 bit patterns), 3 e4m3 codes (uint8)
-        # of the fp32 values divided by their row's scale rs[row] (ENCODE: `w8a8_triton.encode_e4m3`)
+        # of the fp32 values times the reciprocal of their row's scale rs[row] (ENCODE: `w8a8_triton.encode_e4m3`)
         pid = tl.program_id(0)
         i = pid * BLK + tl.arange(0, BLK)  # [BLK] blocks of this program (int32: the caller checks the range)
         half = tl.arange(0, 2)

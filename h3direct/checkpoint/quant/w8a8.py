@@ -11,8 +11,8 @@ Quantization (both operands, same rule along the reduced dimension K):
 so every element keeps 3 mantissa bits (relative rounding error ≤ 2^-4) unless it falls into e4m3's subnormal range
 (|t| < 2^-6 · s, i.e. more than 2^15 below its row's largest element). The codes take the row's reciprocal 1 / s
 (one IEEE division per row) times each element (one rounded product): the kernels that write e4m3 are bound by
-their arithmetic, and a product per element costs a fraction of an IEEE division. That product is within one fp32
-rounding (2^-24) of the quotient t / s, far below e4m3's 2^-4.
+their arithmetic, and a product per element costs a fraction of an IEEE division. That product is within two fp32
+roundings (2^-23, relative) of the quotient t / s, far below e4m3's 2^-4.
 
 Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; for NVFP4 the per-channel scale is
 taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
