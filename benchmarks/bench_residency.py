@@ -4,13 +4,14 @@ unload, timed on a full-size synthetic encoder.
     python3 benchmarks/bench_residency.py --device cuda [--weights nvfp4,bf16] [--policies offload,unload]
     python3 benchmarks/bench_residency.py --preset tiny --device cpu
 
-Per weight format, the preset's synthetic Qwen3-VL encoder (`synthetic_gpu.text_encoder_tensors`, ComfyUI's file
-layout) is written to a safetensors file in `--dir` (timed; unload reads it back), then served under each policy by
+Per weight format, the preset's synthetic Qwen3-VL encoder (`synthetic_gpu.text_encoder_tensors`, ComfyUI's file layout)
+is written to a safetensors file in `--dir` (timed; unload reads it back), then served under each policy by
 `h3direct.app.residency.TextEncoderSlot`, the slot `H3Pipeline` serves a request's encode from: `start` (load time),
-then `--cycles` requests, each `acquire` (the encoder onto the device for the encode) and `release` (back to host
-memory: offload; freed: unload). Each move's seconds are the slot's own timing (device-synchronised, as a request's
-`timings` report them); after each move, the device memory allocated (GPU only). `resident` makes no moves and is
-not run. The encode itself is not timed here (`run_e2e.py` times it).
+then `--cycles` requests, each `acquire` (the encoder onto the device for the encode) and `release` (offload: the device
+copy dropped, the page-locked host copy kept all along is the encoder again; unload: freed). Each move's seconds are the
+slot's own timing (device-synchronised, as a request's `timings` report them); after each move, the device memory
+allocated (GPU only). `resident` makes no moves and is not run. The encode itself is not timed here (`run_e2e.py` times
+it).
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def serve(path: Path, policy: str, device, cycles: int) -> dict:
     for _ in range(cycles):
         record("acquire", slot.acquire)
         record("release", slot.release)
-    held = C.module_gib(slot.encoder.net) if slot.encoder is not None else None
-    return {"moves": moves, "encoder_gib_between_requests": held, "loads": slot.loads}
+    net = slot.encoder.net if slot.encoder is not None else None
+    held = C.module_gib(net) if net is not None else None
+    pinned = all(t.is_pinned() for t in (*net.parameters(), *net.buffers())) if net is not None else None
+    return {"moves": moves, "encoder_gib_between_requests": held, "host_pinned": pinned, "loads": slot.loads}
 
 
 def summary(moves: list[dict]) -> dict:

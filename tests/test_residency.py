@@ -110,14 +110,20 @@ def resident(cache_env):
     return results
 
 
-def test_offload_is_bitwise_resident_and_moves_twice_per_request(resident):
+def _storages(encoder) -> list[int]:
+    return [t.data_ptr() for t in (*encoder.net.parameters(), *encoder.net.buffers())]
+
+
+def test_offload_is_bitwise_resident_and_copies_once_per_request(resident):
     moves = Moves()
     pipe = _pipeline("offload", moves)
     assert pipe.text.where == "host" and pipe.text.loads == 1
+    loaded = _storages(pipe.text.encoder)
     results = _two_requests(pipe)
     assert all(_same(r, want) for r, want in zip(results, resident, strict=True))
-    assert moves.targets == ["cpu", "cpu:0", "cpu", "cpu:0"]  # to the device, to the host, per request
+    assert moves.targets == ["cpu", "cpu"]  # to the device, per request; nothing is copied back
     assert pipe.text.where == "host" and pipe.text.loads == 1 and pipe.text.last_move["move"] == "to_host"
+    assert _storages(pipe.text.encoder) == loaded  # between requests: the very tensors it loaded
     for r in results:
         assert {"text_encoder_to_device", "text_encoder_to_host", "text_encoder_load"} & set(r.timings) == {
             "text_encoder_to_device", "text_encoder_to_host"}
@@ -259,3 +265,22 @@ def test_unload_checks_the_text_encoder_file_before_the_first_request(cache_env,
                                  video_vae_config=b.video_vae_config, audio_vae_config=b.audio_vae_config,
                                  device="cpu", text_encoder_policy="unload")
     assert good.text.loads == 0 and good.text_encoder is None
+
+
+@pytest.mark.gpu
+def test_offload_on_a_gpu_is_bitwise_resident_from_a_pinned_host_copy(cache_env):
+    """On a GPU: offload keeps the encoder page-locked in host memory, copies it to the device per request, and the
+    clips are bitwise those of the resident encoder; between requests the encoder is its loaded host tensors again
+    and holds no device memory."""
+    from h3direct.app.pipeline import H3Pipeline
+
+    want = _two_requests(H3Pipeline.bundled(device="cuda", text_encoder_policy="resident"))
+    pipe = H3Pipeline.bundled(device="cuda", text_encoder_policy="offload")
+    tensors = lambda: (*pipe.text.encoder.net.parameters(), *pipe.text.encoder.net.buffers())  # noqa: E731
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors())
+    loaded = _storages(pipe.text.encoder)
+    got = _two_requests(pipe)
+    assert all(_same(r, w) for r, w in zip(got, want, strict=True))
+    assert _storages(pipe.text.encoder) == loaded and all(t.is_pinned() for t in tensors())
+    for r in got:
+        assert r.timings["text_encoder_to_device"] > 0 and "text_encoder_to_host" in r.timings

@@ -2,17 +2,19 @@
 H3_TEXT_ENCODER_POLICY).
 
 - resident: on the device all the time;
-- offload: in host memory between requests, moved to the device for a request's text encode and back after it;
+- offload: in host memory between requests (page-locked when the device is a GPU, so the copy runs at the link's
+  full rate), copied to the device for a request's text encode; after it the device copy is dropped and the host copy,
+  kept all along and never changed, is the encoder again (no copy back);
 - unload: freed after the encode and read again from its file, straight to the device, for the next request's;
 - auto (the default): resident when the hot footprint (`app/footprint.py`: the weights every model holds) plus
   `WORKING_MARGIN` fits the device's memory; else unload on a unified-memory device (GB10 / DGX Spark: host and
   device share one memory, so moving the encoder to the host frees nothing) and offload on a discrete GPU;
   resident on the CPU.
 
-The policy moves the weights and never changes them, so a clip is bitwise the same under every policy. Between
-requests the encoder's memory serves sampling and decoding; during the encode it is on the device with the other
-models. Each move's seconds are the request's timings (`text_encoder_load`, `text_encoder_to_device`,
-`text_encoder_to_host`, `text_encoder_free`); the last move is the slot's (`/ready`).
+The policy moves the weights and never changes them (offload reuses the very host tensors it loaded), so a clip is
+bitwise the same under every policy. Between requests the encoder's memory serves sampling and decoding; during the
+encode it is on the device with the other models. Each move's seconds are the request's timings (`text_encoder_load`,
+`text_encoder_to_device`, `text_encoder_to_host`, `text_encoder_free`); the last move is the slot's (`/ready`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class TextEncoderSlot:
         self.where = "unloaded"
         self.loads = 0
         self.last_move: dict | None = None  # {"move", "seconds"}
+        self._host: HostCopy | None = None  # offload, while the encoder is on the device: its host tensors
 
     @classmethod
     def holding(cls, encoder, device) -> TextEncoderSlot:
@@ -124,7 +127,7 @@ class TextEncoderSlot:
         return self._timed("free", self._free)
 
     def move(self, encoder, device: torch.device) -> None:
-        encoder.to(device)
+        encoder.to(device)  # from page-locked host tensors the copies run at the link's rate
 
     def view(self) -> dict:
         return {"policy": self.policy, "asked": self.asked, "why": self.why, "where": self.where, "loads": self.loads,
@@ -140,19 +143,60 @@ class TextEncoderSlot:
 
     def _load(self, where: str) -> None:
         self.encoder = self.build(self.device if where == "device" else self.host)
+        if where == "host" and self.device.type == "cuda" and self.host.type == "cpu":
+            HostCopy.of(self.encoder.net).pin()
         self.loads += 1
         self.where = where
 
     def _place(self, device: torch.device, where: str) -> None:
-        self.move(self.encoder, device)
-        self.where = where
-        if where == "host":
+        if where == "device":  # the host tensors are kept: after the encode they are the encoder again
+            self._host = HostCopy.of(self.encoder.net)
+            self.move(self.encoder, device)
+        else:  # after an acquire: the host tensors back in place, the device copy dropped
+            self._host.restore()
+            self._host = None
             _empty_cache(self.device)
+        self.where = where
 
     def _free(self) -> None:
         self.encoder = None
         self.where = "unloaded"
         _empty_cache(self.device)
+
+
+class HostCopy:
+    """A module's parameter and buffer tensors as they are now (`of`), to be put back in place (`restore`) after the
+    module was moved: a move gives parameters new data and buffers new tensors, and these are the old ones."""
+
+    def __init__(self, params: list, buffers: list):
+        self.params, self.buffers = params, buffers  # [(Parameter, data)], [(owner module, name, tensor)]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> HostCopy:
+        params, buffers = {}, []  # a parameter two modules share: once
+        for m in module.modules():
+            params.update({id(p): (p, p.data) for p in m._parameters.values() if p is not None})
+            buffers += [(m, name, b) for name, b in m._buffers.items() if b is not None]
+        return cls(list(params.values()), buffers)
+
+    def restore(self) -> None:
+        for p, data in self.params:
+            p.data = data
+        for m, name, b in self.buffers:
+            m._buffers[name] = b
+
+    def pin(self) -> None:
+        """Each tensor into page-locked memory, in place (a buffer two modules share stays one tensor)."""
+        pinned: dict[int, torch.Tensor] = {}
+
+        def locked(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in pinned:
+                pinned[id(t)] = t if t.is_pinned() else t.pin_memory()
+            return pinned[id(t)]
+
+        self.params = [(p, locked(data)) for p, data in self.params]
+        self.buffers = [(m, name, locked(b)) for m, name, b in self.buffers]
+        self.restore()
 
 
 def _empty_cache(device: torch.device) -> None:
