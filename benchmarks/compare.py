@@ -76,9 +76,14 @@ def _run_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     return out
 
 
-def differs(want: dict, got: dict) -> str | None:
-    """Each key of `want` whose value `got` does not have, as "key got (contract want)"; None when none."""
-    return "; ".join(f"{k} {got.get(k)!r} (contract {v!r})" for k, v in want.items() if got.get(k) != v) or None
+def differs(want: dict, got: dict, prefix: str = "") -> list[str]:
+    """Each key of `want` whose value `got` does not have, as "<prefix>key got (contract want)"."""
+    return [f"{prefix}{k} {got.get(k)!r} (contract {v!r})" for k, v in want.items() if got.get(k) != v]
+
+
+def _why(diff: list[str]) -> str | None:
+    """A rule's verdict: None when nothing differs, else what does."""
+    return "; ".join(diff) or None
 
 
 def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
@@ -86,16 +91,14 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     out = _run_rules(contract, result)
     w, r = contract["workload"], result.get("workload") or {}
     pairs = {"width": "width", "height": "height", "frames": "frames", "text_tokens": "text_len", "seq_len": "seq_len"}
-    diff = [f"{k} {r.get(rk)!r} (contract {w[k]!r})" for k, rk in pairs.items() if k in w and r.get(rk) != w[k]]
-    out.append(("workload", "; ".join(diff) or None))
-    out.append(("weights", differs(contract["weights"], result.get("weights") or {})))
+    out.append(("workload", _why(differs({k: w[k] for k in pairs if k in w}, {k: r.get(rk) for k, rk in pairs.items()}))))
+    out.append(("weights", _why(differs(contract["weights"], result.get("weights") or {}))))
     want = contract["steps"]
-    got = result.get("steps") or {}
-    diff = [f"{k} {got.get(k)!r} (contract {want[k]!r})" for k in ("warmup", "timed") if got.get(k) != want[k]]
+    diff = differs({k: want[k] for k in ("warmup", "timed")}, result.get("steps") or {})
     for name, p in (result.get("paths") or {}).items():
         if _ok(p) and len(p.get("step_s") or []) != want["timed"]:
             diff.append(f"{name} timed {len(p.get('step_s') or [])} steps")
-    out.append(("timed steps", "; ".join(diff) or None))
+    out.append(("timed steps", _why(diff)))
     for name, spec in contract["paths"].items():
         p = (result.get("paths") or {}).get(name)
         if not isinstance(p, dict):
@@ -103,19 +106,16 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
             continue
         s = p.get("settings") or {}
         expect = {"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off")}
-        diff = [f"{k} {s.get(k)!r} (contract {v!r})" for k, v in expect.items() if s.get(k) != v]
         ran = s.get("options") or {}  # every option the path ran with, under its flat name
-        diff += [f"options {k} {ran.get(k)!r} (contract {v!r})" for k, v in spec.get("options", {}).items()
-                 if ran.get(k) != v]
-        out.append((f"path {name} settings", "; ".join(diff) or None))
+        diff = differs(expect, s) + differs(spec.get("options", {}), ran, "options ")
+        out.append((f"path {name} settings", _why(diff)))
     comfy = result.get("comfyui")
     for name, spec in (contract.get("comfyui") or {}).items():
         c = (comfy or {}).get("configs", {}).get(name) if isinstance(comfy, dict) else None
         if c is None:
             continue  # no same-run ComfyUI: the ratio targets miss, with the reason
-        diff = [f"{k} {c.get(k)!r} (contract {spec[k]!r})" for k in ("settings", "attention", "class")
-                if c.get(k) != spec[k]]
-        out.append((f"ComfyUI {name} settings", "; ".join(diff) or None))
+        diff = differs({k: spec[k] for k in ("settings", "attention", "class")}, c)
+        out.append((f"ComfyUI {name} settings", _why(diff)))
     return out
 
 
@@ -228,11 +228,9 @@ def e2e_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     """(rule, None when it holds else why not) for every rule of the e2e contract (module docstring)."""
     out = _run_rules(contract, result)
     w, r = contract["workload"], result.get("workload") or {}
-    diff = [f"{k} {r.get(k)!r} (contract {w[k]!r})" for k in E2E_WORKLOAD if k in w and r.get(k) != w[k]]
-    if r.get("warmup_steps") != contract.get("warmup_steps", 1):
-        diff.append(f"warmup_steps {r.get('warmup_steps')!r} (contract {contract.get('warmup_steps', 1)!r})")
-    out.append(("workload", "; ".join(diff) or None))
-    out.append(("weights", differs(contract["weights"], result.get("weights") or {})))
+    want = {**{k: w[k] for k in E2E_WORKLOAD if k in w}, "warmup_steps": contract.get("warmup_steps", 1)}
+    out.append(("workload", _why(differs(want, r))))
+    out.append(("weights", _why(differs(contract["weights"], result.get("weights") or {}))))
     for name in contract["configs"]:
         entry = (result.get("configs") or {}).get(name)
         if not isinstance(entry, dict) or not isinstance(entry.get("h3direct"), dict):
@@ -243,19 +241,18 @@ def e2e_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
             if not isinstance(got, dict) or not _ok(got):
                 continue  # not measured or not run: its targets miss, with the status
             s = got.get("settings") or {}
-            want = _expected_settings(contract, name, side)
-            diff = [f"{k} {s.get(k)!r} (contract {v!r})" for k, v in want.items() if s.get(k) != v]
-            ran = s.get("options") or {}
+            diff = differs(_expected_settings(contract, name, side), s)
             if side == "h3direct":
-                diff += [f"options {k} {ran.get(k)!r} (contract {v!r})"
-                         for k, v in contract["h3direct"].get("options", {}).items() if ran.get(k) != v]
-            out.append((f"{name} {side} settings", "; ".join(diff) or None))
+                diff += differs(contract["h3direct"].get("options", {}), s.get("options") or {}, "options ")
+            out.append((f"{name} {side} settings", _why(diff)))
             mp4 = got.get("mp4") or {}
-            expect = {"text_tokens": (got.get("text_tokens"), w.get("text_tokens")), "steps": (got.get("steps"), w["steps"]),
-                      "mp4 frames": (mp4.get("frames"), w["frames"]), "mp4 width": (mp4.get("width"), w["width"]),
-                      "mp4 height": (mp4.get("height"), w["height"]), "mp4 audio streams": (mp4.get("audio_streams"), 1)}
-            diff = [f"{k} {v!r} (contract {c!r})" for k, (v, c) in expect.items() if c is not None and v != c]
-            out.append((f"{name} {side} generation", "; ".join(diff) or None))
+            made = {"text_tokens": got.get("text_tokens"), "steps": got.get("steps"), "mp4 frames": mp4.get("frames"),
+                    "mp4 width": mp4.get("width"), "mp4 height": mp4.get("height"),
+                    "mp4 audio streams": mp4.get("audio_streams")}
+            want = {"text_tokens": w.get("text_tokens"), "steps": w["steps"], "mp4 frames": w["frames"],
+                    "mp4 width": w["width"], "mp4 height": w["height"], "mp4 audio streams": 1}
+            diff = differs({k: v for k, v in want.items() if v is not None}, made)
+            out.append((f"{name} {side} generation", _why(diff)))
             stages = got.get("stages") or {}
             bad = [f"{k} {stages.get(k)!r}" for k in E2E_STAGES if number(stages.get(k)) is None]
             if number(got.get("peak_gpu_gib")) is None and "cuda" in str(result.get("env", {}).get("device", "cuda")):

@@ -101,8 +101,6 @@ def main(args, contract: dict, argv) -> int:
     return 0
 
 
-
-
 def _summary(side: dict) -> str:
     if side.get("status") != "ok":
         return side.get("status", "?")
