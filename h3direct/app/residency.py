@@ -115,7 +115,7 @@ class TextEncoderSlot:
         if self.where == "device" or not self.present:
             return None
         if self.where == "host":
-            return self._timed("to_device", lambda: self._place(self.device, "device"))
+            return self._timed("to_device", self._to_device)
         return self._timed("load", lambda: self._load("device"))
 
     def release(self) -> str | None:
@@ -123,7 +123,7 @@ class TextEncoderSlot:
         if self.where != "device" or self.policy == "resident":
             return None
         if self.policy == "offload":
-            return self._timed("to_host", lambda: self._place(self.host, "host"))
+            return self._timed("to_host", self._to_host)
         return self._timed("free", self._free)
 
     def move(self, encoder, device: torch.device) -> None:
@@ -148,15 +148,16 @@ class TextEncoderSlot:
         self.loads += 1
         self.where = where
 
-    def _place(self, device: torch.device, where: str) -> None:
-        if where == "device":  # the host tensors are kept: after the encode they are the encoder again
-            self._host = HostCopy.of(self.encoder.net)
-            self.move(self.encoder, device)
-        else:  # after an acquire: the host tensors back in place, the device copy dropped
-            self._host.restore()
-            self._host = None
-            _empty_cache(self.device)
-        self.where = where
+    def _to_device(self) -> None:
+        self._host = HostCopy.of(self.encoder.net)  # kept: after the encode these tensors are the encoder again
+        self.move(self.encoder, self.device)
+        self.where = "device"
+
+    def _to_host(self) -> None:
+        self._host.restore()  # the host tensors back in place: the device copy is dropped, nothing is copied
+        self._host = None
+        self.where = "host"
+        _empty_cache(self.device)
 
     def _free(self) -> None:
         self.encoder = None
