@@ -305,9 +305,10 @@ def module_gib(module) -> float:
 
 # ---------------------------------------------------------------- what the contract runners share
 
-def usage_error(msg: str):
-    """A bad flag or input of a contract runner: one line on stderr, exit 2 (before anything is built)."""
-    print(f"run_contract: error: {msg}", file=sys.stderr)
+def usage_error(msg: str, prog: str = "run_contract"):
+    """A bad flag or input of a benchmark (`prog`; the contract runners by default): one line on stderr, exit 2 (before
+    anything is built)."""
+    print(f"{prog}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 

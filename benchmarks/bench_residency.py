@@ -31,14 +31,9 @@ POLICIES = ("offload", "unload")
 WEIGHTS = ("nvfp4", "bf16")
 
 
-def _usage_error(msg: str):
-    print(f"bench_residency: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.error = _usage_error  # one line, exit 2 (argparse's own errors included)
+    ap.error = lambda msg: C.usage_error(msg, "bench_residency")  # one line, exit 2 (argparse's own errors too)
     ap.add_argument("--preset", choices=sorted(C.PRESETS), default="full", help="sizes (default full)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--weights", default="nvfp4", help=f"comma list of {', '.join(WEIGHTS)} (default nvfp4)")
