@@ -1,6 +1,6 @@
 """`oracle replay` on VAE and generation traces: the recorded operation re-run whole from its inputs, in ComfyUI
 (`record-vae` / `record-generate`, same code paths) and/or h3direct (`trace-vae` / h3direct's sampler), and the
-named tensor(s) compared with the recording (`replay.report`)."""
+named tensor(s) compared with the recording (`replay_report.report`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from h3direct.errors import H3Error
+from oracle.replay_report import find_checkpoint, report
 
 
 def _names(trace, layer: str) -> list[str]:
@@ -60,7 +61,6 @@ def _generation_ours(trace, device: str, attention) -> dict:
     from h3direct.traces.evaluate import short_generation
     from h3direct.traces.inputs import load_inputs
     from h3direct.traces.pairing import compute_of
-    from oracle.replay import find_checkpoint
 
     m = trace.manifest
     model = load_dit(find_checkpoint(trace, None), compute_dtype=compute_of(m),
@@ -80,7 +80,6 @@ def _generation_comfy(trace, comfy_root: str) -> dict:
     from h3direct.traces.pairing import compute_of
     from oracle.comfy_env import open_comfy
     from oracle.record_generate import record_generation
-    from oracle.replay import find_checkpoint
 
     m = trace.manifest
     env = open_comfy(comfy_root, device="cpu", compute_dtype=compute_of(m), attention="pytorch")
@@ -94,8 +93,6 @@ def _generation_comfy(trace, comfy_root: str) -> dict:
 
 
 def run(kind: str, args, trace, comfy_root: str | None, rule) -> tuple[dict[str, bool | None], str]:
-    from oracle.replay import report
-
     names = _names(trace, args.layer)
     results: dict[str, bool | None] = {}
     files = None

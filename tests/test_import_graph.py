@@ -103,6 +103,98 @@ def test_checker_allows_the_right_direction(tmp_path):
     assert violations(tmp_path) == []
 
 
+# ---- no circles: the project's modules import in layers ----------------------------------------------------------
+
+PROJECT = ("h3direct", "oracle", "parity_tests", "benchmarks")
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PROJECT) -> dict[str, dict[str, str]]:
+    """{module: {project module it imports: 'file:line' of the first such import}} over every import of
+    `imported_modules` (lazy ones included). An imported name means the longest project module it starts with
+    (`from a.b import c` is a.b's name c, or the module a.b.c); `from pkg import sub` names the module pkg.sub, not
+    the package pkg as well. A module importing itself is no edge."""
+    modules = {_module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))}
+
+    def owner(name: str) -> str | None:
+        parts = name.split(".")
+        return next((m for m in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if m in modules), None)
+
+    graph: dict[str, dict[str, str]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        by_line: dict[int, list[str]] = {}
+        for line, name in imported_modules(path, root):
+            by_line.setdefault(line, []).append(name)
+        for line, names in by_line.items():
+            targets = {n: owner(n) for n in names}
+            for name, target in targets.items():
+                deeper = any(t and t.startswith(f"{name}.") for t in targets.values())
+                if target and target != module and not (name == target and deeper):
+                    graph[module].setdefault(target, f"{path.relative_to(root)}:{line}")
+    return graph
+
+
+def circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module, sorted: the import circles."""
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, {})
+        return seen
+
+    reachable = {m: reach(m) for m in graph}
+    found: list[list[str]] = []
+    for m in sorted(graph):
+        if m in reachable[m] and not any(m in c for c in found):
+            found.append(sorted(n for n in reachable[m] if m in reachable[n]))
+    return found
+
+
+def describe_circle(graph: dict[str, dict[str, str]], circle: list[str]) -> str:
+    edges = [f"    {a} -> {b} ({graph[a][b]})" for a in circle for b in circle if b in graph[a]]
+    return " <-> ".join(circle) + "\n" + "\n".join(edges)
+
+
+def test_no_import_circles():
+    graph = import_graph(REPO)
+    assert len(graph) > 100, f"found {len(graph)} modules: is REPO right ({REPO})?"
+    found = circles(graph)
+    assert not found, "import circles (break each by moving what both sides need below both):\n" + "\n".join(
+        describe_circle(graph, c) for c in found)
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, source in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(source)
+    return root
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"a.py": "from h3direct.b import f\n", "b.py": "def f():\n    from h3direct import a\n    return a\n"},
+     ["h3direct.a", "h3direct.b"]),  # one side lazy, the other `from pkg import module`
+    ({"a.py": "from .b import f\n", "b.py": "import h3direct.c.g\n", "c.py": "from .a import x\n"},
+     ["h3direct.a", "h3direct.b", "h3direct.c"]),  # three modules, relative imports
+    ({"__init__.py": "from h3direct.a import f\n", "a.py": "from h3direct import NAME\n"},
+     ["h3direct", "h3direct.a"]),  # a module taking a name from its package's __init__, which imports it
+], ids=["lazy-pair", "three", "package"])
+def test_circle_detector_catches_a_planted_circle(tmp_path, files, expected):
+    files = {"__init__.py": "", "errors.py": "", **files, "d.py": "from h3direct import a\nfrom . import d\n"}
+    graph = import_graph(_package(tmp_path / "h3direct", files).parent, ("h3direct",))
+    assert circles(graph) == [expected]
+    assert "h3direct.d" not in graph["h3direct.d"] and "h3direct.d" not in circles(graph)[0]
+
+
+def test_circle_detector_allows_layers(tmp_path):
+    """One way through a package's __init__, `from pkg import module` from a sibling, self-imports: no circle."""
+    files = {"__init__.py": "from h3direct.a import f\n", "a.py": "from h3direct import b\nimport h3direct.a\n",
+             "b.py": "def g():\n    from h3direct.c import h\n", "c.py": "import torch\n"}
+    graph = import_graph(_package(tmp_path / "h3direct", files).parent, ("h3direct",))
+    assert graph["h3direct.a"] == {"h3direct.b": "h3direct/a.py:1"} and circles(graph) == []
+
+
 # ---- paths: the runtime reads no harness file either ------------------------------------------------------------
 
 # folder names of the harness and of what sits beside the checkout; a runtime string naming one is a path into them

@@ -119,7 +119,8 @@ def run(*, weights: str, inputs: str, out: str, config: str | None = None, dtype
     from h3direct.traces.format import load_vae_inputs, save_trace
     from h3direct.vae.api import decode_audio, decode_video, encode_audio, encode_video
     from h3direct.vae.audio import AudioVAE
-    from h3direct.vae.loader import load_vae, read_constructor_args
+    from h3direct.vae.config import read_constructor_args
+    from h3direct.vae.loader import load_vae
 
     constructor_args = read_constructor_args(config)
     compute = {"fp32": torch.float32, "fp16": torch.float16}[dtype]

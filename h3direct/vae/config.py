@@ -8,10 +8,12 @@ Field names are the constructor arguments of ComfyUI's `MiniMaxH3VideoVAE` / `Vi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from h3direct.errors import ConfigError
@@ -230,11 +232,22 @@ AUDIO_PRESETS: dict[str, AudioVAEConfig] = {
 VAE_DTYPES = ("fp32", "fp16")  # compute dtypes of the video VAE (the audio VAE runs fp32)
 
 
+def read_constructor_args(path: str | Path | None) -> Mapping[str, Any]:
+    """A JSON file in `vae_config_public.json` layout (or just its `constructor_args`); None -> {} (real sizes)."""
+    if path is None:
+        return {}
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such VAE config file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
 def resolve_vae_config(kind: str, spec):
     """A VAE config from None (the released sizes), a preset name, a JSON file (vae_config_public.json layout),
     a constructor-args dict or a config dataclass."""
-    from h3direct.vae.loader import read_constructor_args
-
     cls, presets = (VideoVAEConfig, VIDEO_PRESETS) if kind == "video" else (AudioVAEConfig, AUDIO_PRESETS)
     if spec is None:
         return cls()

@@ -8,14 +8,13 @@ registers them as defaults). Quantized (int8/convrot) video decoders are not sup
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from h3direct.errors import CheckpointError, ConfigError
+from h3direct.errors import CheckpointError
 from h3direct.vae.audio import AudioVAE
 from h3direct.vae.config import VIDEO_LATENTS_MEAN, VIDEO_LATENTS_STD, AudioVAEConfig, VideoVAEConfig
 from h3direct.vae.video import VideoVAE
@@ -49,19 +48,6 @@ def preset_of(path: str | Path, kind: str) -> str | None:
         if set(shapes) <= set(want) and all(want[k] == tuple(s) for k, s in shapes.items()):
             return name
     return None
-
-
-def read_constructor_args(path: str | Path | None) -> Mapping[str, Any]:
-    """A JSON file in `vae_config_public.json` layout (or just its `constructor_args`); None -> {} (real sizes)."""
-    if path is None:
-        return {}
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such VAE config file") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 def load_state_dict_strict(model: torch.nn.Module, sd: Mapping[str, torch.Tensor], dtype: torch.dtype,

@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from h3direct.checkpoint.quant.kitchen import kitchen_op
+from h3direct.checkpoint.quant.nvfp4_layout import BLOCK, TILE_COLS, padded_shape, scale_storage_shape
 from h3direct.errors import CheckpointError
 
-BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # the 8 non-negative E2M1 magnitudes, indexed by the 3 low bits of a code; bit 3 is the sign
@@ -55,8 +55,6 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # ties go to the even code: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5.0->4.0
 _E2M1_BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
                     (5.0, False))
-# cuBLAS block-scale tile: 128 rows x 4 scale columns, stored as [32 rows][4 row groups][4 columns]
-TILE_ROWS, TILE_COLS = 128, 4
 
 
 class NVFP4Tensor(NamedTuple):
@@ -65,16 +63,6 @@ class NVFP4Tensor(NamedTuple):
     packed: torch.Tensor  # .weight         uint8 [N16, K16/2]
     block_scale: torch.Tensor  # .weight_scale   float8_e4m3fn [roundup(N16,128), roundup(K16/16,4)]
     global_scale: torch.Tensor  # .weight_scale_2 float32 []
-
-
-def _roundup(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def padded_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    """Logical [N, K] -> the zero-padded shape ComfyUI quantizes ([N16, K16])."""
-    n, k = shape
-    return _roundup(n, BLOCK), _roundup(k, BLOCK)
 
 
 # the stored dtypes of an NVFP4 layer, keyed by checkpoint suffix (the `comfy_quant` marker is uint8 bytes too)
@@ -89,11 +77,6 @@ def storage_shapes(shape: tuple[int, int]) -> dict[str, tuple[int, ...]]:
         "weight_scale": scale_storage_shape(n16, k16 // BLOCK),
         "weight_scale_2": (),
     }
-
-
-def scale_storage_shape(rows: int, scale_cols: int) -> tuple[int, int]:
-    """[rows, scale_cols] block scales -> shape of their swizzled storage (a whole number of 128x4 tiles)."""
-    return _roundup(rows, TILE_ROWS), _roundup(scale_cols, TILE_COLS)
 
 
 # ---------------------------------------------------------------- block-scale swizzle (cuBLAS 128x4 tiles)

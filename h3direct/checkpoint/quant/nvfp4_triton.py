@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from h3direct.checkpoint.quant.nvfp4 import BLOCK, TILE_COLS, scale_storage_shape
+from h3direct.checkpoint.quant.nvfp4_layout import BLOCK, TILE_COLS, scale_storage_shape
 from h3direct.errors import CheckpointError
 from h3direct.triton_build import FP_OPTIONS, build, for_device, interpreting
 
