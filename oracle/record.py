@@ -3,12 +3,20 @@
 Path (all ComfyUI's own code): `comfy.sd.load_diffusion_model` -> `CFGGuider` (cfg 1, positive only) ->
 `KSAMPLER` with a one-step function that calls the model once at sigma. Conditioning and latents come from a
 self-describing inputs file (h3direct/traces/format.py `load_inputs`).
+
+A low-precision recording brings its fp32 twin (the same case in fp32, the ratio rule's reference) and, on a GPU
+where SageAttention is importable (or with `--sage-twin`), ComfyUI's fast mode: the same case under
+`--use-sage-attention`, `<stem>_sage.safetensors`, the reference of h3direct's quantized-attention class
+(parity_tests/ladder.py). Each runs in its own process (ComfyUI reads its switches once). ComfyUI falls back to
+PyTorch attention on a sage error and only logs it: such a recording is refused, never kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-twin", action="store_true",
                         help="bf16: do not record the fp32 twin (the gate's ratio rule needs it; without it only "
                              "`pytest -m parity --no-twin` gates this trace, by rounding bounds)")
+    parser.add_argument("--sage-twin", action=argparse.BooleanOptionalAction, default=None,
+                        help="bf16/fp16: also record ComfyUI --use-sage-attention on the same case, beside the trace "
+                             "as <stem>_sage (the reference of the gate's quantized-attention class); default: on "
+                             "a CUDA device where SageAttention is importable")
 
 
 def file_sha256(path: str | Path) -> str:
@@ -57,8 +69,45 @@ def build_conditioning(inputs) -> list:
     return [[inputs.text_states, extra]]
 
 
+SAGE_FALLBACK = "Error running sage attention"  # what ComfyUI logs when it runs PyTorch attention instead
+
+
+class _SageFallbacks(logging.Handler):
+    """Counts ComfyUI's log lines saying a sage call fell back to PyTorch attention."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if SAGE_FALLBACK in msg:
+            self.lines.append(msg.strip())
+
+
+def sage_importable() -> bool:
+    return importlib.util.find_spec("sageattention") is not None
+
+
 def record_dit(env, checkpoint: Path, inputs, *, detail: str = "full") -> tuple[dict, dict]:
-    """Run one traced denoiser evaluation; returns (tensors in execution order, manifest fields)."""
+    """Run one traced denoiser evaluation; returns (tensors in execution order, manifest fields). Under ComfyUI's
+    sage attention, a call that fell back to PyTorch attention (ComfyUI only logs it) refuses the recording."""
+    fallbacks = _SageFallbacks()
+    logging.getLogger().addHandler(fallbacks)
+    try:
+        tensors, manifest = _record_dit(env, checkpoint, inputs, detail=detail)
+    finally:
+        logging.getLogger().removeHandler(fallbacks)
+    if env.attention == "sage":
+        if manifest["attention"] != "attention_sage":
+            raise H3Error(f"ComfyUI ran {manifest['attention']}, not attention_sage, under --use-sage-attention")
+        if fallbacks.lines:
+            raise H3Error(f"ComfyUI's sage attention fell back to PyTorch attention in {len(fallbacks.lines)} "
+                          f"call(s) ({fallbacks.lines[0][:160]}): not a recording of its fast mode")
+    return tensors, manifest
+
+
+def _record_dit(env, checkpoint: Path, inputs, *, detail: str = "full") -> tuple[dict, dict]:
     import torch
 
     from oracle.hooks import Recorder
@@ -190,7 +239,7 @@ def record_twin(args: argparse.Namespace) -> Path:
     twin = twin_path(args.out)
     cmd = [sys.executable, "-m", "oracle", "record", "--checkpoint", str(args.checkpoint), "--inputs",
            str(args.inputs), "--compute-dtype", "fp32", "--attention", args.attention, "--device", args.device,
-           "--detail", args.detail, "--no-twin", "--out", str(twin)]
+           "--detail", args.detail, "--no-twin", "--no-sage-twin", "--out", str(twin)]
     if args.comfy_root:
         cmd += ["--comfy-root", args.comfy_root]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -201,9 +250,50 @@ def record_twin(args: argparse.Namespace) -> Path:
     return twin
 
 
+def sage_path(out: str | Path) -> Path:
+    """Where ComfyUI --use-sage-attention's recording of a low-precision trace goes: `<stem>_sage`."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}_sage{out.suffix}")
+
+
+def wants_sage_twin(args: argparse.Namespace) -> bool:
+    """--sage-twin as given; by default on for a low-precision recording on CUDA where SageAttention imports."""
+    if args.compute_dtype == "fp32" or args.attention == "sage":
+        if args.sage_twin:
+            raise H3Error("--sage-twin records a low-precision case beside its PyTorch-attention trace: use it with "
+                          "--compute-dtype bf16 and the default --attention")
+        return False
+    if args.sage_twin is None:
+        return args.device == "cuda" and sage_importable()
+    return args.sage_twin
+
+
+def record_sage_twin(args: argparse.Namespace) -> Path:
+    """ComfyUI --use-sage-attention on the same case, in its own process."""
+    import subprocess
+    import sys
+
+    out = sage_path(args.out)
+    cmd = [sys.executable, "-m", "oracle", "record", "--checkpoint", str(args.checkpoint), "--inputs",
+           str(args.inputs), "--compute-dtype", args.compute_dtype, "--attention", "sage", "--device", args.device,
+           "--detail", args.detail, "--no-twin", "--no-sage-twin", "--out", str(out)]
+    if args.comfy_root:
+        cmd += ["--comfy-root", args.comfy_root]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise H3Error(f"the sage twin failed: {tail[0]} (pass --no-sage-twin to record without it)")
+    print(r.stdout.strip())
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from h3direct.traces.format import save_trace
 
+    if (args.attention == "sage" or args.sage_twin) and not sage_importable():
+        raise H3Error("ComfyUI's --use-sage-attention needs SageAttention, which is not importable here "
+                      "(build it with tools/build_sageattention.sh)")
+    sage = wants_sage_twin(args)
     checkpoint, inputs, env, common = open_run(args)
     tensors, fields = record_dit(env, checkpoint, inputs, detail=args.detail)
     manifest = {
@@ -222,4 +312,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.compute_dtype != "fp32" and not args.no_twin:
         record_twin(args)
+    if sage:
+        record_sage_twin(args)
     return 0

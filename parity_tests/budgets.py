@@ -17,6 +17,15 @@ Every entry names one rule, and the loader refuses an entry that is not one of t
   kernel of an approximate mode (mode "kernel") and the quality of its outputs (mode "quality"), and for NVFP4 W4A4
   (an approximate arithmetic: activations quantized to FP4).
 
+- **drift**: an approximate mode against its own recorded history (`drift.py`): a quality the mode measured
+  (its output error against an fp32 reference, its x0 or decoded frames against the exact path: a rel-L2 `e`)
+  may not grow past `sqrt(e_base² + n·(k·r)²)`. `r` is the low-precision rounding scale of that quantity (ComfyUI's
+  own bf16 error against its fp32 twin at that output; h3direct's bf16 exact path against its fp32 one for decoded
+  frames; never below the fp32 limit) and `n` the number of low-precision paths in the comparison (1 against an
+  fp32 reference, 2 against the exact low-precision path). The exact rule lets a merge move every exact path's
+  rounding error up to k·r, and independent errors add in quadrature: that much growth a correct merge can cause,
+  more it cannot. Baselines are measured on the machine they gate (they sit beside its traces).
+
 Keys: mode, kind, compute, weights, attention (strings; "*" = any). The most specific matching entry wins (most
 non-"*" keys), later entries break ties; a comparison no entry matches fails ("no rule for ..."): there is no
 catch-all. `attention` is "exact" for every exact backend (sdpa, cudnn_sdpa, fa3, and kj_head_sliced over an exact
@@ -35,8 +44,9 @@ from h3direct.errors import H3Error
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "budgets.toml"
 KEYS = ("mode", "kind", "compute", "weights", "attention", "twin")
-RULES = ("fp32", "ratio", "rounding", "contract")
-MODES = ("teacher", "free", "vae", "e2e", "kernel", "quality")
+RULES = ("fp32", "ratio", "rounding", "contract", "drift")
+MODES = ("teacher", "free", "vae", "e2e", "kernel", "quality", "class", "drift")
+NAMES_BACKEND = ("kernel", "quality", "class", "drift")  # the modes whose entries may name an approximate backend
 # significand bits (with the implicit one) of each dtype a rounding rule may name: u = 2^-p (round to nearest even)
 SIGNIFICAND_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11, "e4m3": 4, "e2m1": 2,
                     "int64": 64, "int32": 64}  # integers: exact
@@ -89,6 +99,8 @@ class Budget:
             return f"fp32 rule: rel_l2 ≤ {self.floor:g}"
         if self.rule == "ratio":
             return f"ratio rule: err vs fp32 ≤ {self.k:g}×ComfyUI's + {self.floor:g}"
+        if self.rule == "drift":
+            return f"drift rule: err ≤ sqrt(baseline² + n·({self.k:g}·r)²)"
         if self.rule == "rounding":
             if self.dtype:
                 return f"rounding bound: {self.k:g}× the expected {self.dtype} product error"
@@ -106,7 +118,8 @@ class Measured:
 
     err: rel-L2 of h3direct against the reference the entry names (ComfyUI's trace, the exact kernel, ...);
     twin: (h3direct, ComfyUI) rel-L2 against ComfyUI's fp32 twin, when recorded; produced: the dtype the reference
-    was produced in (rounding rule); gemm_rho: ρ of a quantized product site (rounding rule with a dtype);
+    was produced in (rounding rule); baseline / scale / paths: the drift rule's recorded err, r and n;
+    gemm_rho: ρ of a quantized product site (rounding rule with a dtype);
     frames: {psnr_mean, psnr_min, ssim_mean, ssim_min} of decoded frames; cos: cosine similarity to the reference.
     A contract held against a reference implementation (`Budget.k`) reads `twin` as (h3direct's, the reference
     implementation's) rel-L2 against the exact result."""
@@ -118,6 +131,9 @@ class Measured:
     gemm_rho: float | None = None
     frames: dict | None = None
     cos: float | None = None
+    baseline: float | None = None  # drift: the recorded err of the same quantity
+    scale: float | None = None  # drift: r, the quantity's low-precision rounding scale
+    paths: int = 1  # drift: low-precision paths in the comparison
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,13 @@ class BudgetTable:
             raise H3Error(f"no rule for ({what}) in the budgets table", path=self.path)
         return best
 
+    def find(self, **key: str) -> Budget | None:
+        """`lookup`, or None where no entry matches (a mode an approximate backend may not have: its class rule)."""
+        try:
+            return self.lookup(**key)
+        except H3Error:
+            return None
+
     def roundings(self, kind: str) -> int | None:
         n = self.rules.get("roundings", {}).get(kind)
         return int(n) if n is not None else None
@@ -168,18 +191,27 @@ def _check(i: int, e: dict, rules: dict, path: Path) -> None:
         bad("provenance is one line (≤ 200 characters) and a pointer to a results entry")
     if str(e.get("mode", "*")) not in (*MODES, "*"):
         bad(f"unknown mode {e.get('mode')!r}")
-    if e.get("mode") != "quality" and all(str(e.get(k, "*")) == "*" for k in ("compute", "weights", "attention")):
+    if e.get("mode") not in ("quality", "drift") and all(str(e.get(k, "*")) == "*"
+                                                         for k in ("compute", "weights", "attention")):
         bad("a catch-all (compute, weights and attention all '*'): name what it governs")
     rule = e.get("rule")
     if rule not in RULES:
         bad(f"rule {rule!r} is none of {', '.join(RULES)}: every limit is a rule, never a fitted number")
     numbers = [f for f in LIMIT_FIELDS if f in e]
-    if rule in ("fp32", "ratio") and (numbers or "dtype" in e):
+    if rule in ("fp32", "ratio", "drift") and (numbers or "dtype" in e):
         bad(f"a {rule} entry carries no number of its own (got {numbers or ['dtype']})")
     if rule == "ratio":
         k = e.get("k")
         if not isinstance(k, int | float) or isinstance(k, bool) or not 1.0 <= k <= rules["ratio_k_max"]:
             bad(f"ratio rule needs 1 ≤ k ≤ {rules['ratio_k_max']:g}, got {k!r}")
+    if rule == "drift":
+        k = e.get("k")
+        if e.get("mode") != "drift":
+            bad("the drift rule governs mode drift only")
+        if not isinstance(k, int | float) or isinstance(k, bool) or not 1.0 <= k <= rules["ratio_k_max"]:
+            bad(f"the drift rule needs the exact rule's 1 ≤ k ≤ {rules['ratio_k_max']:g}, got {k!r}")
+    if e.get("mode") == "drift" and rule != "drift":
+        bad("mode drift is judged by the drift rule")
     if rule == "rounding":
         if numbers:
             bad(f"a rounding entry derives its limit from the arithmetic; it carries no {numbers}")
@@ -199,9 +231,11 @@ def _check(i: int, e: dict, rules: dict, path: Path) -> None:
             bad("a contract may only govern an approximate mode's kernel (mode kernel), its output quality (mode "
                 "quality) or NVFP4 W4A4; every other layer is held to the exact rules")
     attention = str(e.get("attention", "*"))
-    if attention not in ("*", "exact") and e.get("mode") not in ("kernel", "quality"):
-        bad(f"attention {attention!r}: an approximate backend is named only by its kernel contract and its quality "
-            f"floors; what it does not compute is judged by the exact entries")
+    if attention not in ("*", "exact") and e.get("mode") not in NAMES_BACKEND:
+        bad(f"attention {attention!r}: an approximate backend is named only by its kernel contract, its class rule "
+            f"and its quality entries; what it does not compute is judged by the exact entries")
+    if e.get("mode") == "class" and (rule != "ratio" or attention in ("*", "exact")):
+        bad("a class entry holds one approximate backend to the ratio rule against ComfyUI's fast mode")
 
 
 def load_budgets(path: str | Path | None = None) -> BudgetTable:
@@ -257,6 +291,15 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
         text = (f"err vs fp32 {ours:.3e} ≤ {b.k:g}×ComfyUI's {comfy:.3e} + {b.floor:g}" if ok else
                 f"err vs fp32 {ours:.3e} > {b.k:g}×ComfyUI's {comfy:.3e} + {b.floor:g} (ratio rule)")
         return Verdict(ok, text, ours, limit)
+    if b.rule == "drift":
+        if m.baseline is None:
+            return Verdict(False, "the drift rule needs the mode's recorded baseline", m.err, 0.0)
+        r = max(m.scale or 0.0, b.floor)
+        limit = math.sqrt(m.baseline ** 2 + m.paths * (b.k * r) ** 2)
+        ok = m.err <= limit
+        text = (f"err {m.err:.3e} {'≤' if ok else '>'} sqrt(baseline {m.baseline:.3e}² + {m.paths}·({b.k:g}·r "
+                f"{r:.3e})²) = {limit:.3e}" + ("" if ok else " (drift rule)"))
+        return Verdict(ok, text, m.err, limit)
     if b.rule == "rounding":
         if b.dtype:
             if m.gemm_rho is None:

@@ -1,9 +1,17 @@
-"""Parametrization of the parity gate over the discovered traces, the no-case check, and the parity report.
+"""Parametrization of the parity gate over the discovered traces, the checks that it compares something, and the
+parity report.
 
-A gate that finds nothing must not pass: when the trace roots yield no DiT, VAE or generation case at all (or,
-with the default roots, fewer cases than the committed fixtures hold), the run stops with one line naming the roots
-searched. A kind with no case in the given roots (say a folder of DiT traces only) has its tests deselected, not
-skipped, and the terminal summary lists how many cases of each kind ran.
+A gate that compares nothing must not pass:
+- when the trace roots yield no DiT, VAE or generation case at all (or, with the default roots, fewer cases than the
+  committed fixtures hold), the run stops with one line naming the roots searched;
+- when the attention backend asked for (with its options) cannot run any DiT case on this device (`--device cuda`
+  without a GPU, a GPU-only backend on the CPU, a backend whose fallback is not installed), the run stops before
+  any compute with one line: why, and which backends run here;
+- when the backend's calls all ran its documented fallback (sol_attn's short or head_dim calls, fa3_fp8's head_dim
+  calls), or every FP8 linear on a GPU was emulated, the run fails at its end with one line: its kernel was
+  compared nowhere.
+A kind with no case in the given roots (say a folder of DiT traces only) has its tests deselected, not skipped, and
+the terminal summary lists how many cases of each kind ran.
 """
 
 from __future__ import annotations
@@ -49,6 +57,28 @@ class Cases:
                         f"roots searched: {where}")
         return None
 
+    def unrunnable(self, config) -> str | None:
+        """One line when the gate's DiT cases cannot run here at all with the backend asked for (None: some can)."""
+        import torch
+
+        from h3direct.dit.attention import available_backends
+        from h3direct.dit.options import describe
+        from parity_tests.models import run_dtype
+
+        device = config.getoption("--device")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            return (f"parity gate: --device {device}: no CUDA device here (torch.cuda.is_available() is False); "
+                    f"run it on a GPU machine, or with --device cpu")
+        attention = gate_attention(config)
+        reasons = [run_dtype(attention, c.compute, device)[1] for c in self.dit]
+        if not reasons or any(r is None for r in reasons):
+            return None
+        like = torch.empty(0, device=device, dtype=torch.bfloat16 if torch.device(device).type == "cuda"
+                           else torch.float32)
+        here = ", ".join(available_backends(like, attention)) or "none"
+        return (f"parity gate: --attention {describe(attention)} cannot run any DiT case on {device}: {reasons[0]}; "
+                f"attention backends that run here: {here}")
+
 
 def _cases(config) -> Cases:
     if not hasattr(config, "_h3_cases"):
@@ -88,6 +118,10 @@ def pytest_collection_modifyitems(config, items):
     line = cases.shortfall(config)
     if line:
         raise pytest.UsageError(line)
+    if any(_param(it, "dit_case") is not None for it in parity):
+        line = cases.unrunnable(config)
+        if line:
+            raise pytest.UsageError(line)
     keep, drop = [], []
     for it in items:
         cs = getattr(it, "callspec", None)
@@ -96,6 +130,11 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _param(item, name):
+    cs = getattr(item, "callspec", None)
+    return cs.params.get(name) if cs is not None else None
 
 
 _ran: dict[str, set[str]] = defaultdict(set)
@@ -119,6 +158,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     found = {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}
     ran = ", ".join(f"{k} {len(_ran[k])}/{found[k]}" for k in ("dit", "vae", "generate"))
     terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(map(str, cases.roots))}")
+    if getattr(config, "_h3_nothing_compared", None):
+        terminalreporter.write_line(f"FAILED: {config._h3_nothing_compared}", red=True, bold=True)
     if getattr(config, "_h3_live_warning", None):
         terminalreporter.write_line(f"WARNING: {config._h3_live_warning}", yellow=True)
 
@@ -145,6 +186,44 @@ def report():
     return _collector
 
 
+STRICT = {"sol_attn": "sol_strict", "fa3_fp8": "fp8_attn_strict"}  # the options that make a fallback an error
+
+
+def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
+    """One line when the run's approximate kernels never ran where the gate compared them: every call of the
+    attention backend asked for ran its documented fallback, or (on a GPU) every FP8 linear was emulated."""
+    from h3direct.dit.options import describe
+    from parity_tests.results import attention_key
+
+    attention = gate_attention(config)
+    name = attention_key(attention)
+    calls: dict[str, int] = defaultdict(int)
+    for c in cases:
+        for what, n in ((c.get("attention_calls") or {}).get(name) or {}).items():
+            calls[what] += n
+    fallback = {w: n for w, n in calls.items() if w.startswith("fallback to ")}
+    if fallback and not calls.get("kernel"):
+        ways = ", ".join(f"{w} ×{n}" for w, n in fallback.items())
+        strict = f"; --option {STRICT[name]}=on makes a fallback an error" if name in STRICT else ""
+        return (f"parity gate: --attention {describe(attention)} ran its fallback in every call ({ways}): its kernel "
+                f"was compared nowhere (cases must fit the kernel, e.g. sol_attn: head_dim 128, at least "
+                f"sol_min_tokens tokens){strict}")
+    fp8: dict[str, int] = defaultdict(int)
+    for c in cases:
+        for what, n in (c.get("fp8_linear_calls") or {}).items():
+            fp8[what] += n
+    import torch
+
+    if fp8 and not fp8.get("scaled_mm") and torch.device(config.getoption("--device")).type == "cuda":
+        ways = ", ".join(f"{w} ×{n}" for w, n in fp8.items())
+        return f"parity gate: --fp8-linear: every FP8 linear was emulated on the GPU ({ways}): no FP8 GEMM compared"
+    return None
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _collector.rows:
         _collector.write(report_dir(session.config))
+    line = kernel_compared_nowhere(session.config, _collector.cases) if _collector.cases else None
+    if line:
+        session.config._h3_nothing_compared = line
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -22,6 +22,9 @@ from h3direct.traces.pairing import (
 )
 
 VAE_KINDS = ("video_decode", "video_encode", "audio_decode", "audio_encode")
+# ComfyUI's attention functions of its fast modes (a recording's manifest `attention`) -> the mode: such a trace is
+# the reference of the approximate modes of its class (`ladder.py`), not a case of the exact gate
+FAST_MODES = {"attention_sage": "sage"}
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: parity_tests/ -> repo root
 FIXTURES = ROOT / "fixtures"
 SHARED_ORACLE = ROOT.parent / "shared" / "oracle"  # the shared oracle set, when it sits beside the checkout
@@ -45,6 +48,7 @@ class DitCase:
     weights: str  # bf16 | nvfp4_w4a4 | nvfp4_w4a16
     task: str
     twin_fp32: Path | None  # ComfyUI's fp32 trace of the same checkpoint and inputs
+    sage_twin: Path | None = None  # ComfyUI --use-sage-attention's trace of the same case (same compute dtype)
 
     @property
     def id(self) -> str:
@@ -100,6 +104,12 @@ def _traces(folder: Path, accept) -> dict[Path, dict]:
     return out
 
 
+def _same_case(m: dict, om: dict, inputs: Path, other_inputs: Path | None) -> bool:
+    """Two DiT recordings of the same checkpoint, task and inputs file (a twin, a fast mode's reference)."""
+    return (om.get("checkpoint") == m.get("checkpoint") and om.get("set") == m.get("set")
+            and (om.get("variant") or om.get("task")) == (m.get("variant") or m.get("task")) and other_inputs == inputs)
+
+
 def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
     """(cases, problems): problems are traces that could not be paired, as one-line reasons."""
     cases, problems = [], []
@@ -117,14 +127,20 @@ def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
             paired[st] = (ckpt, inputs)
         for st, (ckpt, inputs) in paired.items():
             m = metas[st]
-            twin = None
+            if m.get("attention") in FAST_MODES:  # a fast mode's reference, found by its case below
+                continue
+            compute = compute_of(m)
+            twin = sage = None
             for other, om in metas.items():
-                if (other != st and om.get("checkpoint") == m.get("checkpoint") and compute_of(om) == "fp32"
-                        and (om.get("variant") or om.get("task")) == (m.get("variant") or m.get("task"))
-                        and om.get("set") == m.get("set") and paired.get(other, (None, None))[1] == inputs):
+                if other == st or not _same_case(m, om, inputs, paired.get(other, (None, None))[1]):
+                    continue
+                if om.get("attention") in FAST_MODES:
+                    if compute != "fp32" and compute_of(om) == compute:
+                        sage = other
+                elif compute_of(om) == "fp32":
                     twin = other
-            cases.append(DitCase(st, ckpt, inputs, compute_of(m), weights_of(ckpt, m),
-                                 str(m.get("variant") or m.get("task")), twin if compute_of(m) != "fp32" else None))
+            cases.append(DitCase(st, ckpt, inputs, compute, weights_of(ckpt, m), str(m.get("variant") or m.get("task")),
+                                 twin if compute != "fp32" else None, sage))
     return cases, problems
 
 

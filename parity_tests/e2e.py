@@ -16,7 +16,8 @@ import torch
 from h3direct.traces import metrics
 from parity_tests.budgets import Measured, verdict
 from parity_tests.discovery import GenerateCase
-from parity_tests.gate import CaseResult, LayerResult, rule_flags
+from parity_tests.models import model, nvfp4_mode
+from parity_tests.results import CaseResult, LayerResult, attention_flags, attention_key, rule_flags
 
 
 def twin_of(case: GenerateCase) -> GenerateCase | None:
@@ -39,13 +40,11 @@ def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu",
     from h3direct.traces.evaluate import short_generation
     from h3direct.traces.format import load_trace
     from h3direct.traces.inputs import load_inputs
-    from parity_tests.gate import _model, attention_flags, attention_key
 
     trace = trace or load_trace(case.trace)
-    model = _model(str(case.checkpoint), case.compute, case.weights.split("_")[-1] if "nvfp4" in case.weights
-                   else "w4a16", device)
+    dit = model(str(case.checkpoint), case.compute, nvfp4_mode(case), device)
     attention = as_options(attention)
-    ours = short_generation(model, load_inputs(case.inputs), case.manifest, backend=attention, device=device)
+    ours = short_generation(dit, load_inputs(case.inputs), case.manifest, backend=attention, device=device)
     twin_case = twin_of(case)
     twin = load_trace(twin_case.trace) if twin_case else None
     label = describe(attention)

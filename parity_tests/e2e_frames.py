@@ -13,9 +13,12 @@ as `python -m h3direct generate`, so whatever a flag does there it does here.
 The exact reference of a device: fa3 (sm_90, fa3-fwd importable), else cudnn_sdpa, else sdpa. Same seed, same inputs
 and geometry; only the path's flags differ. The video latent of each run is decoded by the pipeline's video VAE to
 float frames in [0, 1] (before the uint8 rounding of an mp4, which would hide errors under 1/255) and compared:
-PSNR per frame (peak 1) and SSIM per frame (scikit-image, data range 1), mean and min over frames, and the audio
-latent decoded by the audio VAE to a waveform (its SNR), against the approximate mode's declared quality (budgets
-table, mode "quality", kinds "frames" and "waveform": part c of the gate, `gate.py`).
+rel-L2, PSNR per frame (peak 1) and SSIM per frame (scikit-image, data range 1), mean and min over frames, and the
+audio latent decoded by the audio VAE to a waveform (its rel-L2 and SNR). Where the exact path runs in a low
+precision (bf16 on CUDA) it also runs once in fp32 (sdpa): its own error against that run is the rounding scale of
+the drift rule. The frames' and the waveform's rel-L2 are what the mode records in its baseline beside the model
+folder (`drift.py`: `<model>/baselines/`, the bundled models' in `fixtures/baselines/`); the pytest item holds them
+to it.
 
 The model: a folder made by `python -m parity_tests.e2e_frames build` (`e2e.json` beside a DiT, the two VAEs and a
 text-embeds file; the GPU gate uses a head_dim-128 "small" DiT at S ~ 4.5 k tokens so that sol_attn runs its
@@ -36,12 +39,10 @@ from pathlib import Path
 
 import torch
 
-from h3direct.dit.linear import FP8_WEIGHTS_KEY as FP8_WEIGHTS
 from h3direct.dit.options import assignments
 from h3direct.errors import H3Error, RequestError, flag_name
 from h3direct.traces import metrics
-from parity_tests.budgets import Budget, BudgetTable, Measured, load_budgets, verdict
-from parity_tests.gate import CaseResult, LayerResult
+from parity_tests.results import CaseResult, LayerResult
 
 FP8_LINEAR = "fp8_linear"
 REFERENCES = ("fa3", "cudnn_sdpa", "sdpa")  # the exact reference of a device: the first one available
@@ -268,27 +269,6 @@ def frame_metrics(ours: torch.Tensor, ref: torch.Tensor, workers: int | None = N
             "ssim_min": min(ssim), "frames": len(psnr)}
 
 
-def budget_key(path: str, kind: str, weights: str) -> dict:
-    """The budgets key of a path's quality entry: attention = the approximate backend ("exact" for FP8 linears over
-    the exact reference), weights = "fp8_w8a8" when the FP8 block linears run."""
-    from parity_tests.gate import attention_key
-
-    attention, fp8 = split_path(path)
-    return {"mode": "quality", "kind": kind, "compute": "*", "weights": FP8_WEIGHTS if fp8 else weights,
-            "attention": "exact" if attention is None or kind_of(attention) == "exact" else attention_key(attention),
-            "twin": "*"}
-
-
-def quality_budget(budgets: BudgetTable, path: str, kind: str, weights: str) -> Budget:
-    """The declared quality entry of `path` for `kind` (frames | waveform), looked up before any compute."""
-    b = budgets.lookup(**budget_key(path, kind, weights))
-    floors = (b.psnr_db, b.psnr_min_db, b.ssim_mean, b.ssim_min) if kind == "frames" else (b.sqnr_db,)
-    if b.rule != "contract" or all(x is None for x in floors):
-        raise H3Error(f"no declared {kind} quality for {path} in the budgets table (mode quality, kind {kind})",
-                      path=budgets.path)
-    return b
-
-
 @dataclass
 class E2ECase:
     id: str
@@ -296,46 +276,55 @@ class E2ECase:
     weights: str
 
 
-def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, budgets: BudgetTable, *, compute: str,
-          reference: str, options: dict | None = None) -> CaseResult:
+def mode_label(path: str, options: dict | None = None) -> str:
+    """The label of a path with its options (`sol_attn+fp8_linear (sol_tau=2.5)`): its baseline's name."""
+    spelled = assignments(options or {})
+    return path + (f" ({', '.join(spelled)})" if spelled else "")
+
+
+def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, *, compute: str, reference: str,
+          options: dict | None = None, fp32: FramesRun | None = None) -> CaseResult:
+    """The path's decoded frames and waveform against the exact path's, reported and measured for the path's
+    baseline (`drift.py`); `fp32`: the exact path's fp32 run, whose distance to `ref` is the rounding scale."""
+    from parity_tests.drift import Quantity
+
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
     case = E2ECase(model.id, compute, model.weights)
-    spelled = assignments(options or {})
-    given = "".join(f" --option {a}" for a in spelled)
-    label = path + (f" ({', '.join(spelled)})" if spelled else "")
+    given = "".join(f" --option {a}" for a in assignments(options or {}))
+    label = mode_label(path, options)
     result = CaseResult(case, "e2e", label, title=f"{model.id} [quality, {compute}, {model.weights}, {label} vs "
-                        f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls)
+                        f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls,
+                        approx=label)
     redo = (f"python -m parity_tests.e2e_frames compare --model {model.root or 'bundled'} --path {path} "
             f"--device {'cuda' if compute == 'bf16' else 'cpu'}{given}")
     fm = frame_metrics(ours.frames, ref.frames)
     for name, a, e, m in (("frames", ours.frames, ref.frames, fm), ("waveform", ours.waveform, ref.waveform, None)):
-        b = quality_budget(budgets, path, name, model.weights)
         rel = metrics.rel_l2(a, e)
-        v = verdict(b, Measured(rel, frames=m))
+        scale = metrics.rel_l2(e, getattr(fp32, name)) if fp32 is not None else 0.0
+        result.measured[name] = Quantity(rel, scale, 2)
         info = (f"{fm['frames']} frames: PSNR mean {fm['psnr_mean']:.2f} / min {fm['psnr_min']:.2f} dB, SSIM mean "
                 f"{fm['ssim_mean']:.6f} / min {fm['ssim_min']:.6f}") if m else f"SNR {metrics.sqnr_db(a, e):.1f} dB"
+        info += f"; the exact path vs its fp32 run: {scale:.3e}" if fp32 is not None else ""
         result.layers.append(LayerResult(name, name, "e2e", rel, metrics.sqnr_db(a, e), metrics.max_abs(a, e),
-                                         v.passed, v.text, b.provenance, redo, None, v.error, v.limit, "quality",
-                                         info))
+                                         True, "reported; held to the path's baseline (drift rule)", "", redo, None,
+                                         rel, math.inf, "quality", info))
     result.frame_metrics = fm
     return result
 
 
-def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", budgets: BudgetTable | None = None,
-                  reference: str | None = None, exact_run: FramesRun | None = None,
-                  options: dict | None = None) -> CaseResult:
-    """Exact reference vs `path` on `model`, judged by the declared quality of `path` (looked up before any
-    compute). `exact_run`: a reference run to reuse; `options`: the attention backends' options `path` runs with
-    ({flat name: value}, `path_flags`)."""
-    budgets = budgets or load_budgets()
+def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", reference: str | None = None,
+                  exact_run: FramesRun | None = None, options: dict | None = None) -> CaseResult:
+    """Exact reference vs `path` on `model` (and, where the exact path runs in bf16, the exact path in fp32 for the
+    rounding scale). `exact_run`: a reference run to reuse; `options`: the attention backends' options `path` runs
+    with ({flat name: value}, `path_flags`)."""
     compute = compute_of(device)
     reference = reference or exact_reference(device)
-    for kind in ("frames", "waveform"):
-        quality_budget(budgets, path, kind, model.weights)
     ref = exact_run or run_frames(model, ["--attention", reference], device=device)
+    fp32 = None if compute == "fp32" else run_frames(model, ["--attention", "sdpa", "--compute-dtype", "fp32"],
+                                                     device=device)
     ours = run_frames(model, path_flags(path, reference, options), device=device)
-    return judge(model, path, ours, ref, budgets, compute=compute, reference=reference, options=options)
+    return judge(model, path, ours, ref, compute=compute, reference=reference, options=options, fp32=fp32)
 
 
 # ---- command line: build a model folder, compare one path -----------------------------------------

@@ -10,8 +10,11 @@ block linears of `--fp8-linear`) is judged in three parts, each reported per cas
 - (b) **kernel**: at each attention site the backend runs on the recorded q/k/v and is compared with exact fp32
   attention on the same operands (or with the reference implementation its contract names); at each FP8 linear the
   FP8 product is compared with the exact fp32 product on the recorded input;
-- (c) **quality**: free-running, the approximate mode's x0 against h3direct's own exact path on the same inputs,
-  device and dtype (decoded frames: `parity_tests/e2e_frames.py`).
+- (c) **outputs**, free-running: against ComfyUI's fp32 twin, in units of ComfyUI's own low-precision error (the
+  ladder, `ladder.py`), held to the ratio rule against ComfyUI's fast mode (`--use-sage-attention`) where the mode
+  is of its class and that recording lies beside the case; and the mode's measured quality (those outputs, and x0
+  against h3direct's own exact path on the same inputs, device and dtype; decoded frames in
+  `parity_tests/e2e_frames.py`) held to the mode's own recorded history (`drift.py`; the pytest gate does it).
 
 Plain Python (no pytest) so tests, the sensitivity checks and people at a prompt use the same code:
 
@@ -23,8 +26,6 @@ Plain Python (no pytest) so tests, the sensitivity checks and people at a prompt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -32,154 +33,18 @@ import torch
 from h3direct.dit.options import AttentionOptions
 from h3direct.errors import H3Error
 from h3direct.traces import metrics
-from h3direct.traces.format import Trace, load_trace
+from h3direct.traces.format import Trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import DitCase
+from parity_tests.models import compute_name, model, nvfp4_mode, trace
+from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
 EXACT_REFERENCE = "sdpa"  # the exact backend that runs what an approximate mode does not compute
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class NoTwin(H3Error):
     """A low-precision case without ComfyUI's fp32 twin, gated without --no-twin."""
-
-
-@dataclass
-class LayerResult:
-    name: str
-    kind: str
-    mode: str
-    rel_l2: float  # against the reference of the comparison (ComfyUI's trace, exact attention, the exact path)
-    sqnr_db: float
-    worst: metrics.MaxAbs
-    passed: bool
-    rule: str
-    budget_provenance: str
-    replay: str
-    vs_fp32: tuple[float, float] | None = None  # (ours, ComfyUI) error against the fp32 twin
-    error: float = math.nan  # what the rule judged, on its own scale (rel-L2), and its limit: the report's plot
-    limit: float = math.inf
-    part: str = "exact"  # exact (a) | kernel (b) | quality (c)
-    info: str = ""  # what else was measured (a kernel's error against exact attention, the fallback it ran)
-
-    def line(self) -> str:
-        status = "ok  " if self.passed else "FAIL"
-        extra = f" ({self.info})" if self.info else ""
-        return (f"{status} {self.mode:7s} {self.name}: rel_l2 {self.rel_l2:.3e}, sqnr {self.sqnr_db:.1f} dB, "
-                f"worst {self.worst} [{self.rule}]{extra}")
-
-
-@dataclass
-class CaseResult:
-    """All compared tensors of one case (DiT trace, VAE trace or generation), in execution order."""
-
-    case: object
-    mode: str
-    attention: str
-    layers: list[LayerResult] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    title: str = ""  # default: "<case> [mode, compute, weights, attention]"
-    unit: str = "layer"  # what one comparison is called: layer | key | tensor
-    action: str = "replay"  # label of the command that re-runs it
-    compute: str | None = None  # budget compute key when h3direct ran in another dtype ("bf16@fp32")
-    attention_calls: dict | None = None  # backends that count their calls (sol_attn: kernel vs fallback)
-    weights: str | None = None  # "fp8_w8a8" when the FP8 block linears ran
-    fp8_linear_calls: dict | None = None  # --fp8-linear: calls per GEMM path (scaled_mm / emulated (reason))
-    notes: list[str] = field(default_factory=list)  # what was not gated, and why
-
-    @property
-    def first_failure(self) -> LayerResult | None:
-        return next((r for r in self.layers if not r.passed), None)
-
-    @property
-    def passed(self) -> bool:
-        return self.first_failure is None and bool(self.layers)
-
-    def worst(self, part: str) -> LayerResult | None:
-        """The comparison of `part` closest to (or furthest past) its limit."""
-        rows = [r for r in self.layers if r.part == part and r.limit > 0 and not math.isnan(r.error)]
-        return max(rows, key=lambda r: r.error / r.limit, default=None)
-
-    def report(self) -> str:
-        f = self.first_failure
-        c = self.case
-        head = self.title or (f"{c.id} [{self.mode}, {getattr(c, 'compute', '?')}, {getattr(c, 'weights', '?')}, "
-                              f"{self.attention}]")
-        notes = "".join(f"\n  note: {n}" for n in self.notes)
-        if f is None:
-            return f"{head}: {len(self.layers)} {self.unit}s within their rules{notes}"
-        return (f"{head}: first failing {self.unit} in execution order: {f.name} ({f.kind}, {f.part})\n"
-                f"  {f.line()}\n"
-                f"  rule: {f.rule} — {f.budget_provenance}\n"
-                f"  worst element: index {list(f.worst.index)}: h3direct {f.worst.got:.8g}, "
-                f"reference {f.worst.ref:.8g}\n"
-                f"  {self.action}: {f.replay}{notes}")
-
-
-def replay_command(trace: Path, layer: str, comfy_root: str | None = None, rule: str = "") -> str:
-    """The command that re-runs one compared tensor (`python -m oracle replay`), with the rule it was judged by."""
-    root = f" --comfy-root {comfy_root}" if comfy_root else ""
-    return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct{rule}"
-
-
-def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
-    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`), after the
-    attention backend and its non-default options (`--attention NAME --option NAME=VALUE ...`)."""
-    flags = attention_flags(attention) if attention else ""
-    flags += f" --device {device}" if device != "cpu" else ""
-    if b.rule == "ratio":
-        return flags + f" --ratio {b.k:g} --floor {b.floor:g}"
-    if math.isfinite(limit) and limit > 0:
-        return flags + f" --budget {limit:.3g}"
-    return flags
-
-
-def attention_flags(attention) -> str:
-    """` --attention NAME` and ` --option NAME=VALUE` for each of its options off its default (sdpa: none)."""
-    from h3direct.dit.attention import as_options
-    from h3direct.dit.options import assignments, changed_options
-
-    opts = as_options(attention)
-    flags = f" --attention {opts.backend}" if opts.backend != "sdpa" else ""
-    return flags + "".join(f" --option {a}" for a in assignments(changed_options(opts)))
-
-
-@lru_cache(maxsize=8)
-def _model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_linear: str = "off"):
-    from h3direct.dit.loader import load_dit
-
-    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=fp8_linear)
-
-
-@lru_cache(maxsize=32)
-def _trace(path: str) -> Trace:
-    return load_trace(path)
-
-
-def attention_key(backend) -> str:
-    """The budgets key of an attention backend (a name or AttentionOptions): "exact" for every exact one, else the
-    name of the approximate backend that computes its calls (kj_head_sliced: its inner backend)."""
-    from h3direct.dit.attention import as_options, is_exact, slice_backend
-
-    opts = as_options(backend)
-    if is_exact(opts):
-        return "exact"
-    return slice_backend(opts) if opts.backend == "kj_head_sliced" else opts.backend
-
-
-def dtype_reason(attention, compute: str, device: str) -> str | None:
-    """Why the backend cannot run `compute` ("fp32", "bf16", "fp16") operands on `device` (None: it can), probed
-    with a tensor of that dtype there."""
-    from h3direct.dit.attention import unavailable_reason
-
-    return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[compute])))
-
-
-def own_dtype(attention, compute: str, device: str) -> str:
-    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
-    runs = dtype_reason(attention, compute, device) is None
-    return compute if runs or dtype_reason(attention, "bf16", device) is not None else "bf16"
 
 
 def lowp_twin(case: DitCase, compute: str) -> Path | None:
@@ -191,35 +56,13 @@ def lowp_twin(case: DitCase, compute: str) -> Path | None:
                  and c.twin_fp32.name == case.trace.name), None)
 
 
-def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:
-    """(the dtype h3direct runs a `compute` trace in with this backend, why it cannot run at all or None).
-
-    Availability is probed with a tensor of that dtype on that device. A backend that runs only in bf16/fp16 runs an
-    fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run.
-    An approximate backend is only run at its kernel sites and in the quality check (in bf16 where it must); the
-    rest of its gate runs on the exact path in the trace's own dtype."""
-    from h3direct.dit.attention import is_exact
-
-    reason = dtype_reason(attention, compute, device)
-    if reason is not None and compute == "fp32" and dtype_reason(attention, "bf16", device) is None:
-        return ("bf16" if is_exact(attention) else compute), None
-    return compute, reason
-
-
-def _nvfp4_mode(case: DitCase) -> str:
-    return case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
-
-
-def _setup(case: DitCase, device: str, compute: str | None = None, fp8_linear: str = "off"):
+def _setup(case: DitCase, device: str, compute: str | None = None):
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.inputs import load_inputs
 
-    trace = _trace(str(case.trace))
+    loaded = model(str(case.checkpoint), compute or case.compute, nvfp4_mode(case), device)
     inputs = load_inputs(case.inputs)
-    key = (str(case.checkpoint), compute or case.compute, _nvfp4_mode(case), device)
-    # without fp8 the cache key stays the 4-tuple others use (`_model(...)` elsewhere gets the same instance)
-    model = _model(*key) if fp8_linear == "off" else _model(*key, fp8_linear)
-    return trace, inputs, model, conditioning_of(inputs)
+    return trace(str(case.trace)), inputs, loaded, conditioning_of(inputs)
 
 
 def _measure(name: str, ours: torch.Tensor, ref_trace: Trace, twin: Trace | None, low_key: bool,
@@ -249,8 +92,11 @@ class Gate:
 
     def __init__(self, case: DitCase, result: CaseResult, budgets: BudgetTable, trace: Trace, twin: Trace | None,
                  compute_key: str, comfy_root: str | None, no_twin: bool):
+        from h3direct.counts import CallCounts
+
         self.case, self.result, self.budgets, self.trace, self.twin = case, result, budgets, trace, twin
         self.compute_key, self.comfy_root, self.no_twin = compute_key, comfy_root, no_twin
+        self.site_calls = CallCounts()  # the attention calls of the kernel sites (each counted on its own)
 
     def key(self, mode: str, kind: str, **over) -> dict:
         return {"mode": mode, "kind": kind, "compute": self.compute_key, "weights": self.case.weights,
@@ -306,57 +152,65 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
     exact_backend = EXACT_REFERENCE if approx_attention else attention
     low = compute is not None and compute != case.compute
     compute_key = f"{compute}@{case.compute}" if low else case.compute
-    base_trace, inputs, model, cond = _setup(case, device, compute if low else None)
-    trace = trace or base_trace
+    base_trace, inputs, loaded, cond = _setup(case, device, compute if low else None)
+    given_trace = trace or base_trace  # `trace`: an in-memory ComfyUI trace given instead of the file
     if low:
         lp = lowp_twin(case, compute)
-        twin = _trace(str(lp)) if lp else None
+        twin = _load(lp) if lp else None
     else:
-        twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+        twin = _load(case.twin_fp32) if case.twin_fp32 else None
     if compute_key != "fp32" and twin is None and not no_twin:
         what = f"ComfyUI's {compute} trace of this case" if low else "ComfyUI's fp32 twin of this case"
         raise NoTwin(f"{case.id}: {compute_key} is gated by the ratio rule, which needs {what}; record it "
                      f"(`python -m oracle record` records the twin by default) or pass --no-twin to gate by rounding "
                      f"bounds only")
     approx = approx_attention or fp8_linear != "off"
+    fp8_label = f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else ""
     title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, {case.weights}"
-             + (f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else "") + f", {label}]")
+             f"{fp8_label}, {label}]")
     result = CaseResult(case, mode, label, title=title if (low or approx) else "",
                         compute=compute_key if low else None,
-                        weights=FP8_WEIGHTS_KEY if fp8_linear != "off" else None)
-    gate = Gate(case, result, budgets, trace, twin, compute_key, comfy_root, no_twin)
+                        weights=FP8_WEIGHTS_KEY if fp8_linear != "off" else None,
+                        approx=(label + (f" + fp8_linear ({fp8_linear})" if fp8_linear != "off" else ""))
+                        if approx else "")
+    gate = Gate(case, result, budgets, given_trace, twin, compute_key, comfy_root, no_twin)
     if twin is None and compute_key != "fp32":
         result.notes.append("no fp32 twin (--no-twin): teacher sites by rounding bounds; free runs and whole blocks "
                             "are not gated")
     with torch.no_grad(), counting() as calls:
         if mode == "teacher":
-            _teacher(gate, model, inputs, cond, device, exact_backend, attention if approx_attention else None,
+            _teacher(gate, loaded, inputs, cond, device, exact_backend, attention if approx_attention else None,
                      fp8_linear, low)
         elif mode == "free":
-            _free(gate, model, inputs, device, exact_backend, attention, fp8_linear, approx)
+            _free(gate, loaded, inputs, device, exact_backend, attention, fp8_linear, approx)
         else:
             raise ValueError(f"unknown gate mode {mode!r}")
+    calls.add(gate.site_calls.as_dict())
     result.attention_calls = calls.as_dict().get("attention")
     if fp8_linear != "off":
         result.fp8_linear_calls = dict(calls.fp8_linear)
     return result
 
 
-def _teacher(gate: Gate, model, inputs, cond, device, exact_backend, approx_backend, fp8_linear, low) -> None:
+def _load(path: Path) -> Trace:
+    return trace(str(path))
+
+
+def _teacher(gate: Gate, dit, inputs, cond, device, exact_backend, approx_backend, fp8_linear, low) -> None:
     from h3direct.traces.replay import available_sites
     from parity_tests import kernels
 
     case, text = gate.case, inputs["text_states"]
-    sites = available_sites(model, gate.trace, cond, text, backend=exact_backend, device=device,
-                            dtypes_from=gate.twin if low else None, compute_dtype=model.compute_dtype if low else None)
+    sites = available_sites(dit, gate.trace, cond, text, backend=exact_backend, device=device,
+                            dtypes_from=gate.twin if low else None, compute_dtype=dit.compute_dtype if low else None)
     local = {}
     if gate.twin is not None and gate.compute_key in ("bf16", "fp16"):  # each layer's fp32 evaluation, same inputs
-        ref32 = _model(str(case.checkpoint), "fp32", _nvfp4_mode(case), device)
+        ref32 = model(str(case.checkpoint), "fp32", nvfp4_mode(case), device)
         local = {s.name: s for s in available_sites(ref32, gate.trace, cond, text, backend=EXACT_REFERENCE,
                                                     device=device, widen=True)}
     fp8_model, fp8_names = None, set()
     if fp8_linear != "off":
-        fp8_model = _model(str(case.checkpoint), _compute_name(model), _nvfp4_mode(case), device, fp8_linear)
+        fp8_model = model(str(case.checkpoint), compute_name(dit), nvfp4_mode(case), device, fp8_linear)
         fp8_names = kernels.fp8_linear_names(fp8_model)
     no_bound = []
     for s in sites:
@@ -367,21 +221,17 @@ def _teacher(gate: Gate, model, inputs, cond, device, exact_backend, approx_back
         if approx_backend is not None and s.operands is not None:
             kernels.attention_site(gate, s, approx_backend, device)
         if s.name.removesuffix(".out") in fp8_names:
-            kernels.fp8_linear_site(gate, s, model, fp8_model)
+            kernels.fp8_linear_site(gate, s, dit, fp8_model)
     if no_bound:
         gate.result.notes.append(f"{len(no_bound)} sites without a rounding bound not gated (first: {no_bound[0]})")
 
 
-def _compute_name(model) -> str:
-    return {v: k for k, v in DTYPES.items()}[str(model.compute_dtype).removeprefix("torch.")]
-
-
-def _free(gate: Gate, model, inputs, device, exact_backend, attention, fp8_linear, approx) -> None:
+def _free(gate: Gate, dit, inputs, device, exact_backend, attention, fp8_linear, approx) -> None:
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
 
-    with Tracer(model) as tracer:
-        exact_out = one_step(model, inputs, backend=exact_backend, device=device)
+    with Tracer(dit) as tracer:
+        exact_out = one_step(dit, inputs, backend=exact_backend, device=device)
     if gate.twin is None and gate.compute_key != "fp32":
         gate.result.notes.append("free run not gated: no fp32 twin (a free run has no rounding bound)")
     else:
@@ -394,7 +244,8 @@ def _free(gate: Gate, model, inputs, device, exact_backend, attention, fp8_linea
     if approx:
         from parity_tests import kernels
 
-        kernels.quality_x0(gate, model, inputs, device, exact_backend, attention, fp8_linear, exact_out)
+        kernels.free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_linear,
+                                 {**tracer.tensors, **exact_out})
 
 
 def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Trace | None = None,
@@ -402,11 +253,11 @@ def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Tra
                  title: str = "") -> CaseResult:
     """Free-mode gate of already computed tensors (e.g. a trace that `h3direct trace` wrote under torchrun)
     against `reference` (default: the case's ComfyUI trace), at every tensor the reference records."""
-    trace = reference or _trace(str(case.trace))
-    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    ref = reference or trace(str(case.trace))
+    twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "free", attention, title=title)
-    gate = Gate(case, result, budgets or load_budgets(), trace, twin, case.compute, comfy_root, False)
-    for name in trace.names_in_order():
+    gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, comfy_root, False)
+    for name in ref.names_in_order():
         if name not in ours:
             result.skipped.append(name)
             continue
@@ -421,12 +272,12 @@ def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: s
     from h3direct.traces.replay_sharded import available_sharded_sites
 
     budgets = budgets or load_budgets()
-    trace, inputs, model, cond = _setup(case, device)
-    sp.attach(model)
-    twin = _trace(str(case.twin_fp32)) if case.twin_fp32 else None
+    recorded, inputs, dit, cond = _setup(case, device)
+    sp.attach(dit)
+    twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
-    gate = Gate(case, result, budgets, trace, twin, case.compute, None, False)
+    gate = Gate(case, result, budgets, recorded, twin, case.compute, None, False)
     with torch.no_grad():
-        for s in available_sharded_sites(model, trace, cond, sp, backend=attention, device=device):
+        for s in available_sharded_sites(dit, recorded, cond, sp, backend=attention, device=device):
             gate.exact(s.name, s.kind, "teacher", s.run())
     return result

@@ -8,7 +8,9 @@ operands, and its outputs against h3direct's own exact path.
   Sol-Attn with the same routing arguments). An exact backend that ran instead is held to the attention rounding bound.
 - FP8 linear sites: the e4m3 W8A8 product on the recorded input against the exact fp32 product with the checkpoint's
   weights, under the statistical e4m3 rounding bound (`budgets.py`).
-- quality: x0 of one denoiser evaluation, approximate vs exact path, video and audio.
+- free-running (`free_approximate`): one denoiser evaluation of the approximate mode, traced; every recorded tensor
+  against ComfyUI's fp32 twin (the ladder and the class rule, `ladder.py`), x0 against h3direct's exact path, and
+  what the mode measured for its baseline (`drift.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from h3direct.traces import metrics
+from parity_tests import ladder, models
 from parity_tests.budgets import Measured
+from parity_tests.drift import Quantity
+from parity_tests.results import LayerResult, attention_key, replay_command, rule_flags
 
 HEAD_CHUNK_BYTES = 1 << 30  # the eager Sol-Attn reference materialises scores: bound its memory per call
 
@@ -31,11 +36,9 @@ def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run_dtype(backend, dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype the backend runs these operands in (`gate.own_dtype`)."""
-    from parity_tests.gate import DTYPES, own_dtype
-
-    name = next(k for k, v in DTYPES.items() if getattr(torch, v) == dtype)
-    return getattr(torch, DTYPES[own_dtype(backend, name, str(device))])
+    """The dtype the backend runs these operands in (`models.own_dtype`)."""
+    name = next(k for k, v in models.DTYPES.items() if getattr(torch, v) == dtype)
+    return getattr(torch, models.DTYPES[models.own_dtype(backend, name, str(device))])
 
 
 def ran_backend(backend, stats: dict) -> str:
@@ -93,6 +96,7 @@ def attention_site(gate, site, backend, device) -> None:
     qq, kk, vv = (x.to(device=device, dtype=dtype) for x in (q, k, v))
     with counting() as calls, sequence_hints(prefix):  # this call's own counts (not the run's: not a model call)
         out = attention(qq, kk, vv, backend)[0].float()
+    gate.site_calls.add(calls.as_dict())
     ran = ran_backend(backend, calls.as_dict().get("attention", {}))
     exact = exact_attention(qq, kk, vv)[0]
     vs_exact = metrics.rel_l2(out, exact)
@@ -129,7 +133,6 @@ def attention_site(gate, site, backend, device) -> None:
 def _row(gate, name, b, m: Measured, ours, ref, info: str, roundings: int | None = None, attention=None,
          device: str = "cpu"):
     from parity_tests.budgets import verdict
-    from parity_tests.gate import LayerResult, replay_command, rule_flags
 
     v = verdict(b, m, roundings=roundings)
     replay = replay_command(gate.case.trace, name, gate.comfy_root, rule_flags(b, v.limit, attention, str(device)))
@@ -172,32 +175,70 @@ def fp8_linear_site(gate, site, model, fp8_model) -> None:
     gate.result.layers.append(_row(gate, site.name, b, m, ours, exact, ""))
 
 
-def quality_x0(gate, model, inputs, device, exact_backend, attention, fp8_linear: str, exact_out) -> None:
-    """x0 of the approximate mode against the exact path's, same inputs, device and dtype (part c); attention: a
-    name or AttentionOptions."""
-    from h3direct.dit.linear import FP8_WEIGHTS_KEY
+def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_linear: str, exact: dict) -> None:
+    """One denoiser evaluation of the approximate mode (attention: a name or AttentionOptions; the FP8 block linears
+    when fp8_linear is on), traced, beside the exact run's tensors `exact`: the class rule and the ladder against
+    ComfyUI's recordings (`ladder.py`), x0 against the exact path (reported), and the mode's measured quality for
+    its baseline (`result.measured`, `drift.py`)."""
+    from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
-    from parity_tests.budgets import verdict
-    from parity_tests.gate import DTYPES, LayerResult, _model, _nvfp4_mode, attention_key, own_dtype
 
-    case = gate.case
-    compute = {v: k for k, v in DTYPES.items()}[str(model.compute_dtype).removeprefix("torch.")]
-    approx_compute = own_dtype(attention, compute, device)
+    case, result = gate.case, gate.result
+    compute = models.compute_name(dit)
+    approx_compute = models.own_dtype(attention, compute, device)
+    exact_model = dit
     if approx_compute != compute:  # a bf16-only approximate backend on an fp32 case: the exact path in bf16 too
-        model = _model(str(case.checkpoint), approx_compute, _nvfp4_mode(case), device)
-        exact_out = one_step(model, inputs, backend=exact_backend, device=device)
-    approx_model = model if fp8_linear == "off" else _model(str(case.checkpoint), approx_compute, _nvfp4_mode(case),
-                                                            device, fp8_linear)
-    ours = one_step(approx_model, inputs, backend=attention, device=device)
-    weights = FP8_WEIGHTS_KEY if fp8_linear != "off" else case.weights
-    b = gate.budgets.lookup(**gate.key("quality", "x0", compute="*", weights=weights,
-                                       attention=attention_key(attention)))
+        exact_model = models.model(str(case.checkpoint), approx_compute, models.nvfp4_mode(case), device)
+        with Tracer(exact_model) as t:
+            out = one_step(exact_model, inputs, backend=exact_backend, device=device)
+        exact = {**t.tensors, **out}
+    approx_model = exact_model if fp8_linear == "off" else models.model(
+        str(case.checkpoint), approx_compute, models.nvfp4_mode(case), device, fp8_linear)
+    with Tracer(approx_model) as t:
+        out = one_step(approx_model, inputs, backend=attention, device=device)
+    ours = {**t.tensors, **out}
+    gate.refs = refs = ladder.references(case)
+    points, exact_points = ladder.measure(ours, refs), ladder.measure(exact, refs)
+    low_run = approx_compute != "fp32"  # the drift rule's scale: ComfyUI's own rounding where the mode rounds alike
+
+    key = attention_key(attention)
+    b = (gate.budgets.find(mode="class", kind="output", compute=approx_compute, weights=case.weights, attention=key,
+                           twin="yes") if key != "exact" and fp8_linear == "off" else None)
+    if b is not None and refs.sage is None:
+        result.notes.append(f"class reference missing: no ComfyUI --use-sage-attention recording of this case "
+                            f"(`python -m oracle record --sage-twin`), so {result.approx} is held to its own "
+                            f"baseline only")
+    elif b is not None:
+        ladder.class_rows(gate, points, ours, b)
+
+    for name in ladder.LADDER:
+        p = points.get(name)
+        if p is not None and refs.usable:
+            result.measured[f"out.{name}"] = Quantity(p.err, p.comfy if low_run else 0.0, 1)
     for stream in ("video", "audio"):
-        a, e = ours[f"sample_out.{stream}"].float(), exact_out[f"sample_out.{stream}"].float()
-        m = Measured(metrics.rel_l2(a, e))
-        v = verdict(b, m)
-        name = f"quality.x0.{stream}"
-        gate.result.layers.append(LayerResult(name, "x0", "free", m.err, metrics.sqnr_db(a, e),
-                                              metrics.max_abs(a, e), v.passed, v.text, b.provenance,
-                                              f"approximate vs exact path ({approx_compute}, {exact_backend})",
-                                              None, v.error, v.limit, "quality"))
+        name = f"sample_out.{stream}"
+        a, e = ours[name].float().cpu(), exact[name].float().cpu()
+        rel = metrics.rel_l2(a, e)
+        r = points[name].comfy if low_run and name in points and refs.usable else 0.0
+        result.measured[f"x0.{stream}"] = Quantity(rel, r, 2)
+        result.layers.append(LayerResult(
+            f"quality.x0.{stream}", "x0", "free", rel, metrics.sqnr_db(a, e), metrics.max_abs(a, e), True,
+            "reported; held to the mode's baseline (drift rule)", "",
+            f"approximate vs exact path ({approx_compute}, {exact_backend})", None, rel, math.inf, "quality",
+            f"SQNR {metrics.sqnr_db(a, e):.1f} dB"))
+    if refs.usable:
+        class_margin = [r.limit / r.error for r in result.layers if r.part == "class" and r.error > 0
+                        and math.isfinite(r.limit)]
+        result.ladder = {"comfy": {n: points[n].comfy for n in ladder.LADDER if n in points},
+                         "rows": ladder.reference_rows(points, refs.low_dtype) + [
+                             ladder.row(f"h3direct exact ({describe_backend(exact_backend)}, {approx_compute})",
+                                        exact_points),
+                             ladder.row(result.approx, points, this=True, rule=min(class_margin, default=None))]}
+    else:
+        result.notes.append("no ladder: the case lacks ComfyUI's fp32 trace or its low-precision one")
+
+
+def describe_backend(backend) -> str:
+    from h3direct.dit.options import describe
+
+    return describe(backend) if not isinstance(backend, str) else backend

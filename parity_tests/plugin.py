@@ -20,6 +20,8 @@ Parity options (the merge gate, `pytest -m parity`):
   --budgets FILE      an alternative budgets table (default parity_tests/budgets.toml)
   --no-twin           gate bf16/fp16 traces that have no fp32 twin by rounding bounds (teacher sites only) instead
                       of refusing them
+  --baselines DIR     where approximate modes' baselines live (default: beside each case's traces, in
+                      `baselines/`; `drift.py`); pytest-regressions' --force-regen rewrites them
   --parity-report DIR where the report goes (default ./parity-report, in the folder pytest was started from)
   --fp8-linear[=M]    gate h3direct with FP8 W8A8 block linears (M: stream (bare flag) or resident), an approximate
                       mode: its linears against the e4m3 rounding bound, the rest exact, x0 against the exact path
@@ -67,6 +69,8 @@ def pytest_addoption(parser):
     g.addoption("--e2e-model", default=None, metavar="DIR", help="model folder of the e2e frames gate")
     g.addoption("--no-twin", action="store_true",
                 help="gate low-precision traces without ComfyUI's fp32 twin by rounding bounds instead of refusing")
+    g.addoption("--baselines", default=None, metavar="DIR",
+                help="approximate modes' baselines (default: a baselines/ folder beside each case's traces)")
     g.addoption("--parity-report", default=REPORT_DIR,
                 help="where the parity report is written (relative paths: from where pytest was started)")
 
@@ -108,6 +112,9 @@ def pytest_configure(config):
     missing = [str(p) for p in given_trace_dirs(config) or [] if not p.is_dir()]
     if missing:  # one line from pytest, before any collection
         raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
+    baselines = config.getoption("--baselines")
+    if baselines and Path(baselines).exists() and not Path(baselines).is_dir():
+        raise pytest.UsageError(f"--baselines: not a directory: {baselines}")
     gate_attention(config)
 
 
@@ -121,6 +128,12 @@ def gate_attention(config):
         return Options.from_flat({"attention": config.getoption("--attention"), **given}).attention
     except H3Error as exc:
         raise pytest.UsageError(f"--option {exc}") from None
+
+
+def baselines_dir(config) -> Path | None:
+    """--baselines as an absolute path (a relative one against the folder pytest was started in), or None."""
+    given = config.getoption("--baselines")
+    return Path(os.path.abspath(Path(config.invocation_params.dir) / Path(given).expanduser())) if given else None
 
 
 def report_dir(config) -> Path:

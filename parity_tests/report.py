@@ -4,7 +4,9 @@ line per comparison) and `report.md` (the case table, for a terminal or a PR com
 report.html, per case: every comparison's error against its limit on a log scale, in execution order, with the
 limit as a line, the first failing comparison marked and its replay command beside the plot; per attention site of
 an approximate backend, the kernel's error against its contract; on top, a table of the cases with the margin of
-each part (limit / error at the comparison closest to its limit: > 1 passes).
+each part (limit / error at the comparison closest to its limit: > 1 passes), and per case of an approximate mode its
+ladder: every mode's output error against ComfyUI's fp32 twin as a multiple of ComfyUI's own low-precision error,
+ComfyUI bf16 and ComfyUI+sage as reference rows, with each mode's margin to its rule and to its baseline.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import math
 import re
 from pathlib import Path
 
-PARTS = ("exact", "kernel", "quality")
-PART_TITLE = {"exact": "a: exact rule", "kernel": "b: kernel contract", "quality": "c: output quality"}
+from parity_tests.results import PARTS
+
+MARGIN_PARTS = tuple(p for p in PARTS if p != "quality")  # the parts with limits (quality is reported)
+PART_TITLE = {"exact": "a: exact rule", "kernel": "b: kernel contract", "class": "c: ComfyUI's fast mode",
+              "quality": "quality (reported)", "drift": "d: own baseline"}
 # plot geometry (px): margins leave room for the y label and the tick labels
 W, H, LEFT, RIGHT, TOP, BOTTOM = 880, 300, 88, 24, 20, 58
 
@@ -42,7 +47,7 @@ class ReportCollector:
         span = (len(self.rows), len(self.rows) + len(rows))
         self.rows += rows
         margins = {}
-        for part in PARTS:
+        for part in MARGIN_PARTS:
             w = result.worst(part)
             if w is not None:
                 margins[part] = {"layer": w.name, "margin": _num(w.limit / w.error if w.error else math.inf)}
@@ -55,7 +60,8 @@ class ReportCollector:
                            "first_rule": first.rule if first else None, "margins": margins,
                            "notes": list(getattr(result, "notes", [])),
                            "attention_calls": getattr(result, "attention_calls", None),
-                           "fp8_linear_calls": getattr(result, "fp8_linear_calls", None)})
+                           "fp8_linear_calls": getattr(result, "fp8_linear_calls", None),
+                           "ladder": getattr(result, "ladder", None) or None})
 
     def write(self, folder: str | Path) -> Path:
         folder = Path(folder)
@@ -71,11 +77,17 @@ class ReportCollector:
 
     def markdown(self) -> str:
         lines = ["# Parity report", "", "| case | mode | compute | weights | attention | compared | result | "
-                 "margin a / b / c |", "|---|---|---|---|---|---|---|---|"]
+                 "margin a / b / c / d |", "|---|---|---|---|---|---|---|---|"]
         for c in self.cases:
             res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`"
             lines.append(f"| {c['case']} | {c['mode']} | {c['compute']} | {c['weights']} | {c['attention']} | "
                          f"{c['layers']} | {res} | {_margins(c)} |")
+        laddered = [c for c in self.cases if c.get("ladder")]
+        if laddered:
+            lines += ["", "## Ladder: output error against ComfyUI's fp32 twin, × ComfyUI's own low-precision error",
+                      ""]
+            for c in laddered:
+                lines += [f"**{c['case']}**", ""] + ladder_markdown(c["ladder"]) + [""]
         counted = [c for c in self.cases if c.get("attention_calls")]
         if counted:
             lines += ["", "## Attention calls (kernel vs documented fallback)", ""]
@@ -111,14 +123,14 @@ class ReportCollector:
 
     def _case_table(self) -> str:
         head = ("<table><tr><th>case</th><th>mode</th><th>compute</th><th>weights</th><th>attention</th>"
-                "<th>compared</th><th>result</th>" + "".join(f"<th>margin {PART_TITLE[p]}</th>" for p in PARTS)
+                "<th>compared</th><th>result</th>" + "".join(f"<th>margin {PART_TITLE[p]}</th>" for p in MARGIN_PARTS)
                 + "</tr>")
         body = []
         for i, c in enumerate(self.cases):
             res = ("<span class=ok>pass</span>" if c["passed"] else
                    f"<span class=bad>FAIL</span> at <code>{_e(c['first_failure'])}</code>")
             cells = []
-            for p in PARTS:
+            for p in MARGIN_PARTS:
                 m = c["margins"].get(p)
                 cells.append("<td>–</td>" if m is None else
                              f"<td class={'ok' if _margin_ok(m['margin']) else 'bad'}>{_fmt_margin(m['margin'])}"
@@ -148,13 +160,40 @@ class ReportCollector:
                          f"{_e(c['first_rule'])}<br>Replay: <code class=cmd>{_e(c['first_replay'])}</code></p>")
         for n in c["notes"]:
             parts.append(f"<p class=note>{_e(n)}</p>")
+        if c.get("ladder"):
+            parts.append(ladder_html(c["ladder"]))
         parts.append(plot_svg(rows, c["first_failure"]))
         parts.append("</section>")
         return "\n".join(parts)
 
 
+def _ladder_cells(ladder: dict, row: dict) -> list[str]:
+    x = [f"×{row['x'][n]:.2f}" if n in row["x"] else "–" for n in ladder["comfy"]]
+    return x + [_fmt_margin(row[k]) if row.get(k) is not None else "–" for k in ("rule", "baseline")]
+
+
+def ladder_markdown(ladder: dict) -> list[str]:
+    names = [n.rsplit(".", 1)[-1] for n in ladder["comfy"]]
+    head = "| mode | " + " | ".join(f"{n} ×ComfyUI" for n in names) + " | margin to its rule | to its baseline |"
+    lines = [head, "|" + "---|" * (len(names) + 3)]
+    for row in ladder["rows"]:
+        mode = f"**{row['mode']}**" if row.get("this") else row["mode"]
+        lines.append(f"| {mode} | " + " | ".join(_ladder_cells(ladder, row)) + " |")
+    return lines
+
+
+def ladder_html(ladder: dict) -> str:
+    names = [n.rsplit(".", 1)[-1] for n in ladder["comfy"]]
+    head = ("<table class=ladder><tr><th>mode (output error vs ComfyUI's fp32 twin)</th>"
+            + "".join(f"<th>{_e(n)} × ComfyUI</th>" for n in names)
+            + "<th>margin to its rule</th><th>to its baseline</th></tr>")
+    body = [f"<tr{' class=this' if row.get('this') else ''}><td>{_e(row['mode'])}</td>"
+            + "".join(f"<td>{_e(c)}</td>" for c in _ladder_cells(ladder, row)) + "</tr>" for row in ladder["rows"]]
+    return head + "".join(body) + "</table>"
+
+
 def _margins(c: dict) -> str:
-    return " / ".join(_fmt_margin(c["margins"][p]["margin"]) if p in c["margins"] else "–" for p in PARTS)
+    return " / ".join(_fmt_margin(c["margins"][p]["margin"]) if p in c["margins"] else "–" for p in MARGIN_PARTS)
 
 
 def _margin_ok(m) -> bool:
@@ -269,4 +308,5 @@ td a,td small,td code{overflow-wrap:anywhere}table{width:100%}
 #c01818}.note{color:#666;font-size:13px}code{font-size:12px}.cmd{display:block;margin-top:4px;word-break:break-all}
 .tick{font-size:11px;fill:#555}.axis{font-size:12px;fill:#333}.failtext{font-size:12px;fill:#c01818}
 .legend text{font-size:11px;fill:#333}small{color:#666}.sum{font-size:15px}
+.ladder{width:auto;margin:8px 0}.ladder .this{font-weight:bold}
 </style></head><body>"""

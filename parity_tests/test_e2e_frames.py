@@ -4,7 +4,8 @@
 the run, above its minimum sequence): when NAME is an approximate path (sage2,
 ck_int8, sol_attn, kj_head_sliced over sage2, fa3_fp8, ...; `--e2e-path fp8_linear` for the FP8 block linears), one
 4-step generation on the device's exact path and one on NAME, same seed and inputs, decoded to frames and audio:
-PSNR / SSIM of the frames and SNR of the waveform against the mode's declared quality (budgets.toml, mode quality).
+their rel-L2, PSNR / SSIM and SNR against the exact path's, held to NAME's own baseline beside the model folder
+(the drift rule, `drift.py`; the first run records it).
 For an exact NAME there is no item. Skips: no CUDA device, or `--device cpu` for a GPU-only NAME (with the
 reason); on a GPU, a NAME that cannot run there fails. The CPU
 machinery tests are in the unit lane (tests/gate/test_e2e_frames_machinery.py).
@@ -45,7 +46,14 @@ def e2e_model(request, gate_options, tmp_path_factory):
     return E.E2EModel.load(given)
 
 
-def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report):
+def baseline_root(model: E.E2EModel) -> Path:
+    """Where a model's e2e baselines live: its folder, or fixtures/ for the bundled models."""
+    from parity_tests.discovery import FIXTURES
+
+    return model.root if model.root is not None else FIXTURES
+
+
+def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report, request, ndarrays_regression):
     device = gate_options["device"]
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
@@ -55,12 +63,15 @@ def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report):
             pytest.fail(f"{e2e_path} cannot run on this GPU: {why}", pytrace=False)
         pytest.skip(f"{e2e_path} needs a GPU: {why}")
     from h3direct.dit.options import changed_options
+    from parity_tests.drift import History
 
-    result = E.compare_paths(e2e_model, e2e_path, device=device, budgets=gate_options["budgets"],
-                             options=changed_options(gate_options["attention"]))
+    result = E.compare_paths(e2e_model, e2e_path, device=device, options=changed_options(gate_options["attention"]))
+    history = History(request.config, baseline_root(e2e_model), e2e_model.id, device, gate_options["budgets"])
+    history.judge(result)
     report.add_case(result)
     if E.split_path(e2e_path)[0] == "sol_attn":  # (also over FP8 linears) its budget is about the sparse kernel
         calls = result.attention_calls.get("sol_attn", {})
         assert calls.get("kernel", 0) > 0, (f"sol_attn ran only its fallback on {e2e_model.about} ({calls}): use "
                                             f"--e2e-model with a head_dim-128 model at >= H3_SOL_MIN_TOKENS tokens")
     assert result.passed, result.report()
+    history.record(result, ndarrays_regression)

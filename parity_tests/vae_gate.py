@@ -26,7 +26,7 @@ from h3direct.traces import metrics
 from h3direct.traces.format import Trace, load_trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import VaeCase
-from parity_tests.gate import CaseResult, LayerResult, replay_command, rule_flags
+from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
 

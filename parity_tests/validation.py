@@ -1,8 +1,10 @@
 """The gate's validation set: cases its rules were not tuned on, recorded with ComfyUI on a GPU.
 
 Each case is a synthetic checkpoint in ComfyUI's format and one Ref2VA / t2va inputs file, made here from a seed
-(`build`), then recorded by ComfyUI in bf16 and in fp32 (the twin) with `python -m oracle record --device cuda`
-(`record`). The folder then holds one sub-folder per case, laid out like ../shared/oracle, so the gate runs on it
+(`build`), then recorded by ComfyUI in bf16, in fp32 (the twin) and, where SageAttention is importable, in bf16
+under `--use-sage-attention` (its fast mode: the reference of the quantized-attention class) with `python -m oracle
+record --device cuda` (`record`; a case recorded before without its sage recording gets it added). The folder
+then holds one sub-folder per case, laid out like ../shared/oracle, so the gate runs on it
 as on any trace folder:
 
     python -m parity_tests.validation build --out DIR [--device cuda] [--only NAME ...]
@@ -118,16 +120,23 @@ def build(out: Path, *, device: str = "cpu", only: list[str] | None = None) -> l
 
 
 def record(out: Path, comfy_root: str, *, device: str = "cuda", jobs: int = 8,
-           only: list[str] | None = None) -> int:
-    """ComfyUI's bf16 trace and its fp32 twin of every case (one process each, `jobs` at a time)."""
+           only: list[str] | None = None, sage: bool | None = None) -> int:
+    """ComfyUI's bf16 trace, its fp32 twin and its sage recording of every case (one process each, `jobs` at a
+    time). sage: record ComfyUI --use-sage-attention too (None: where SageAttention is importable)."""
+    from oracle.record import sage_importable, sage_path
+
+    sage = sage_importable() if sage is None else sage
     runs = []
     for c in [c for c in CASES if not only or c.name in only]:
         folder = out / c.name
-        trace = folder / f"trace_{c.name}_bf16.safetensors"  # `oracle record` writes the fp32 twin beside it
+        trace = folder / f"trace_{c.name}_bf16.safetensors"  # `oracle record` writes the twins beside it
+        cmd = [sys.executable, "-m", "oracle", "record", "--comfy-root", comfy_root, "--device", device,
+               "--checkpoint", str(folder / c.checkpoint), "--inputs", str(folder / c.inputs),
+               "--compute-dtype", "bf16", "--detail", c.detail()]
         if not trace.is_file():
-            runs.append([sys.executable, "-m", "oracle", "record", "--comfy-root", comfy_root, "--device", device,
-                         "--checkpoint", str(folder / c.checkpoint), "--inputs", str(folder / c.inputs),
-                         "--compute-dtype", "bf16", "--detail", c.detail(), "--out", str(trace)])
+            runs.append(cmd + ["--sage-twin" if sage else "--no-sage-twin", "--out", str(trace)])
+        elif sage and not sage_path(trace).is_file():
+            runs.append(cmd + ["--attention", "sage", "--no-twin", "--no-sage-twin", "--out", str(sage_path(trace))])
 
     def one(cmd):
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--comfy-root", required=True)
     r.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     r.add_argument("--jobs", type=int, default=8)
+    r.add_argument("--sage-twin", action=argparse.BooleanOptionalAction, default=None,
+                   help="record ComfyUI --use-sage-attention too (default: where SageAttention is importable)")
     args = p.parse_args(argv)
     if args.cmd == "list":
         for c in CASES:
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "build":
         build(args.out, device=args.device, only=args.only)
         return 0
-    return record(args.out, args.comfy_root, device=args.device, jobs=args.jobs, only=args.only)
+    return record(args.out, args.comfy_root, device=args.device, jobs=args.jobs, only=args.only, sage=args.sage_twin)
 
 
 if __name__ == "__main__":

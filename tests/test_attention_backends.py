@@ -231,7 +231,8 @@ def test_half_only_backend_runs_fp32_traces_in_bf16():
     """An exact backend that runs only bf16/fp16 is gated on fp32 traces in bf16 (budget compute key bf16@fp32, ratio
     rule against ComfyUI's own bf16 trace of the case) and never receives fp32 tensors."""
     from parity_tests.discovery import find_dit_cases
-    from parity_tests.gate import run_dit_case, run_dtype
+    from parity_tests.gate import run_dit_case
+    from parity_tests.models import run_dtype
 
     seen = set()
 
@@ -259,8 +260,8 @@ def test_half_only_backend_runs_fp32_traces_in_bf16():
 
 def test_gate_report_lists_counted_attention_calls(tmp_path):
     from parity_tests.discovery import find_dit_cases
-    from parity_tests.gate import CaseResult
     from parity_tests.report import ReportCollector
+    from parity_tests.results import CaseResult
 
     cases, _ = find_dit_cases([FIXTURES])
     res = CaseResult(cases[0], "free", "sol_attn", attention_calls={"sol_attn": {"fallback to sage2: head_dim": 6}})

@@ -312,7 +312,7 @@ def _fx_case(name):
 
 
 def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch):
-    from parity_tests import gate
+    from parity_tests import gate, models
 
     case = _fx_case("trace_fx_bf16_ref2va_bf16.safetensors")
     ok = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
@@ -325,11 +325,11 @@ def test_gate_passes_fp8_within_its_budget_and_catches_a_wrong_scale(monkeypatch
     # a weight scale 30 % off: every block linear is off by 30 % -> the gate must fail at a block site
     real = FP8Linear.fp8_weight
     monkeypatch.setattr(FP8Linear, "fp8_weight", lambda self: (real(self)[0], real(self)[1] * 1.3))
-    gate._model.cache_clear()
+    models.model.cache_clear()
     try:
         bad = gate.run_dit_case(case, mode="teacher", fp8_linear="stream")
     finally:
-        gate._model.cache_clear()
+        models.model.cache_clear()
     assert not bad.passed and bad.first_failure.name.startswith("blocks.") and bad.first_failure.part == "kernel"
 
 

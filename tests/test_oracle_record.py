@@ -95,3 +95,52 @@ def test_the_fp32_twin_goes_beside_the_low_precision_trace():
     assert twin_path("/x/trace_bf16_ref2va_bf16.safetensors").name == "trace_bf16_ref2va_fp32.safetensors"
     assert twin_path("/x/trace_case_fp16.safetensors").name == "trace_case_fp32.safetensors"
     assert twin_path("/x/run.safetensors").name == "run_fp32.safetensors"
+
+
+def test_the_sage_recording_goes_beside_the_trace_and_needs_sageattention(tmp_path, capsys, monkeypatch):
+    """`--sage-twin` records ComfyUI --use-sage-attention as `<stem>_sage`; where SageAttention does not import it
+    is one line and exit 2, before ComfyUI is opened; by default it is on only on CUDA where it imports."""
+    import argparse
+
+    from oracle import record as R
+    from oracle.__main__ import main
+
+    assert R.sage_path("/x/trace_v4_bf16.safetensors") == Path("/x/trace_v4_bf16_sage.safetensors")
+    monkeypatch.setattr(R, "sage_importable", lambda: False)
+    monkeypatch.setattr(R, "open_run", lambda args: pytest.fail("opened ComfyUI"))
+    argv = ["record", "--checkpoint", "c.safetensors", "--inputs", "i.safetensors", "--compute-dtype", "bf16",
+            "--out", str(tmp_path / "t_bf16.safetensors")]
+    assert main(argv + ["--sage-twin"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs SageAttention, which is not importable here" in err[0], err
+
+    def args(**kw):
+        base = {"compute_dtype": "bf16", "attention": "pytorch", "sage_twin": None, "device": "cuda"}
+        return argparse.Namespace(**{**base, **kw})
+
+    assert R.wants_sage_twin(args()) is False  # auto: SageAttention does not import here
+    monkeypatch.setattr(R, "sage_importable", lambda: True)
+    assert R.wants_sage_twin(args()) is True and R.wants_sage_twin(args(device="cpu")) is False
+    assert R.wants_sage_twin(args(sage_twin=False)) is False
+    assert R.wants_sage_twin(args(compute_dtype="fp32")) is False
+    with pytest.raises(Exception, match="--sage-twin records a low-precision case"):
+        R.wants_sage_twin(args(compute_dtype="fp32", sage_twin=True))
+
+
+def test_a_sage_call_that_fell_back_to_pytorch_attention_is_caught():
+    """ComfyUI only logs "Error running sage attention ..., using pytorch attention instead": the recorder's
+    handler counts those lines (and no others), so such a recording is refused."""
+    import logging
+
+    from oracle.record import _SageFallbacks
+
+    h = _SageFallbacks()
+    log = logging.getLogger("test_sage_fallbacks")
+    log.addHandler(h)
+    try:
+        log.error("Error running sage attention: head_dim 80, using pytorch attention instead.")
+        log.error("some other error")
+        log.warning("Error running sage attention: a warning is not what ComfyUI writes")
+    finally:
+        log.removeHandler(h)
+    assert len(h.lines) == 1 and "head_dim 80" in h.lines[0]

@@ -308,7 +308,8 @@ def _head_sliced_available(like, opts: AttentionOptions):
     inner = opts.kj_head_sliced.backend
     if inner == "kj_head_sliced" or inner not in _REGISTRY:
         return f"head_slice_backend {inner!r} is not a usable inner backend"
-    return _REGISTRY[inner].reason(like, opts)
+    reason = _REGISTRY[inner].reason(like, opts)
+    return None if reason is None else f"its inner backend head_slice_backend {inner!r} cannot run: {reason}"
 
 
 def sol_kernel_reason(like: torch.Tensor | None) -> str | None:

@@ -1,7 +1,7 @@
 """The budgets table is made of rules, and every entry can fail.
 
-- The committed table loads: every entry is fp32 / ratio / rounding / contract; every contract names its source;
-  no approximate backend has an entry for a layer it does not compute. The loader refuses a fitted number in each
+- The committed table loads: every entry is fp32 / ratio / rounding / contract / drift; every contract names its
+  source, and none is a self-declared floor; no approximate backend has an entry for a layer it does not compute. The loader refuses a fitted number in each
   disguise (tested one by one).
 - Each entry, at the verdict level (the code the gate runs for every comparison): 1.5x its limit fails, 0.5x passes.
 - Each rule, at the gate level on the committed fixtures: a perturbation just over the limit fails the gate and is
@@ -39,7 +39,7 @@ def test_committed_table_is_made_of_rules():
         if b.rule in ("fp32", "ratio"):  # no number of their own
             assert all(getattr(b, f) is None for f in ("rel_l2", "cosine", "sqnr_db", "psnr_db")), _id(b)
         if b.rule == "contract":
-            assert b.source, _id(b)
+            assert b.source and "product quality contract" not in b.source, _id(b)
             assert b.match["mode"] in ("kernel", "quality") or b.match["weights"] == "nvfp4_w4a4", _id(b)
         if b.match["mode"] in EXACT_KINDS:  # what an approximate backend does not compute: the exact rules
             assert b.match["attention"] in ("exact", "*"), _id(b)
@@ -64,9 +64,17 @@ GOOD = {"mode": "teacher", "kind": "*", "compute": "bf16", "weights": "*", "atte
     ({"compute": "*", "attention": "*"}, "catch-all"),
     ({"provenance": "x" * 201}, "one line"),
     ({"mode": "calibrated"}, "unknown mode"),
+    ({"mode": "drift", "rule": "drift", "k": 1.2, "sqnr_db": 20.0}, "carries no number"),
+    ({"mode": "drift", "rule": "drift", "k": 3.0}, "the exact rule's"),
+    ({"mode": "drift", "rule": "ratio"}, "judged by the drift rule"),
+    ({"rule": "drift"}, "governs mode drift only"),
+    ({"mode": "class", "attention": "exact"}, "against ComfyUI's fast mode"),
+    ({"mode": "class", "attention": "sage2", "rule": "contract", "k": None, "rel_l2": 0.1, "source": "x"},
+     "a contract may only govern"),
 ], ids=["fp32-number", "ratio-number", "no-rule", "unknown-rule", "k-over-1.5", "rounding-number",
         "contract-no-source", "contract-exact-layer", "approx-exact-layer", "catch-all", "long-provenance",
-        "unknown-mode"])
+        "unknown-mode", "drift-number", "drift-k", "drift-mode-other-rule", "drift-rule-other-mode",
+        "class-exact", "class-contract"])
 def test_loader_refuses_what_is_not_a_rule(change, why):
     e = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with pytest.raises(BudgetError, match=re_escape(why)):
@@ -84,8 +92,11 @@ def test_an_approximate_backend_gets_the_exact_rule_for_what_it_does_not_compute
     for backend in ("sage2", "ck_int8", "fa3_fp8", "sol_attn"):
         kernel = TABLE.lookup(mode="kernel", kind="attention", compute="*", weights="*", attention=backend, twin="*")
         assert kernel.rule == "contract" and kernel.match["attention"] == backend
-        quality = TABLE.lookup(mode="quality", kind="x0", compute="*", weights="bf16", attention=backend, twin="*")
-        assert quality.rule == "contract"
+        klass = TABLE.find(mode="class", kind="output", compute="bf16", weights="bf16", attention=backend, twin="yes")
+        assert (klass is not None and klass.rule == "ratio" and klass.k == TABLE.rules["ratio_k_max"]) == \
+            (backend != "sol_attn")  # the quantized class against ComfyUI+sage; sol_attn has no ComfyUI counterpart
+        drift = TABLE.lookup(mode="drift", kind="*", compute="*", weights="*", attention=backend, twin="*")
+        assert drift.rule == "drift"
         for twin, rule in (("yes", "ratio"), ("no", "rounding")):
             b = TABLE.lookup(mode="teacher", kind="linear", compute="bf16", weights="bf16", attention="exact",
                              twin=twin)
@@ -104,6 +115,11 @@ def _limit_measurements(b: Budget, factor: float) -> tuple[Measured, int | None]
     if b.rule == "ratio":
         comfy = 1e-2
         return Measured(0.0, twin=(factor * (b.k * comfy + floor), comfy)), None
+    if b.rule == "drift":  # a baseline of 3e-2 at a rounding scale r of 1e-2 over 2 paths
+        base, r, n = 3e-2, 1e-2, 2
+        limit = math.sqrt(base ** 2 + n * (b.k * r) ** 2)
+        return Measured(base + factor * (limit - base) if factor < 1 else factor * limit, baseline=base, scale=r,
+                        paths=n), None
     if b.rule == "rounding":
         if b.dtype:
             rho = 40.0
@@ -180,7 +196,8 @@ def test_fp32_rule_bites_at_the_gate(mode):
 def test_ratio_rule_bites_on_an_h3direct_layer(mode, layer):
     """A bf16 case with its fp32 twin: h3direct's bf16 layer perturbed just over what the ratio rule allows fails
     there; teacher-forced, the rule measures each side's own rounding error at the layer (not the twin's drift)."""
-    from parity_tests.gate import _model, run_dit_case
+    from parity_tests.gate import run_dit_case
+    from parity_tests.models import model as load_model
 
     case = next(c for c in _cases() if c.compute == "bf16" and c.twin_fp32 is not None)
     base = run_dit_case(case, mode=mode)
@@ -190,7 +207,7 @@ def test_ratio_rule_bites_on_an_h3direct_layer(mode, layer):
     b = TABLE.lookup(mode=mode, kind="linear" if mode == "teacher" else "*", compute="bf16", weights=case.weights,
                      attention="exact", twin="yes")
     eps = math.sqrt(max((ABOVE * (b.k * comfy + b.floor)) ** 2 - ours**2, 0.0)) * 1.05
-    module = _model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule(layer)
+    module = load_model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule(layer)
     handle = module.register_forward_hook(lambda m, a, out: (out.float() * (1.0 + eps)).to(out.dtype))
     try:
         result = run_dit_case(case, mode=mode)

@@ -1,10 +1,10 @@
-"""The quality gate's machinery on the CPU: no approximate backend runs in CI, so it runs on the bundled tiny models
-with test-only approximate attentions: an INT8 Q/K emulation (SageAttention's per-block QK quantization, in torch)
-and an exact attention with a controlled relative error, whose frames cross a quality floor as the error grows."""
+"""The e2e frames gate's machinery on the CPU: no approximate backend runs in CI, so it runs on the bundled tiny
+models with test-only approximate attentions: an INT8 Q/K emulation (SageAttention's per-block QK quantization, in
+torch) and an exact attention with a controlled relative error, whose frames drift past a baseline as the error
+grows."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from functools import cache
 
@@ -55,21 +55,22 @@ def _exact_run():
     return E.run_frames(E.E2EModel(), ["--attention", "sdpa"])
 
 
-def _entries(path: str, **floors) -> list[dict]:
-    """A quality table for `path`: these frames floors, and a waveform floor every run passes."""
-    base = {"mode": "quality", "compute": "*", "weights": "*", "attention": path, "twin": "*", "rule": "contract",
-            "source": "test", "provenance": "test"}
-    return [{**base, "kind": "frames", **floors}, {**base, "kind": "waveform", "sqnr_db": -100.0}]
+def _table():
+    from parity_tests.budgets import load_budgets
+
+    return load_budgets()
 
 
-@contextlib.contextmanager
-def _table(entries):
-    from parity_tests.budgets import table_of
+def _baseline(tmp_path, result):
+    """Record `result`'s measured quality as its mode's baseline (what pytest-regressions writes on a first run)."""
+    import numpy as np
 
-    yield table_of(entries)
+    from parity_tests import drift
 
-
-FIELDS = {"psnr_db": "psnr_mean", "psnr_min_db": "psnr_min", "ssim_mean": "ssim_mean", "ssim_min": "ssim_min"}
+    store = drift.Store(tmp_path, "cpu", result.case.id)
+    store.folder.mkdir(parents=True, exist_ok=True)
+    np.savez(store.path(result.approx), **drift.data(result.approx, result.measured))
+    return store
 
 
 def test_exact_path_is_deterministic_and_the_approximate_one_is_not_identical(test_backends):
@@ -87,64 +88,44 @@ def test_exact_path_is_deterministic_and_the_approximate_one_is_not_identical(te
     assert 0.5 < fm["ssim_min"] <= fm["ssim_mean"] < 1.0, fm
 
 
-def test_each_frames_floor_bites_on_a_real_comparison(test_backends):
-    """An entry with each floor just under the measured value passes; each floor just over it fails, naming it."""
-    path = "int8qk_emul"
-    base = E.compare_paths(E.E2EModel(), path, budgets=_table_under(path), exact_run=_exact_run())
-    fm = base.frame_metrics
-    assert base.passed, base.report()
-    for fld, metric in FIELDS.items():
-        with _table(_entries(path, **{fld: _beyond(fld, fm[metric], +1)})) as over:
-            r = E.judge(E.E2EModel(), path, _approx_run(path), _exact_run(), over, compute="fp32", reference="sdpa")
-        assert not r.passed, f"{fld} {_beyond(fld, fm[metric], +1)} over the measured {fm[metric]} passed"
-        assert r.first_failure.name == "frames" and metric in r.first_failure.rule, r.report()
-
-
-def _beyond(fld: str, value: float, sign: int) -> float:
-    """A floor just over (sign +1) or under (-1) a measured value: 0.05 dB for PSNR, 10 % of 1 - SSIM for SSIM."""
-    if fld.startswith("psnr"):
-        return value + sign * 0.05
-    return 1.0 - (1.0 - value) * (1.0 - sign * 0.1)
-
-
 @cache
 def _approx_run(path):
     return E.run_frames(E.E2EModel(), ["--attention", path])
 
 
-def _table_under(path):
-    from parity_tests.vae_gate import frame_metrics
-
-    m = frame_metrics(_approx_run(path).frames, _exact_run().frames)
-    floors = {fld: _beyond(fld, m[metric], -1) for fld, metric in FIELDS.items()}
-    with _table(_entries(path, **floors)) as t:
-        return t
-
-
-def test_the_verdict_flips_as_the_injected_error_crosses_the_entry(test_backends):
-    """Attention with a controlled relative error: 30x more error lowers the frames' PSNR and SSIM; an entry set
-    between the two measurements passes the small error and fails the large one."""
-    from parity_tests.vae_gate import frame_metrics
-
-    small, large = (frame_metrics(_approx_run(p).frames, _exact_run().frames) for p in ("noisy_0.001", "noisy_0.03"))
-    assert small["psnr_mean"] > large["psnr_mean"] + 10.0 and small["ssim_min"] > large["ssim_min"], (small, large)
-    mid = {fld: (small[m] + large[m]) / 2 for fld, m in FIELDS.items()}
-    for path, want in (("noisy_0.001", True), ("noisy_0.03", False)):
-        with _table(_entries(path, **mid)) as t:
-            r = E.compare_paths(E.E2EModel(), path, budgets=t, exact_run=_exact_run())
-        assert r.passed is want, r.report()
+def test_a_path_measures_frames_and_waveform_for_its_baseline(test_backends):
+    """The frames and the waveform against the exact path's: reported (PSNR / SSIM, SNR), and measured for the
+    path's baseline as rel-L2 with 2 low-precision paths (on the CPU the exact path is fp32: no rounding scale)."""
+    r = E.judge(E.E2EModel(), "int8qk_emul", _approx_run("int8qk_emul"), _exact_run(), compute="fp32",
+                reference="sdpa")
+    assert r.passed and {x.name for x in r.layers} == {"frames", "waveform"}, r.report()
+    assert set(r.measured) == {"frames", "waveform"} and r.approx == "int8qk_emul"
+    q = r.measured["frames"]
+    assert q.paths == 2 and q.scale == 0.0 and 0 < q.err < 0.2, q
+    assert "PSNR mean" in r.layers[0].info
 
 
-def test_an_approximate_path_without_a_declared_quality_fails_before_running(test_backends, monkeypatch):
-    """No declared quality (or one without a frames floor) is a one-line failure, before any compute."""
-    monkeypatch.setattr(E, "run_frames", lambda *a, **k: pytest.fail("ran without a quality contract"))
-    x0_only = {"mode": "quality", "kind": "x0", "compute": "*", "weights": "*", "attention": "int8qk_emul",
-               "twin": "*", "rule": "contract", "sqnr_db": 20.0, "source": "test", "provenance": "test"}
-    with _table([x0_only]) as t, pytest.raises(H3Error, match="no rule for"):
-        E.compare_paths(E.E2EModel(), "int8qk_emul", budgets=t)
-    wave_only = {**x0_only, "kind": "frames", "sqnr_db": 20.0}
-    with _table([wave_only]) as t, pytest.raises(H3Error, match="no declared frames quality"):
-        E.compare_paths(E.E2EModel(), "int8qk_emul", budgets=t)
+def test_the_drift_rule_bites_as_the_injected_error_grows(test_backends, tmp_path):
+    """Attention with a controlled relative error: a baseline recorded at 1e-3 holds a rerun at 1e-3 and fails a
+    run at 3e-2 (its frames and waveform both moved), naming the quantity; 30x more error lowers the PSNR."""
+    from parity_tests import drift
+
+    def run(path, label="noisy"):
+        res = E.judge(E.E2EModel(), path, _approx_run(path), _exact_run(), compute="fp32", reference="sdpa")
+        res.approx = label  # one mode whose error grew between two runs
+        return res
+
+    base = run("noisy_0.001")
+    store = _baseline(tmp_path, base)
+    again, worse = run("noisy_0.001"), run("noisy_0.03")
+    drift.judge(again, store, _table())
+    assert again.passed and {x.name for x in again.layers if x.part == "drift"} == {"drift.frames",
+                                                                                  "drift.waveform"}, again.report()
+    drift.judge(worse, store, _table())
+    assert not worse.passed and worse.first_failure.name == "drift.frames", worse.report()
+    assert "drift rule" in worse.first_failure.rule and "baseline" in worse.first_failure.info
+    small, large = (base.frame_metrics, worse.frame_metrics)
+    assert small["psnr_mean"] > large["psnr_mean"] + 10.0, (small, large)
 
 
 def test_availability_is_judged_with_the_gate_options(monkeypatch):
@@ -191,18 +172,15 @@ def test_parallel_frame_metrics_equal_the_serial_ones():
     assert E.frame_metrics(ours, ref, workers=2) == pytest.approx(frame_metrics(ours, ref), rel=1e-12)
 
 
-def test_each_mode_is_held_to_its_own_declared_quality():
-    """FP8 linears are keyed weights fp8_w8a8 (over an exact reference: attention "exact"); an approximate backend by
-    its name; an entry for one backend never answers for another."""
-    base = {"mode": "quality", "compute": "*", "twin": "*", "rule": "contract", "source": "test",
-            "provenance": "test"}
-    fp8 = {**base, "kind": "frames", "weights": "fp8_w8a8", "attention": "exact", "psnr_db": 31.0}
-    sage = {**base, "kind": "frames", "weights": "*", "attention": "sage2", "psnr_db": 32.0}
-    with _table([fp8, sage]) as t:
-        assert E.quality_budget(t, "fp8_linear", "frames", "bf16").psnr_db == 31.0
-        assert E.quality_budget(t, "sage2", "frames", "bf16").psnr_db == 32.0
-        with pytest.raises(H3Error, match="no rule for"):
-            E.quality_budget(t, "ck_int8", "frames", "bf16")
+def test_each_mode_has_its_own_baseline(tmp_path):
+    """A path's label carries its options: sol_attn at another tau, or over FP8 linears, is another baseline."""
+    from parity_tests import drift
+
+    store = drift.Store(tmp_path, "cuda", "e2e_m")
+    labels = [E.mode_label("sol_attn", {"sol_tau": 2.5}), E.mode_label("sol_attn", {"sol_tau": 1.3}),
+              E.mode_label("sol_attn+fp8_linear", {"sol_tau": 2.5}), E.mode_label("sage2")]
+    assert labels[0] == "sol_attn (sol_tau=2.5)" and labels[3] == "sage2"
+    assert len({store.path(label) for label in labels}) == 4
 
 
 def test_the_gate_item_exists_only_for_an_approximate_path():
@@ -233,22 +211,10 @@ def test_a_paths_backend_options_become_generates_own_flags():
 
 
 def test_a_combined_path_runs_both_and_takes_only_its_own_fp8_entry():
-    """`sol_attn+fp8_linear` (the contract's approximate path): --attention sol_attn --fp8-linear, judged by an entry
-    keyed weights fp8_w8a8, attention sol_attn -- neither sol_attn's own entry nor fp8_linear-over-exact's."""
+    """`sol_attn+fp8_linear` (the contract's approximate path): --attention sol_attn --fp8-linear."""
     assert E.split_path("sol_attn+fp8_linear") == ("sol_attn", True)
     assert E.split_path("fp8_linear") == (None, True) and E.split_path("sol_attn") == ("sol_attn", False)
     assert E.path_flags("sol_attn+fp8_linear", "fa3") == ["--attention", "sol_attn", "--fp8-linear"]
     assert E.kind_of("sol_attn+fp8_linear") == "approximate" and E.kind_of("nope+fp8_linear") == "unknown"
     if E.knows_flag("--fp8-linear"):  # the attention half decides availability
         assert E.unavailable("sol_attn+fp8_linear", "cpu") == E.unavailable("sol_attn", "cpu")
-    key = E.budget_key("sol_attn+fp8_linear", "frames", "bf16")
-    assert (key["weights"], key["attention"]) == ("fp8_w8a8", "sol_attn")
-    base = {"mode": "quality", "kind": "frames", "compute": "*", "twin": "*", "rule": "contract", "source": "test",
-            "provenance": "test"}
-    sol = {**base, "weights": "bf16", "attention": "sol_attn", "psnr_db": 30.0}
-    fp8_exact = {**base, "weights": "fp8_w8a8", "attention": "exact", "psnr_db": 31.0}
-    both = {**base, "weights": "fp8_w8a8", "attention": "sol_attn", "psnr_db": 32.0}
-    with _table([sol, fp8_exact]) as t, pytest.raises(H3Error, match="no rule for"):
-        E.quality_budget(t, "sol_attn+fp8_linear", "frames", "bf16")
-    with _table([sol, fp8_exact, both]) as t:
-        assert E.quality_budget(t, "sol_attn+fp8_linear", "frames", "bf16").psnr_db == 32.0

@@ -7,7 +7,8 @@ comfy-kitchen's eager Sol-Attn plus an error (sol_attn: held against its algorit
 
 - (a) a linear of h3direct scaled by 1.01 fails the gate at that linear under every approximate backend;
 - (b) the stand-in degraded beyond its backend's contract fails at the first attention site, as a kernel row;
-- (c) free-running, a stand-in far off moves x0 past the declared quality and fails there;
+- (c) free-running, the mode's x0 against the exact path is reported and measured for its baseline (the class rule
+  and the drift rule that judge it: tests/gate/test_gate_class_and_drift.py);
 and the stand-ins within their contracts pass everywhere.
 """
 
@@ -98,10 +99,10 @@ def test_within_contract_passes_all_three_parts(case, approximate, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_broken_linear_fails_under_every_approximate_backend(case, approximate, backend):
     """(a): blocks.1.mlp.fc1 scaled by 1.01 in h3direct: the gate fails there, not at an attention site."""
-    from parity_tests.gate import _model
+    from parity_tests.models import model as load_model
 
     approximate(backend, SMALL)
-    module = _model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule("blocks.1.mlp.fc1")
+    module = load_model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule("blocks.1.mlp.fc1")
     handle = module.register_forward_hook(lambda m, a, out: out * 1.01)
     try:
         result = _run(case, backend)
@@ -125,19 +126,26 @@ def test_a_degraded_kernel_fails_at_the_attention_site(case, approximate, backen
 
 
 @pytest.mark.parametrize("backend", ["sage2", "sol_attn"])
-def test_a_far_off_backend_fails_the_declared_quality(case, approximate, backend):
-    """(c): free-running, x0 of a stand-in far off its contract is judged against h3direct's exact path."""
+def test_a_far_off_backend_is_measured_for_its_baseline(case, approximate, backend):
+    """(c): free-running, x0 of a stand-in far off is reported against h3direct's exact path and measured, with the
+    rounding scales the drift rule needs: the outputs against ComfyUI's fp32 twin (1 path), x0 against the exact
+    path (2)."""
     approximate(backend, 0.8)
     result = _run(case, backend, "free")
-    bad = [r for r in result.layers if not r.passed]
-    assert bad and all(r.part == "quality" for r in bad), result.report()
     assert all(r.passed for r in result.layers if r.part == "exact")  # the exact run is unchanged
+    quality = {r.name: r for r in result.layers if r.part == "quality"}
+    assert set(quality) == {"quality.x0.video", "quality.x0.audio"}
+    assert all(r.passed and r.limit == float("inf") and r.error > 0.1 for r in quality.values())
+    m = result.measured
+    assert m["x0.video"].err == quality["quality.x0.video"].error and m["x0.video"].paths == 2
+    assert m["out.sampler.denoised.video"].paths == 1 and m["out.sampler.denoised.video"].scale > 0
 
 
 def test_fp8_linears_are_held_to_the_e4m3_rounding_bound():
     """FP8 block linears (CPU emulation): each FP8 product is a kernel row within the e4m3 rounding bound; an FP8
     linear whose output is off by 10 % fails there."""
-    from parity_tests.gate import _model, run_dit_case
+    from parity_tests.gate import run_dit_case
+    from parity_tests.models import model as load_model
 
     cases, _ = find_dit_cases([FIXTURES])
     case = next(c for c in cases if c.weights.startswith("nvfp4") and c.compute == "fp32")
@@ -146,7 +154,7 @@ def test_fp8_linears_are_held_to_the_e4m3_rounding_bound():
     rows = [r for r in result.layers if r.part == "kernel"]
     assert {r.name for r in rows} >= {"blocks.1.mlp.fc1.out", "blocks.1.mlp.fc2.out"}
     assert all(0 < r.error < r.limit for r in rows)
-    fp8 = _model(str(case.checkpoint), case.compute, "w4a16", "cpu", "stream")
+    fp8 = load_model(str(case.checkpoint), case.compute, "w4a16", "cpu", "stream")
     handle = fp8.get_submodule("blocks.1.mlp.fc1").register_forward_hook(lambda m, a, out: out * 1.1)
     try:
         bad = run_dit_case(case, mode="teacher", fp8_linear="stream")

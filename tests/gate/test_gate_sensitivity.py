@@ -37,11 +37,12 @@ def _one_site_per_kind(case):
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.inputs import load_inputs
     from h3direct.traces.replay import available_sites
-    from parity_tests.gate import _model, _trace
+    from parity_tests.models import model as load_model
+    from parity_tests.models import trace as load_trace_cached
 
-    trace = _trace(str(case.trace))
+    trace = load_trace_cached(str(case.trace))
     inputs = load_inputs(case.inputs)
-    model = _model(str(case.checkpoint), case.compute, "w4a16", "cpu")
+    model = load_model(str(case.checkpoint), case.compute, "w4a16", "cpu")
     picked = {}
     for s in available_sites(model, trace, conditioning_of(inputs), inputs["text_states"]):
         picked.setdefault(s.kind, s.name)
@@ -70,9 +71,9 @@ def test_trace_perturbation_is_caught_at_each_kind(fp32_case, mode):
 
 
 def test_h3direct_layer_perturbation_is_caught(fp32_case, monkeypatch):
-    from parity_tests.gate import _model
+    from parity_tests.models import model as load_model
 
-    model = _model(str(fp32_case.checkpoint), fp32_case.compute, "w4a16", "cpu")
+    model = load_model(str(fp32_case.checkpoint), fp32_case.compute, "w4a16", "cpu")
     target = model.blocks[len(model.blocks) - 1].mlp.fc1
     handle = target.register_forward_hook(lambda m, a, out: out * (1.0 + 1e-3))
     try:

@@ -129,7 +129,7 @@ def test_the_gates_printed_command_replays_a_low_precision_layer_by_its_rule(cap
     """A bf16 trace: the gate prints `--ratio 1.5 --floor 1e-05`; replay measures both sides against the layer's fp32
     evaluation on the same inputs and passes; an h3direct layer off by 5 % fails it."""
     from oracle.__main__ import main
-    from parity_tests.gate import _model
+    from parity_tests.models import model as load_model
 
     cases, _ = find_dit_cases([FIXTURES])
     case = next(c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None)
@@ -155,7 +155,7 @@ def test_the_gates_printed_command_replays_a_low_precision_layer_by_its_rule(cap
     finally:
         R.DerivedInputs.__init__ = real
     assert "OVER BUDGET" in capsys.readouterr().out
-    _model.cache_clear()
+    load_model.cache_clear()
 
 
 @pytest.mark.parametrize("kind", ["vae", "generate"])

@@ -22,13 +22,14 @@ BLUE, RED, ORANGE = (0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28), (0xD0, 0x80, 0x00)
 
 
 def _collector(tmp_path: Path) -> ReportCollector:
-    from parity_tests.gate import _model, run_dit_case
+    from parity_tests.gate import run_dit_case
+    from parity_tests.models import model as load_model
 
     cases, _ = find_dit_cases([FIXTURES])
     case = next(c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None)
     rep = ReportCollector()
     rep.add_case(run_dit_case(case, mode="teacher"))
-    layer = _model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule("blocks.1.attn.out_proj")
+    layer = load_model(str(case.checkpoint), case.compute, "w4a16", "cpu").get_submodule("blocks.1.attn.out_proj")
     handle = layer.register_forward_hook(lambda m, a, out: out * 1.05)  # a planted h3direct bug
     try:
         bad = run_dit_case(case, mode="teacher")

@@ -1,0 +1,176 @@
+"""An approximate mode against its own history: its measured quality, recorded per case beside the traces with
+pytest-regressions, and every later run held to the drift rule (budgets.py, mode "drift").
+
+What a mode measures (`CaseResult.measured`, name -> `Quantity`), each a rel-L2 error with the rounding scale the
+drift rule needs:
+
+- `out.<output>`: a free-running DiT step's outputs (x0) against ComfyUI's fp32 twin; scale: ComfyUI's own
+  low-precision error there (1 low-precision path);
+- `x0.<stream>`: the same step's x0 against h3direct's exact path on the same device and dtype (2 paths);
+- `frames`, `waveform`: a short generation decoded, against the exact path's (`e2e_frames.py`; 2 paths; scale:
+  the exact path's own error against its fp32 run).
+
+A baseline is one `.npz` per (device, case, mode): `<trace folder>/baselines/<cpu|cuda>/<case>/<mode>.npz`, or
+with `--baselines DIR`, `DIR/<cpu|cuda>/<trace folder>/<case>/<mode>.npz`; written by pytest-regressions'
+`ndarrays_regression` the first time the mode runs there (that test fails once, "created"), and again under
+`--force-regen` after an intended change. A later run compares with it under the drift rule; the report shows
+baseline and now side by side. Baselines are the machine's own, like the traces beside them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from parity_tests.budgets import BudgetTable, Measured, verdict
+from parity_tests.results import CaseResult, LayerResult
+
+FOLDER = "baselines"
+
+
+@dataclass(frozen=True)
+class Quantity:
+    err: float  # rel-L2 of the mode against the quantity's reference
+    scale: float  # r: the reference's own low-precision rounding scale (0: none known; the rule's floor applies)
+    paths: int  # low-precision paths in the comparison: 1 against an fp32 reference, 2 against the exact path
+
+
+def slug(label: str) -> str:
+    """A mode's label as a file name: `sol_attn (sol_tau=2.5) + fp8_linear (stream)` -> `sol_attn_sol_tau=2.5_...`."""
+    return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9.=+-]", "_", label)).strip("_")
+
+
+@dataclass(frozen=True)
+class Store:
+    """Where one run's baselines of one case live."""
+
+    root: Path  # `baselines/` beside the case's traces, or --baselines
+    device: str  # cpu | cuda
+    case: str  # the case's file stem (beside its traces), or its folder/stem (under --baselines)
+
+    @property
+    def folder(self) -> Path:
+        return self.root / self.device / self.case
+
+    def path(self, label: str) -> Path:
+        return self.folder / f"{slug(label)}.npz"
+
+    def load(self, label: str) -> dict[str, float] | None:
+        return _read(self.path(label))
+
+    def modes(self) -> dict[str, dict[str, float]]:
+        """Every mode baselined for this case on this device: {label: values}."""
+        out = {}
+        for p in sorted(self.folder.glob("*.npz")) if self.folder.is_dir() else []:
+            values = _read(p)
+            if values is not None:
+                out[str(values.pop("mode", p.stem))] = values
+        return out
+
+
+def store_for(case_dir: Path, case_stem: str, device: str, root: str | Path | None = None) -> Store:
+    import torch
+
+    kind = torch.device(device).type
+    if root:
+        return Store(Path(root), kind, f"{case_dir.name}/{case_stem}")
+    return Store(case_dir / FOLDER, kind, case_stem)
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        return {k: (str(z[k]) if z[k].dtype.kind == "U" else float(z[k])) for k in z.files}
+
+
+def data(label: str, measured: dict[str, Quantity]) -> dict[str, np.ndarray]:
+    """What a baseline file holds: the mode's label and each quantity's err, scale and paths."""
+    out = {"mode": np.array(label)}
+    for name, q in measured.items():
+        out[f"{name}.err"] = np.array(q.err, dtype=np.float64)
+        out[f"{name}.scale"] = np.array(q.scale, dtype=np.float64)
+        out[f"{name}.paths"] = np.array(q.paths, dtype=np.float64)
+    return out
+
+
+def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool = False) -> dict | None:
+    """Part "drift": one row per measured quantity against the recorded baseline of this mode (none recorded: a
+    note, and `record` writes it). regen: the baseline is about to be rewritten, rows are reported, not judged.
+    Returns the baseline (None if there is none)."""
+    if not result.measured:
+        return None
+    base = store.load(result.approx)
+    if base is None:
+        result.notes.append(f"no baseline of {result.approx} for this case on {store.device} yet: this run "
+                            f"records it ({store.path(result.approx)}); the next run is held to it")
+        return None
+    b = budgets.lookup(mode="drift", kind="*", compute="*", weights="*", attention="*", twin="*")
+    for name, q in result.measured.items():
+        before = base.get(f"{name}.err")
+        if before is None:
+            result.notes.append(f"the baseline has no {name}: rerun with --force-regen to record it")
+            continue
+        v = verdict(b, Measured(q.err, baseline=before, scale=q.scale, paths=q.paths))
+        growth = q.err / before if before > 0 else math.inf
+        info = f"baseline {before:.4e} → now {q.err:.4e} (×{growth:.3f}; {store.path(result.approx).name})"
+        passed, text = (True, f"regenerating: {v.text}") if regen else (v.passed, v.text)
+        result.layers.append(LayerResult(f"drift.{name}", "drift", "free", q.err, _db(q.err),
+                                         _no_worst(), passed, text, b.provenance,
+                                         f"pytest --force-regen rewrites {store.path(result.approx)}",
+                                         (q.err, before), v.error, v.limit, "drift", info))
+    return base
+
+
+def record(result: CaseResult, store: Store, ndarrays_regression, *, regen: bool = False) -> None:
+    """Write the mode's baseline where none is (or under --force-regen): pytest-regressions fails the test once,
+    naming the file it created."""
+    if not result.measured:
+        return
+    path = store.path(result.approx)
+    if regen or not path.is_file():
+        ndarrays_regression.check(data(result.approx, result.measured), fullpath=path)
+
+
+class History:
+    """One case's baselines in a pytest run: the store its options name, and whether this run rewrites them."""
+
+    def __init__(self, config, case_dir: Path, case_stem: str, device: str, budgets: BudgetTable):
+        from parity_tests.plugin import baselines_dir
+
+        self.store = store_for(case_dir, case_stem, device, baselines_dir(config))
+        self.regen = bool(config.getoption("force_regen", False) or config.getoption("regen_all", False))
+        self.budgets = budgets
+
+    def judge(self, result: CaseResult) -> None:
+        """The drift rows, and the ladder's rows of the modes baselined beside this case."""
+        judge(result, self.store, self.budgets, regen=self.regen)
+        if not result.ladder:
+            return
+        comfy = result.ladder["comfy"]
+        margins = [r.limit / r.error for r in result.layers if r.part == "drift" and r.error > 0]
+        for row in result.ladder["rows"]:
+            if row.get("this"):
+                row["baseline"] = min(margins, default=None)
+        for label, values in self.store.modes().items():
+            if label == result.approx:
+                continue
+            x = {n: values[f"out.{n}.err"] / r for n, r in comfy.items() if f"out.{n}.err" in values and r > 0}
+            result.ladder["rows"].append({"mode": f"{label} (its baseline)", "x": x})
+
+    def record(self, result: CaseResult, ndarrays_regression) -> None:
+        record(result, self.store, ndarrays_regression, regen=self.regen)
+
+
+def _db(err: float) -> float:
+    return math.inf if err == 0 else -20.0 * math.log10(err)
+
+
+def _no_worst():
+    from h3direct.traces import metrics
+
+    return metrics.MaxAbs(math.nan, (), math.nan, math.nan)

@@ -1,0 +1,67 @@
+"""What the gate runs h3direct with: its loaded DiTs and ComfyUI's traces (cached per run), and the dtype an
+attention backend runs a case in.
+
+Every part of the gate (gate.py, kernels.py, ladder.py, e2e.py, the tests) loads through `model` and `trace`, so a
+checkpoint is loaded once per (dtype, NVFP4 mode, device, FP8 mode) and a trace once per run.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from h3direct.traces.format import Trace, load_trace
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@lru_cache(maxsize=8)
+def model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_linear: str = "off"):
+    from h3direct.dit.loader import load_dit
+
+    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=fp8_linear)
+
+
+@lru_cache(maxsize=32)
+def trace(path: str) -> Trace:
+    return load_trace(path)
+
+
+def nvfp4_mode(case) -> str:
+    """w4a16 | w4a4: how the case's NVFP4 weights ran in ComfyUI (w4a16 for a bf16 checkpoint, unused)."""
+    return case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
+
+
+def compute_name(m) -> str:
+    """fp32 | bf16 | fp16: the compute dtype of a loaded DiT."""
+    return {v: k for k, v in DTYPES.items()}[str(m.compute_dtype).removeprefix("torch.")]
+
+
+def dtype_reason(attention, compute: str, device: str) -> str | None:
+    """Why the backend cannot run `compute` ("fp32", "bf16", "fp16") operands on `device` (None: it can), probed
+    with a tensor of that dtype there."""
+    from h3direct.dit.attention import unavailable_reason
+
+    return unavailable_reason(attention, torch.empty(0, device=device, dtype=getattr(torch, DTYPES[compute])))
+
+
+def own_dtype(attention, compute: str, device: str) -> str:
+    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
+    runs = dtype_reason(attention, compute, device) is None
+    return compute if runs or dtype_reason(attention, "bf16", device) is not None else "bf16"
+
+
+def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:
+    """(the dtype h3direct runs a `compute` trace in with this backend, why it cannot run at all or None).
+
+    Availability is probed with a tensor of that dtype on that device. A backend that runs only in bf16/fp16 runs an
+    fp32 trace in bf16 (the ratio rule against ComfyUI's bf16 twin then applies): it never skips a case it can run.
+    An approximate backend is only run at its kernel sites and in its free runs (in bf16 where it must); the rest
+    of its gate runs on the exact path in the trace's own dtype."""
+    from h3direct.dit.attention import is_exact
+
+    reason = dtype_reason(attention, compute, device)
+    if reason is not None and compute == "fp32" and dtype_reason(attention, "bf16", device) is None:
+        return ("bf16" if is_exact(attention) else compute), None
+    return compute, reason

@@ -1,0 +1,121 @@
+"""A parity run that compares nothing for the backend it was asked for is red, with one line that says why.
+
+- A backend that cannot run any DiT case on this device (a GPU-only backend on the CPU; on a GPU without
+  SageAttention, sol_attn and kj_head_sliced whose default fallback / inner backend is sage2; `--device cuda`
+  without a GPU) stops the run before any compute: exit 4, one line naming the reason and the backends that run.
+- A backend whose calls all ran its documented fallback (sol_attn on cases below its kernel's head_dim) fails the
+  run at its end with one line; the same run with a case the kernel takes passes.
+The GPU is simulated where needed by patching the availability probes (a pytest plugin given with -p).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.gate.test_gate_options import REPO, _pytest
+
+CASE = "trace_fx_bf16_ref2va_bf16"
+
+GPU_WITHOUT_SAGE = '''
+from h3direct.dit import attention as A
+
+A._cuda_only = lambda like: None  # the probes see a GPU, an H200
+A._capability = lambda like: (9, 0)
+A.sol_kernel_reason = lambda like: None  # with comfy-kitchen's sol_attn kernel built for it
+'''
+
+SOL_ON_THE_CPU = '''
+import torch.nn.functional as F
+from h3direct.dit import attention as A
+
+
+def eager_kernel(q, k, v, **kw):  # [B, S, H, D] -> [B, S, H, D]: exact attention, standing in for the sparse kernel
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+A._REGISTRY["sol_attn"] = A.Backend("sol_attn", lambda q, k, v, o: A.sol_call(q, k, v, eager_kernel, o),
+                                    lambda like, o: None, exact=False, options=A._REGISTRY["sol_attn"].options)
+A._REGISTRY["sage2"] = A.Backend("sage2", A._REGISTRY["sdpa"].fn, lambda like: None, exact=False)
+'''
+
+
+def _error_lines(r) -> list[str]:
+    return [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("ERROR:")]
+
+
+def _run_with(plugin: str, name: str, args: list[str], tmp_path):
+    folder = tmp_path / "plugins"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.py").write_text(plugin)
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), old])
+    try:
+        return _pytest(["-p", name, *args], tmp_path)
+    finally:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.mark.parametrize("backend, why", [
+    ("fa3", "needs a CUDA device"),
+    ("sol_attn", "needs a CUDA device"),
+    ("kj_head_sliced", "needs a CUDA device"),
+    ("sage2", "needs a CUDA device"),
+])
+def test_a_backend_that_cannot_run_here_stops_the_run_with_one_line(backend, why, tmp_path):
+    r = _pytest(["-m", "parity", "--attention", backend, str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = _error_lines(r)
+    assert len(lines) == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"--attention {backend} cannot run any DiT case on cpu" in lines[0] and why in lines[0], lines[0]
+    assert "attention backends that run here: sdpa" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("backend", ["sol_attn", "kj_head_sliced"])
+def test_on_a_gpu_without_sageattention_its_default_fallback_stops_the_run(backend, tmp_path):
+    r = _run_with(GPU_WITHOUT_SAGE, "gpu_without_sage", ["-m", "parity", "--attention", backend,
+                                                         str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = _error_lines(r)
+    assert len(lines) == 1 and f"--attention {backend} cannot run any DiT case" in lines[0], lines
+    assert "'sage2'" in lines[0] and "sageattention is not importable" in lines[0], lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_device_cuda_without_a_gpu_stops_the_run(tmp_path):
+    r = _pytest(["-m", "parity", "--device", "cuda", str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4
+    lines = _error_lines(r)
+    assert len(lines) == 1 and "--device cuda: no CUDA device here" in lines[0], lines
+
+
+def test_a_backend_that_ran_only_its_fallback_fails_the_run(tmp_path):
+    """sol_attn on a case of head_dim 32 (its kernel takes 128): every call runs its fallback; each comparison
+    passes, and the run fails at its end with one line naming the fallback and sol_strict."""
+    args = ["-m", "parity", "--attention", "sol_attn", "--trace-dir", str(REPO / "fixtures"), "--baselines",
+            str(tmp_path / "b"), "-k", f"test_dit_layers and teacher and {CASE}", str(REPO / "parity_tests")]
+    r = _run_with(SOL_ON_THE_CPU, "sol_on_the_cpu", args, tmp_path)
+    out = r.stdout
+    assert r.returncode == 1 and "1 passed" in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("FAILED: parity gate")]
+    assert len(lines) == 1, out[-3000:]
+    assert "ran its fallback in every call (fallback to sage2: head_dim" in lines[0], lines[0]
+    assert "its kernel was compared nowhere" in lines[0] and "--option sol_strict=on" in lines[0], lines[0]
+
+
+def test_the_fallback_check_counts_kernel_calls():
+    """The same check over the report's cases: a run where the kernel ran at least once is not flagged."""
+    from types import SimpleNamespace
+
+    from parity_tests.conftest import kernel_compared_nowhere
+
+    config = SimpleNamespace(getoption=lambda name: {"--attention": "sol_attn", "--option": [],
+                                                      "--device": "cpu"}[name])
+    only = [{"attention_calls": {"sol_attn": {"fallback to sage2: short": 4}}}]
+    both = [{"attention_calls": {"sol_attn": {"fallback to sage2: short": 4}}},
+            {"attention_calls": {"sol_attn": {"kernel": 2}}}]
+    assert "ran its fallback in every call" in kernel_compared_nowhere(config, only)
+    assert kernel_compared_nowhere(config, both) is None
+    assert kernel_compared_nowhere(config, [{"attention_calls": None}]) is None
