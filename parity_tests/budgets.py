@@ -13,9 +13,11 @@ Every entry names one rule, and the loader refuses an entry that is not one of t
   whose operands each carry one rounding of relative size ≤ u: the expected rel-L2 of the product is
   `u·sqrt(2/3)·ρ` with `ρ = ‖sqrt((X∘X)(W∘W)ᵀ)‖ / ‖XWᵀ‖` measured on the site's own operands; the limit is k times it.
 - **contract**: an approximate mode's declared accuracy — the only rule with a free number, and it must name its
-  `source` (a paper table, a library's docstring or test, the product's declared quality). Allowed only for the
-  kernel of an approximate mode (mode "kernel") and the quality of its outputs (mode "quality"), and for NVFP4 W4A4
-  (an approximate arithmetic: activations quantized to FP4).
+  `source` (a paper's table, a library's docstring or test: a published number, never one this project declares).
+  Allowed only for the kernel of an approximate mode (mode "kernel") and the quality of its outputs (mode
+  "quality"), and for NVFP4 W4A4 (an approximate arithmetic: activations quantized to FP4). An approximate mode's
+  outputs are held instead to ComfyUI's fast mode of their class (mode "class": the ratio rule against ComfyUI
+  `--use-sage-attention`'s own error, `ladder.py`) and to their own history (the drift rule).
 
 - **drift**: an approximate mode against its own recorded history (`drift.py`): a quality the mode measured
   (its output error against an fp32 reference, its x0 or decoded frames against the exact path: a rel-L2 `e`)
@@ -29,8 +31,8 @@ Every entry names one rule, and the loader refuses an entry that is not one of t
 Keys: mode, kind, compute, weights, attention (strings; "*" = any). The most specific matching entry wins (most
 non-"*" keys), later entries break ties; a comparison no entry matches fails ("no rule for ..."): there is no
 catch-all. `attention` is "exact" for every exact backend (sdpa, cudnn_sdpa, fa3, and kj_head_sliced over an exact
-one); an approximate backend's name appears only in its kernel contract and its quality floors: everything it does
-not compute is judged by the exact entries (`gate.py`).
+one); an approximate backend's name appears only in its kernel contract, its class rule and its quality or drift
+entries: everything it does not compute is judged by the exact entries (`gate.py`).
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ def _check(i: int, e: dict, rules: dict, path: Path) -> None:
                 bad(f"a quantized-product rounding bound needs 1 ≤ k ≤ {rules['ratio_k_max']:g}")
     if rule == "contract":
         if not e.get("source"):
-            bad("a contract names its source (paper, docs, test, or the product's declared quality)")
+            bad("a contract names its source (a paper's table, a library's docs or test)")
         if not numbers and not (e.get("k") and e.get("reference")):
             bad("a contract states its limit (rel_l2, cosine, sqnr_db, psnr_db, ..., or k against a reference)")
         if e.get("k") is not None and not e.get("reference"):
