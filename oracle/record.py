@@ -231,23 +231,28 @@ def twin_path(out: str | Path) -> Path:
     return out.with_name(f"{stem}_fp32{out.suffix}")
 
 
-def record_twin(args: argparse.Namespace) -> Path:
-    """The fp32 twin of a low-precision recording, in its own process (ComfyUI reads its switches once)."""
+def record_beside(args: argparse.Namespace, out: Path, compute: str, attention: str, what: str, flag: str) -> Path:
+    """Another recording of the same case (`compute`, ComfyUI's `attention` switch) at `out`, in its own process
+    (ComfyUI reads its switches once); `what` / `flag` name it and the flag that skips it in the error line."""
     import subprocess
     import sys
 
-    twin = twin_path(args.out)
     cmd = [sys.executable, "-m", "oracle", "record", "--checkpoint", str(args.checkpoint), "--inputs",
-           str(args.inputs), "--compute-dtype", "fp32", "--attention", args.attention, "--device", args.device,
-           "--detail", args.detail, "--no-twin", "--no-sage-twin", "--out", str(twin)]
+           str(args.inputs), "--compute-dtype", compute, "--attention", attention, "--device", args.device,
+           "--detail", args.detail, "--no-twin", "--no-sage-twin", "--out", str(out)]
     if args.comfy_root:
         cmd += ["--comfy-root", args.comfy_root]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise H3Error(f"the fp32 twin failed: {tail[0]} (pass --no-twin to record without it)")
+        raise H3Error(f"{what} failed: {tail[0]} (pass {flag} to record without it)")
     print(r.stdout.strip())
-    return twin
+    return out
+
+
+def record_twin(args: argparse.Namespace) -> Path:
+    """The fp32 twin of a low-precision recording."""
+    return record_beside(args, twin_path(args.out), "fp32", args.attention, "the fp32 twin", "--no-twin")
 
 
 def sage_path(out: str | Path) -> Path:
@@ -269,22 +274,8 @@ def wants_sage_twin(args: argparse.Namespace) -> bool:
 
 
 def record_sage_twin(args: argparse.Namespace) -> Path:
-    """ComfyUI --use-sage-attention on the same case, in its own process."""
-    import subprocess
-    import sys
-
-    out = sage_path(args.out)
-    cmd = [sys.executable, "-m", "oracle", "record", "--checkpoint", str(args.checkpoint), "--inputs",
-           str(args.inputs), "--compute-dtype", args.compute_dtype, "--attention", "sage", "--device", args.device,
-           "--detail", args.detail, "--no-twin", "--no-sage-twin", "--out", str(out)]
-    if args.comfy_root:
-        cmd += ["--comfy-root", args.comfy_root]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise H3Error(f"the sage twin failed: {tail[0]} (pass --no-sage-twin to record without it)")
-    print(r.stdout.strip())
-    return out
+    """ComfyUI --use-sage-attention on the same case, in the same compute dtype."""
+    return record_beside(args, sage_path(args.out), args.compute_dtype, "sage", "the sage twin", "--no-sage-twin")
 
 
 def run(args: argparse.Namespace) -> int:
