@@ -16,6 +16,7 @@ the terminal summary lists how many cases of each kind ran.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -186,13 +187,12 @@ def report():
     return _collector
 
 
-STRICT = {"sol_attn": "sol_strict", "fa3_fp8": "fp8_attn_strict"}  # the options that make a fallback an error
-
-
 def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
     """One line when the run's approximate kernels never ran where the gate compared them: every call of the
     attention backend asked for ran its documented fallback, or (on a GPU) every FP8 linear was emulated."""
-    from h3direct.dit.options import describe
+    import torch
+
+    from h3direct.dit.options import BACKEND_OPTIONS, describe
     from parity_tests.results import attention_key
 
     attention = gate_attention(config)
@@ -204,7 +204,9 @@ def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
     fallback = {w: n for w, n in calls.items() if w.startswith("fallback to ")}
     if fallback and not calls.get("kernel"):
         ways = ", ".join(f"{w} ×{n}" for w, n in fallback.items())
-        strict = f"; --option {STRICT[name]}=on makes a fallback an error" if name in STRICT else ""
+        cls = BACKEND_OPTIONS.get(name)
+        strict = (f"; --option {cls.PREFIX}_strict=on makes a fallback an error"
+                  if cls is not None and "strict" in {f.name for f in dataclasses.fields(cls)} else "")
         return (f"parity gate: --attention {describe(attention)} ran its fallback in every call ({ways}): its kernel "
                 f"was compared nowhere (cases must fit the kernel, e.g. sol_attn: head_dim 128, at least "
                 f"sol_min_tokens tokens){strict}")
@@ -212,8 +214,6 @@ def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
     for c in cases:
         for what, n in (c.get("fp8_linear_calls") or {}).items():
             fp8[what] += n
-    import torch
-
     if fp8 and not fp8.get("scaled_mm") and torch.device(config.getoption("--device")).type == "cuda":
         ways = ", ".join(f"{w} ×{n}" for w, n in fp8.items())
         return f"parity gate: --fp8-linear: every FP8 linear was emulated on the GPU ({ways}): no FP8 GEMM compared"

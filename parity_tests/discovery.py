@@ -144,6 +144,17 @@ def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
     return cases, problems
 
 
+def low_case(case: DitCase, compute: str | None = None) -> DitCase | None:
+    """ComfyUI's low-precision case (`compute`; None: bf16, else fp16) whose fp32 twin is the fp32 `case`; `case`
+    itself when it is not fp32 (None: not recorded)."""
+    if case.compute != "fp32":
+        return case
+    cases, _ = find_dit_cases([case.trace.parent])
+    twins = [c for c in cases if c.twin_fp32 is not None and c.twin_fp32.name == case.trace.name
+             and (compute is None or c.compute == compute)]
+    return min(twins, key=lambda c: c.compute != "bf16", default=None)
+
+
 def find_vae_cases(roots: list[Path]) -> tuple[list[VaeCase], list[str]]:
     cases, problems = [], []
     for folder in trace_dirs(roots):

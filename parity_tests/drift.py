@@ -98,17 +98,16 @@ def data(label: str, measured: dict[str, Quantity]) -> dict[str, np.ndarray]:
     return out
 
 
-def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool = False) -> dict | None:
+def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool = False) -> None:
     """Part "drift": one row per measured quantity against the recorded baseline of this mode (none recorded: a
-    note, and `record` writes it). regen: the baseline is about to be rewritten, rows are reported, not judged.
-    Returns the baseline (None if there is none)."""
+    note, and `record` writes it). regen: the baseline is about to be rewritten, rows are reported, not judged."""
     if not result.measured:
-        return None
+        return
     base = store.load(result.approx)
     if base is None:
         result.notes.append(f"no baseline of {result.approx} for this case on {store.device} yet: this run "
                             f"records it ({store.path(result.approx)}); the next run is held to it")
-        return None
+        return
     b = budgets.lookup(mode="drift", kind="*", compute="*", weights="*", attention="*", twin="*")
     for name, q in result.measured.items():
         before = base.get(f"{name}.err")
@@ -123,7 +122,6 @@ def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool
                                          _no_worst(), passed, text, b.provenance,
                                          f"pytest --force-regen rewrites {store.path(result.approx)}",
                                          (q.err, before), v.error, v.limit, "drift", info))
-    return base
 
 
 def record(result: CaseResult, store: Store, ndarrays_regression, *, regen: bool = False) -> None:

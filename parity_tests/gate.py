@@ -35,7 +35,7 @@ from h3direct.errors import H3Error
 from h3direct.traces import metrics
 from h3direct.traces.format import Trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
-from parity_tests.discovery import DitCase
+from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import compute_name, model, nvfp4_mode, trace
 from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
 
@@ -45,15 +45,6 @@ EXACT_REFERENCE = "sdpa"  # the exact backend that runs what an approximate mode
 
 class NoTwin(H3Error):
     """A low-precision case without ComfyUI's fp32 twin, gated without --no-twin."""
-
-
-def lowp_twin(case: DitCase, compute: str) -> Path | None:
-    """ComfyUI's `compute` trace of the same checkpoint and inputs as the fp32 `case` (None if not recorded)."""
-    from parity_tests.discovery import find_dit_cases
-
-    cases, _ = find_dit_cases([case.trace.parent])
-    return next((c.trace for c in cases if c.compute == compute and c.twin_fp32 is not None
-                 and c.twin_fp32.name == case.trace.name), None)
 
 
 def _setup(case: DitCase, device: str, compute: str | None = None):
@@ -155,8 +146,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
     base_trace, inputs, loaded, cond = _setup(case, device, compute if low else None)
     given_trace = trace or base_trace  # `trace`: an in-memory ComfyUI trace given instead of the file
     if low:
-        lp = lowp_twin(case, compute)
-        twin = _load(lp) if lp else None
+        lp = low_case(case, compute)
+        twin = _load(lp.trace) if lp else None
     else:
         twin = _load(case.twin_fp32) if case.twin_fp32 else None
     if compute_key != "fp32" and twin is None and not no_twin:

@@ -180,6 +180,8 @@ def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_li
     when fp8_linear is on), traced, beside the exact run's tensors `exact`: the class rule and the ladder against
     ComfyUI's recordings (`ladder.py`), x0 against the exact path (reported), and the mode's measured quality for
     its baseline (`result.measured`, `drift.py`)."""
+    from h3direct.dit.attention import as_options
+    from h3direct.dit.options import describe
     from h3direct.dit.tracing import Tracer
     from h3direct.traces.evaluate import one_step
 
@@ -231,14 +233,9 @@ def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_li
                         and math.isfinite(r.limit)]
         result.ladder = {"comfy": {n: points[n].comfy for n in ladder.LADDER if n in points},
                          "rows": ladder.reference_rows(points, refs.low_dtype) + [
-                             ladder.row(f"h3direct exact ({describe_backend(exact_backend)}, {approx_compute})",
+                             ladder.row(f"h3direct exact ({describe(as_options(exact_backend))}, {approx_compute})",
                                         exact_points),
                              ladder.row(result.approx, points, this=True, rule=min(class_margin, default=None))]}
     else:
         result.notes.append("no ladder: the case lacks ComfyUI's fp32 trace or its low-precision one")
 
-
-def describe_backend(backend) -> str:
-    from h3direct.dit.options import describe
-
-    return describe(backend) if not isinstance(backend, str) else backend

@@ -19,7 +19,7 @@ import torch
 from h3direct.traces import metrics
 from h3direct.traces.format import Trace
 from parity_tests.budgets import Measured, verdict
-from parity_tests.discovery import DitCase
+from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import trace
 from parity_tests.results import LayerResult
 
@@ -51,17 +51,6 @@ class Point:
     def x(self) -> float:
         """× ComfyUI's own low-precision error."""
         return self.err / self.comfy if self.comfy > 0 else math.nan
-
-
-def low_case(case: DitCase) -> DitCase | None:
-    """The low-precision case of the same recording (bf16 before fp16): `case` itself unless it is fp32."""
-    if case.compute != "fp32":
-        return case
-    from parity_tests.discovery import find_dit_cases
-
-    cases, _ = find_dit_cases([case.trace.parent])
-    twins = [c for c in cases if c.twin_fp32 is not None and c.twin_fp32.name == case.trace.name]
-    return min(twins, key=lambda c: c.compute != "bf16", default=None)
 
 
 def references(case: DitCase) -> References:

@@ -112,8 +112,8 @@ def pytest_configure(config):
     missing = [str(p) for p in given_trace_dirs(config) or [] if not p.is_dir()]
     if missing:  # one line from pytest, before any collection
         raise pytest.UsageError(f"--trace-dir: not a directory: {', '.join(missing)}")
-    baselines = config.getoption("--baselines")
-    if baselines and Path(baselines).exists() and not Path(baselines).is_dir():
+    baselines = baselines_dir(config)
+    if baselines is not None and baselines.exists() and not baselines.is_dir():
         raise pytest.UsageError(f"--baselines: not a directory: {baselines}")
     gate_attention(config)
 

@@ -150,8 +150,6 @@ def test_a_mode_records_its_baseline_then_holds_to_it_and_a_planted_growth_fails
     root = tmp_path / "traces"
     root.mkdir()
     _copy_case(root)
-    (tmp_path / "plant").mkdir()
-    (tmp_path / "plant" / "coarse_fp8_scales.py").write_text(PLANT)
     args = ["-m", "parity", "--trace-dir", str(root), "--fp8-linear", "-k", f"test_dit_layers and free and {CASE}",
             "-p", "no:randomly", str(REPO / "parity_tests")]
     first = _pytest(args, tmp_path)
@@ -160,14 +158,7 @@ def test_a_mode_records_its_baseline_then_holds_to_it_and_a_planted_growth_fails
     assert baseline.is_file()
     again = _pytest(args, tmp_path)
     assert again.returncode == 0 and "1 passed" in again.stdout, again.stdout[-3000:]
-    import os
-
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "plant"), env_path])
-    try:
-        planted = _pytest(["-p", "coarse_fp8_scales", *args], tmp_path)
-    finally:
-        os.environ["PYTHONPATH"] = env_path
+    planted = _pytest(args, tmp_path, plugins={"coarse_fp8_scales": PLANT})
     out = planted.stdout
     assert planted.returncode == 1, out[-3000:]
     assert f"traces/{CASE} [free" in out and "fp8_w8a8 (stream)" in out, out[-3000:]

@@ -10,8 +10,6 @@ The GPU is simulated where needed by patching the availability probes (a pytest 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -46,18 +44,6 @@ def _error_lines(r) -> list[str]:
     return [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("ERROR:")]
 
 
-def _run_with(plugin: str, name: str, args: list[str], tmp_path):
-    folder = tmp_path / "plugins"
-    folder.mkdir(exist_ok=True)
-    (folder / f"{name}.py").write_text(plugin)
-    old = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), old])
-    try:
-        return _pytest(["-p", name, *args], tmp_path)
-    finally:
-        os.environ["PYTHONPATH"] = old
-
-
 @pytest.mark.parametrize("backend, why", [
     ("fa3", "needs a CUDA device"),  # an exact GPU-only backend
     ("kj_head_sliced", "needs a CUDA device"),  # an approximate one through its inner backend (sol_attn: below)
@@ -73,8 +59,8 @@ def test_a_backend_that_cannot_run_here_stops_the_run_with_one_line(backend, why
 
 @pytest.mark.parametrize("backend", ["sol_attn", "kj_head_sliced"])
 def test_on_a_gpu_without_sageattention_its_default_fallback_stops_the_run(backend, tmp_path):
-    r = _run_with(GPU_WITHOUT_SAGE, "gpu_without_sage", ["-m", "parity", "--attention", backend,
-                                                         str(REPO / "parity_tests")], tmp_path)
+    r = _pytest(["-m", "parity", "--attention", backend, str(REPO / "parity_tests")], tmp_path,
+                plugins={"gpu_without_sage": GPU_WITHOUT_SAGE})
     assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
     lines = _error_lines(r)
     assert len(lines) == 1 and f"--attention {backend} cannot run any DiT case" in lines[0], lines
@@ -94,7 +80,7 @@ def test_a_backend_that_ran_only_its_fallback_fails_the_run(tmp_path):
     passes, and the run fails at its end with one line naming the fallback and sol_strict."""
     args = ["-m", "parity", "--attention", "sol_attn", "--trace-dir", str(REPO / "fixtures"), "--baselines",
             str(tmp_path / "b"), "-k", f"test_dit_layers and teacher and {CASE}", str(REPO / "parity_tests")]
-    r = _run_with(SOL_ON_THE_CPU, "sol_on_the_cpu", args, tmp_path)
+    r = _pytest(args, tmp_path, plugins={"sol_on_the_cpu": SOL_ON_THE_CPU})
     out = r.stdout
     assert r.returncode == 1 and "1 passed" in out, out[-3000:]
     lines = [ln for ln in out.splitlines() if ln.startswith("FAILED: parity gate")]

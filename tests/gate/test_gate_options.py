@@ -23,8 +23,18 @@ def _plugin_args() -> list[str]:
     return [] if any(ep.name == "parity_tests.plugin" for ep in eps) else ["-p", "parity_tests.plugin"]
 
 
-def _pytest(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def _pytest(args: list[str], cwd: Path, plugins: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """pytest in a subprocess started in `cwd`; `plugins`: {module name: source} written under cwd/plugins and
+    loaded with -p (a test's patch of the run it starts)."""
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    if plugins:
+        folder = cwd / "plugins"
+        folder.mkdir(exist_ok=True)
+        for name, source in plugins.items():
+            (folder / f"{name}.py").write_text(source)
+        path.insert(0, str(folder))
+        args = [a for name in plugins for a in ("-p", name)] + list(args)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, "-m", "pytest", *_plugin_args(), "-p", "no:cacheprovider", "-q", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
