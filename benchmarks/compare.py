@@ -11,8 +11,11 @@ the contract's settings (attention backend and options, FP8 linears); every Comf
 contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
 `x_comfyui_default` is ComfyUI's default configuration's s/step measured in the same run over the path's;
 `x_comfyui_best` the same with the fastest ComfyUI configuration of the path's class (exact or approximate);
-`floor_ratio` the path's s/step over the hot floor measured in the same run. A figure the result lacks, or one
-that is not a finite number (inf, NaN, a string, true/false), is a miss.
+`x_comfyui_sage` the same with ComfyUI `--use-sage-attention`; `floor_ratio` the path's s/step over the hot floor
+measured in the same run; `error_x_comfyui_bf16` / `error_x_comfyui_sage` the path's quality (benchmarks/quality.py:
+its output's error against ComfyUI's fp32 twin on the contract's quality case, the worse of video and audio, as a
+multiple of ComfyUI bf16's / ComfyUI+sage's own). A rule: the quality was measured on the contract's case. A figure
+the result lacks, or one that is not a finite number (inf, NaN, a string, true/false), is a miss.
 
 The end-to-end contract (kind "e2e"): the result is not a --smoke run; it ran on the contract's device class; its
 workload (task, canvas, frames, prompt, steps, sampler, scheduler, cfg, seed, fps) and weights are the contract's;
@@ -109,6 +112,9 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
         ran = s.get("options") or {}  # every option the path ran with, under its flat name
         diff = differs(expect, s) + differs(spec.get("options", {}), ran, "options ")
         out.append((f"path {name} settings", _why(diff)))
+    q = result.get("quality")
+    if contract.get("quality") and isinstance(q, dict) and q.get("status") == "ok":
+        out.append(("quality case", _why(differs({"case": contract["quality"]["case"]}, q))))
     comfy = result.get("comfyui")
     for name, spec in (contract.get("comfyui") or {}).items():
         c = (comfy or {}).get("configs", {}).get(name) if isinstance(comfy, dict) else None
@@ -137,12 +143,17 @@ def ratios(contract: dict, result: dict) -> dict[str, dict[str, float]]:
         values = {}
         if comfy.get("default"):
             values["x_comfyui_default"] = comfy["default"] / ours
+        if comfy.get("sage"):
+            values["x_comfyui_sage"] = comfy["sage"] / ours
         if same:
             values["x_comfyui_best"] = min(same) / ours
         if floor_s:
             values["floor_ratio"] = ours / floor_s
         out[name] = values
     return out
+
+
+QUALITY_METRICS = ("error_x_comfyui_bf16", "error_x_comfyui_sage")
 
 
 def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[float | None, str]:
@@ -152,7 +163,15 @@ def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[floa
         return None, f"path {path!r} not in the result"
     if not _ok(p):
         return None, f"path {path!r}: {p.get('status')}"
-    if metric in ("x_comfyui_default", "x_comfyui_best", "floor_ratio"):
+    if metric in QUALITY_METRICS:
+        q = p.get("quality")
+        if not isinstance(q, dict):
+            return None, (result.get("quality") or {}).get("status") or "quality not measured"
+        if q.get("status") != "ok":
+            return None, f"quality: {q.get('status')}"
+        v = number(q.get(metric))
+        return v, "" if v is not None else f"{metric} {q.get(metric)!r} is not a finite number"
+    if metric in ("x_comfyui_default", "x_comfyui_sage", "x_comfyui_best", "floor_ratio"):
         if number(p.get("s_per_step")) is None:
             return None, f"s_per_step {p.get('s_per_step')!r} is not a finite number"
         v = ratios(contract, result).get(path, {}).get(metric)
@@ -196,6 +215,17 @@ def info_lines(contract: dict, result: dict) -> list[str]:
     for name, values in ratios(contract, result).items():
         if values:
             lines.append(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in values.items()))
+    q = result.get("quality")
+    if isinstance(q, dict):
+        lines.append(f"quality case {q.get('case')}: {q.get('status')}")
+    quality_rows = [(f"ComfyUI {n}", c.get("quality")) for n, c in (comfy.get("configs") or {}).items()]
+    quality_rows += [(n, p.get("quality")) for n, p in (result.get("paths") or {}).items()]
+    for name, pq in quality_rows:
+        if isinstance(pq, dict) and pq.get("status", "ok") == "ok" and pq.get("x_comfyui_bf16"):
+            x = pq["x_comfyui_bf16"]
+            lines.append(f"{name:12s} quality: x{x.get('video', math.nan):.2f} / x{x.get('audio', math.nan):.2f} "
+                         f"ComfyUI bf16 (video / audio), x{pq.get('error_x_comfyui_sage', math.nan):.2f} "
+                         "ComfyUI+sage (worse output)")
     runs = [(name, p.get("gpu_clock_power")) for name, p in (result.get("paths") or {}).items()]
     runs.append(("hot floor", (result.get("hot_floor") or {}).get("gpu_clock_power")))
     for name, gp in runs:

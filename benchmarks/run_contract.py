@@ -60,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--floor-seconds", type=float, default=None,
                     help="length of the hot-floor loop (default: the contract's; 0 skips it)")
     ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
+    ap.add_argument("--quality-dir", default=None, type=Path, metavar="DIR",
+                    help="the validation set's folder: measure every path's quality on the contract's quality case "
+                         "(benchmarks/quality.py; with --comfy-root a case not recorded there is recorded first)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check, not a result)")
     e2e = ap.add_argument_group("e2e contract (run_e2e.py)")
     e2e.add_argument("--configs", default=None, help="comma list of the contract's configurations (default all)")
@@ -105,6 +108,11 @@ def _check_args(args, contract: dict) -> list[str]:
     if len(modes) > 1:
         _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
     C.check_run_flags(args)
+    if args.quality_dir is not None:
+        if not contract.get("quality"):
+            _fail("--quality-dir: the contract names no quality case (its \"quality\" entry)")
+        if args.quality_dir.exists() and not args.quality_dir.is_dir():
+            _fail(f"--quality-dir {args.quality_dir}: not a directory")
     return names
 
 
@@ -394,12 +402,35 @@ def merge_comfy(contract: dict, rounds: list[dict]) -> dict:
     return configs
 
 
+def add_quality(contract: dict, args, names: list[str], dev, result: dict) -> None:
+    """The quality axis (benchmarks/quality.py): each path's and each ComfyUI configuration's output error on the
+    contract's quality case, after the timings, on the same device."""
+    import quality
+
+    spec = contract.get("quality")
+    if not spec:
+        return
+    if args.quality_dir is None:
+        result["quality"] = {"case": spec["case"], "status": "not measured (run with --quality-dir)"}
+        return
+    q = quality.measure(contract, names, args.quality_dir, spec["case"], str(dev), args.comfy_root)
+    result["quality"] = {k: v for k, v in q.items() if k not in ("paths", "comfyui")}
+    for name, values in (q.get("paths") or {}).items():
+        result["paths"][name]["quality"] = values
+    for name, values in (q.get("comfyui") or {}).items():
+        config = ((result.get("comfyui") or {}).get("configs") or {}).get(name)
+        if config is not None:
+            config["quality"] = values
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     contract = _contract(args.contract)
     if contract.get("kind") == "e2e":
         import run_e2e
 
+        if args.quality_dir is not None:
+            _fail("--quality-dir: the e2e contract has no quality axis (the DiT contract has)")
         return run_e2e.main(args, contract, argv)
     given = [flag for flag, value in (("--configs", args.configs), ("--tokenizer", args.tokenizer),
                                       ("--merge", args.merge)) if value is not None]
@@ -440,6 +471,7 @@ def main(argv=None) -> int:
     else:
         result["comfyui"] = None
         result["comfyui_note"] = "no same-run ComfyUI (run with --comfy-root to measure x_comfyui_*)"
+    add_quality(contract, args, names, dev, result)
     for name, values in ratios(contract, result).items():
         result["paths"][name].update(values)
     C.write_result(args.out, result)

@@ -53,6 +53,9 @@ NAMES_BACKEND = ("kernel", "quality", "class", "drift")  # the modes whose entri
 SIGNIFICAND_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11, "e4m3": 4, "e2m1": 2,
                     "int64": 64, "int32": 64}  # integers: exact
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# product operands on a uniform grid under per-row scales (absolute rounding error, not relative): the site's rho is
+# then the expected relative error itself (`kernels.int8_rho`), and the bound is k·rho
+UNIFORM_GRIDS = ("int8",)
 LIMIT_FIELDS = ("rel_l2", "cosine", "sqnr_db", "psnr_db", "psnr_min_db", "ssim_mean", "ssim_min")
 FIELDS = set(KEYS) | set(LIMIT_FIELDS) | {"rule", "k", "reference", "dtype", "source", "provenance"}
 
@@ -217,7 +220,7 @@ def _check(i: int, e: dict, rules: dict, path: Path) -> None:
     if rule == "rounding":
         if numbers:
             bad(f"a rounding entry derives its limit from the arithmetic; it carries no {numbers}")
-        if "dtype" in e:
+        if "dtype" in e and str(e["dtype"]) not in UNIFORM_GRIDS:
             unit_roundoff(str(e["dtype"]))
             if not isinstance(e.get("k"), int | float) or not 1.0 <= e["k"] <= rules["ratio_k_max"]:
                 bad(f"a quantized-product rounding bound needs 1 ≤ k ≤ {rules['ratio_k_max']:g}")
@@ -306,7 +309,8 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
         if b.dtype:
             if m.gemm_rho is None:
                 return Verdict(False, "a quantized-product rounding bound needs the site's operands", m.err, 0.0)
-            limit = max(b.floor, b.k * unit_roundoff(b.dtype) * math.sqrt(2.0 / 3.0) * m.gemm_rho)
+            per_element = 1.0 if b.dtype in UNIFORM_GRIDS else unit_roundoff(b.dtype) * math.sqrt(2.0 / 3.0)
+            limit = max(b.floor, b.k * per_element * m.gemm_rho)
             what = f"{b.k:g}× the expected {b.dtype} product error"
         else:
             if roundings is None:

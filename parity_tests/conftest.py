@@ -22,7 +22,7 @@ from collections import defaultdict
 import pytest
 
 from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
-from parity_tests.plugin import gate_attention, given_trace_dirs, report_dir, trace_roots
+from parity_tests.plugin import gate_attention, gate_fp8, given_trace_dirs, report_dir, trace_roots
 from parity_tests.report import ReportCollector
 
 _collector = ReportCollector()
@@ -179,7 +179,7 @@ def gate_options(request):
     attention = gate_attention(c)
     return {"attention": attention, "attention_label": describe(attention), "device": c.getoption("--device"),
             "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
-            "fp8_linear": c.getoption("--fp8-linear"), "no_twin": c.getoption("--no-twin")}
+            "fp8_linear": gate_fp8(c), "no_twin": c.getoption("--no-twin"), "sage_class": c.getoption("--sage-class")}
 
 
 @pytest.fixture(scope="session")

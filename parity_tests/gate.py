@@ -36,7 +36,7 @@ from h3direct.traces import metrics
 from h3direct.traces.format import Trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import DitCase, low_case
-from parity_tests.models import compute_name, model, nvfp4_mode, trace
+from parity_tests.models import compute_name, fp8_parts, model, nvfp4_mode, trace
 from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
@@ -88,6 +88,7 @@ class Gate:
         self.case, self.result, self.budgets, self.trace, self.twin = case, result, budgets, trace, twin
         self.compute_key, self.comfy_root, self.no_twin = compute_key, comfy_root, no_twin
         self.site_calls = CallCounts()  # the attention calls of the kernel sites (each counted on its own)
+        self.sage_class = False  # run_dit_case(sage_class=True): the mode claims ComfyUI+sage's class
 
     def key(self, mode: str, kind: str, **over) -> dict:
         return {"mode": mode, "kind": kind, "compute": self.compute_key, "weights": self.case.weights,
@@ -120,7 +121,7 @@ class Gate:
 def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
                  comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off",
-                 no_twin: bool = False) -> CaseResult:
+                 no_twin: bool = False, sage_class: bool = False) -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
 
     attention: a backend's name (its options at their defaults) or AttentionOptions; an exact backend is gated at
@@ -129,10 +130,12 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
     way. compute: run h3direct's exact path in this dtype instead of the trace's (a bf16-only exact backend against
     an fp32 trace): the budget key is then "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own trace in
     that dtype. no_twin: gate a low-precision case without ComfyUI's fp32 twin by the rounding bounds (teacher sites
-    only; what has no rounding bound is listed as not gated) instead of refusing it."""
+    only; what has no rounding bound is listed as not gated) instead of refusing it. sage_class: hold the approximate
+    mode, whatever its backend and linears, to the class rule against ComfyUI+sage (what a tier that claims ComfyUI+sage's
+    quality must meet; `--sage-class`)."""
     from h3direct.counts import counting
     from h3direct.dit.attention import as_options, is_exact
-    from h3direct.dit.linear import FP8_WEIGHTS_KEY
+    from h3direct.dit.linear import W8A8_WEIGHTS_KEYS
     from h3direct.dit.options import describe
 
     budgets = budgets or load_budgets()
@@ -156,15 +159,17 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
                      f"(`python -m oracle record` records the twin by default) or pass --no-twin to gate by rounding "
                      f"bounds only")
     approx = approx_attention or fp8_linear != "off"
-    fp8_label = f" + {FP8_WEIGHTS_KEY} ({fp8_linear})" if fp8_linear != "off" else ""
+    weights_key = W8A8_WEIGHTS_KEYS[fp8_parts(fp8_linear)[2]]
+    fp8_label = f" + {weights_key} ({fp8_linear})" if fp8_linear != "off" else ""
     title = (f"{case.id} [{mode}, h3direct {compute or case.compute} vs ComfyUI {case.compute}, {case.weights}"
              f"{fp8_label}, {label}]")
     result = CaseResult(case, mode, label, title=title if (low or approx) else "",
                         compute=compute_key if low else None,
-                        weights=FP8_WEIGHTS_KEY if fp8_linear != "off" else None,
+                        weights=weights_key if fp8_linear != "off" else None,
                         approx=(label + (f" + fp8_linear ({fp8_linear})" if fp8_linear != "off" else ""))
                         if approx else "")
     gate = Gate(case, result, budgets, given_trace, twin, compute_key, comfy_root, no_twin)
+    gate.sage_class = sage_class and approx
     if twin is None and compute_key != "fp32":
         result.notes.append("no fp32 twin (--no-twin): teacher sites by rounding bounds; free runs and whole blocks "
                             "are not gated")

@@ -161,7 +161,21 @@ def gemm_rho(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(noise)) / den if den else math.inf
 
 
+def int8_rho(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
+    """The expected relative error of an int8 W8A8 product (per-row scales s = amax / 127 on both operands) against
+    its result Y: each code's rounding error is uniform on ±s/2 (variance s²/12), independent, so the product's
+    noise has variance (s_x[m]²·‖w_n‖² + s_w[n]²·‖x_m‖²) / 12 at (m, n) (the products of two errors are far smaller).
+    The steps are the rule's own (amax / 127 of each row, computed here), not the implementation's."""
+    sx, sw = (t.double().abs().amax(dim=-1) / 127.0 for t in (x, w))
+    x2, w2 = (x.double() ** 2).sum(-1), (w.double() ** 2).sum(-1)
+    var = (sx[:, None] ** 2 * w2[None, :] + sw[None, :] ** 2 * x2[:, None]) / 12.0
+    den = float(torch.linalg.vector_norm(y.double()))
+    return math.sqrt(float(var.sum())) / den if den else math.inf
+
+
 def fp8_linear_site(gate, site, model, fp8_model) -> None:
+    from h3direct.dit.linear import W8A8_WEIGHTS_KEYS
+
     path = site.name.removesuffix(".out")
     x = site.args()[0]
     exact_mod, fp8_mod = model.get_submodule(path), fp8_model.get_submodule(path)
@@ -170,9 +184,14 @@ def fp8_linear_site(gate, site, model, fp8_model) -> None:
     bias = exact_mod.bias.detach().float() if exact_mod.bias is not None else None
     x2 = x.reshape(-1, x.shape[-1]).float()
     exact = F.linear(x2, w, bias).reshape(ours.shape)
-    m = Measured(metrics.rel_l2(ours, exact), gemm_rho=gemm_rho(x2, w, exact.reshape(x2.shape[0], -1)))
-    b = gate.budgets.lookup(**gate.key("kernel", "linear", weights="fp8_w8a8", attention="*", compute="*"))
+    rho = int8_rho if fp8_mod.fmt == "int8" else gemm_rho
+    m = Measured(metrics.rel_l2(ours, exact), gemm_rho=rho(x2, w, exact.reshape(x2.shape[0], -1)))
+    b = gate.budgets.lookup(**gate.key("kernel", "linear", weights=W8A8_WEIGHTS_KEYS[fp8_mod.fmt], attention="*",
+                                       compute="*"))
     gate.result.layers.append(_row(gate, site.name, b, m, ours, exact, ""))
+
+
+CLASS_NAMESAKE = "sage2"  # the backend whose class rule a mode claiming ComfyUI+sage's class (--sage-class) is held to
 
 
 def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_linear: str, exact: dict) -> None:
@@ -204,8 +223,10 @@ def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_li
     low_run = approx_compute != "fp32"  # the drift rule's scale: ComfyUI's own rounding where the mode rounds alike
 
     key = attention_key(attention)
-    b = (gate.budgets.find(mode="class", kind="output", compute=approx_compute, weights=case.weights, attention=key,
-                           twin="yes") if key != "exact" and fp8_linear == "off" else None)
+    claimed = gate.sage_class
+    b = (gate.budgets.find(mode="class", kind="output", compute=approx_compute, weights=case.weights,
+                           attention=CLASS_NAMESAKE if claimed else key, twin="yes")
+         if claimed or (key != "exact" and fp8_linear == "off") else None)
     if b is not None and refs.sage is None:
         result.notes.append(f"class reference missing: no ComfyUI --use-sage-attention recording of this case "
                             f"(`python -m oracle record --sage-twin`), so {result.approx} is held to its own "

@@ -16,11 +16,35 @@ from h3direct.traces.format import Trace, load_trace
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def fp8_spec(mode: str, layers: str | None = None, fmt: str = "e4m3") -> str:
+    """The gate's one value for its 8-bit block linears: the mode ("off", "stream", "resident"), then the layers of
+    `--fp8-linear-layers` after a colon when they are not all four, then the format of `--fp8-linear-format` after a
+    slash when it is not e4m3: "stream", "stream:fc1,fc2", "stream/int8". `model` and `fp8_parts` read it back."""
+    from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set
+
+    if mode == "off":
+        return mode
+    out = mode
+    if layers is not None and fp8_layer_set(layers) != FP8_LINEAR_LEAVES:
+        out += ":" + ",".join(fp8_layer_set(layers))
+    return out + (f"/{fmt}" if fmt != "e4m3" else "")
+
+
+def fp8_parts(spec: str) -> tuple[str, str | None, str]:
+    """`fp8_spec`'s value -> (mode, layers or None, format)."""
+    head, _, fmt = spec.partition("/")
+    mode, _, layers = head.partition(":")
+    return mode, layers or None, fmt or "e4m3"
+
+
 @lru_cache(maxsize=8)
 def model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_linear: str = "off"):
+    """A loaded DiT; `fp8_linear` as `fp8_spec` writes it."""
     from h3direct.dit.loader import load_dit
 
-    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=fp8_linear)
+    mode, layers, fmt = fp8_parts(fp8_linear)
+    return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=mode,
+                    fp8_linear_layers=layers, fp8_linear_format=fmt)
 
 
 @lru_cache(maxsize=32)

@@ -65,6 +65,15 @@ def pytest_addoption(parser):
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
     g.addoption("--fp8-linear", nargs="?", const="stream", default="off", choices=["off", "stream", "resident"],
                 help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
+    g.addoption("--fp8-linear-layers", default=None, metavar="LIST",
+                help="with --fp8-linear: which linears of every block are FP8 (comma list of qkv_proj, out_proj, fc1, "
+                     "fc2; default all four), the runtime's option fp8_linear_layers")
+    g.addoption("--fp8-linear-format", default="e4m3", choices=["e4m3", "int8"],
+                help="with --fp8-linear: the 8-bit number format (budgets keyed weights = int8_w8a8 for int8), the "
+                     "runtime's option fp8_linear_format")
+    g.addoption("--sage-class", action="store_true",
+                help="hold the approximate mode (any backend, options and linears) to the class rule against ComfyUI's "
+                     "--use-sage-attention, as for sage2: what a mode that claims ComfyUI+sage's quality must meet")
     g.addoption("--e2e-path", default=None, help="approximate path of the e2e frames gate (default: --attention)")
     g.addoption("--e2e-model", default=None, metavar="DIR", help="model folder of the e2e frames gate")
     g.addoption("--no-twin", action="store_true",
@@ -116,6 +125,7 @@ def pytest_configure(config):
     if baselines is not None and baselines.exists() and not baselines.is_dir():
         raise pytest.UsageError(f"--baselines: not a directory: {baselines}")
     gate_attention(config)
+    gate_fp8(config)
 
 
 def gate_attention(config):
@@ -128,6 +138,23 @@ def gate_attention(config):
         return Options.from_flat({"attention": config.getoption("--attention"), **given}).attention
     except H3Error as exc:
         raise pytest.UsageError(f"--option {exc}") from None
+
+
+def gate_fp8(config) -> str:
+    """--fp8-linear, --fp8-linear-layers and --fp8-linear-format as the gate's one value (`models.fp8_spec`); a bad
+    list is pytest's one-line usage error, and so are layers or a format without --fp8-linear."""
+    from parity_tests.models import fp8_spec
+
+    mode, layers = config.getoption("--fp8-linear"), config.getoption("--fp8-linear-layers")
+    fmt = config.getoption("--fp8-linear-format")
+    if mode == "off" and (layers is not None or fmt != "e4m3"):
+        raise pytest.UsageError(f"{'--fp8-linear-layers' if layers is not None else '--fp8-linear-format'}: "
+                                "needs --fp8-linear")
+    try:
+        return fp8_spec(mode, layers, fmt)
+    except ValueError:
+        raise pytest.UsageError(f"--fp8-linear-layers {layers!r}: a comma list of qkv_proj, out_proj, fc1, fc2 "
+                                "(each once)") from None
 
 
 def baselines_dir(config) -> Path | None:

@@ -27,7 +27,7 @@ def test_dit_layers(dit_case, mode, gate_options, report, request, ndarrays_regr
         result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
                               budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"],
                               compute=compute, fp8_linear=gate_options.get("fp8_linear", "off"),
-                              no_twin=gate_options["no_twin"])
+                              no_twin=gate_options["no_twin"], sage_class=gate_options["sage_class"])
     except NoTwin as exc:
         pytest.fail(str(exc), pytrace=False)
     history = History(request.config, dit_case.trace.parent, dit_case.trace.stem, gate_options["device"],

@@ -237,10 +237,40 @@ def test_accumulation_option_reaches_every_fp8_linear():
         assert accums == {want} and f"{want} accumulation" in repr(model.blocks[0].mlp.fc1)
     apply_load_time(model, fp8_linear="stream", fp8_accum="fast")  # a model that has FP8 linears takes the new one
     assert {m.accum for m in model.modules() if isinstance(m, FP8Linear)} == {"fast"}
-    for other in ("resident", "off"):  # but not another mode: its linears were made FP8 once
+    resident = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="resident")
+    for other in ("stream", "off"):  # a resident model's own linears are gone: no other mode without a reload
         with pytest.raises(ConfigError, match=f"fp8_linear '{other}': this model's block linears were made FP8 "
-                                              "'stream'"):
-            apply_load_time(model, fp8_linear=other)
+                                              "'resident'"):
+            apply_load_time(resident, fp8_linear=other)
+
+
+def test_a_stream_model_changes_its_fp8_layers_and_format_and_gives_its_own_linears_back():
+    """fp8_linear_layers / fp8_linear_format on a loaded stream model: the linears are put back and made again,
+    `off` restores the checkpoint's own modules (the same objects, so the output is bitwise the plain model's)."""
+    plain = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors")
+    model = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors")
+    own = {n: m for n, m in model.named_modules() if n.startswith("blocks.") and n.endswith(("proj", "fc1", "fc2"))}
+    x = torch.randn(17, model.blocks[0].mlp.fc1.in_features, generator=torch.Generator().manual_seed(5))
+    for layers, fmt in ((None, "e4m3"), ("fc1,fc2", "e4m3"), ("qkv_proj", "int8"), ("fc2,fc1", "int8")):
+        apply_load_time(model, fp8_linear="stream", fp8_linear_layers=layers, fp8_linear_format=fmt)
+        fp8 = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+        leaves = BLOCK_LEAVES if layers is None else tuple(p for p in BLOCK_LEAVES if p.split(".")[1] in layers)
+        assert set(fp8) == {f"blocks.{i}.{leaf}" for i in range(2) for leaf in leaves}, (layers, sorted(fp8))
+        assert {m.fmt for m in fp8.values()} == {fmt}
+        dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+        assert all(m.fp8_weight()[0].dtype == dtype for m in fp8.values())
+    apply_load_time(model, fp8_linear="off")
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+    assert all(model.get_submodule(n) is m for n, m in own.items())
+    assert torch.equal(model.blocks[1].mlp.fc1(x), plain.blocks[1].mlp.fc1(x))
+
+
+@pytest.mark.parametrize("value", ["", "fc3", "fc1,fc1", "qkv_proj;fc2"])
+def test_a_bad_fp8_layer_list_is_one_line(value):
+    from h3direct.dit.options import KernelOptions
+
+    with pytest.raises(RequestError, match="fp8_linear_layers"):
+        KernelOptions(fp8_linear_layers=value)
 
 
 def test_stream_and_resident_give_the_same_product():

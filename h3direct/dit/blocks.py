@@ -229,9 +229,9 @@ def _global_hooks() -> bool:
 
 
 def takes_e4m3(linear: nn.Module, *callers: nn.Module) -> bool:
-    """`linear` can be handed its input as e4m3 rows (`w8a8.E4M3Rows`): an FP8 linear, and no forward hook on it or
+    """`linear` can be handed its input as e4m3 rows (`w8a8.E4M3Rows`): an e4m3 FP8 linear, and no forward hook on it or
     on the modules the activation passes through on its way there (`callers`) that would want the tensor."""
-    return (isinstance(linear, FP8Linear) and not _global_hooks()
+    return (isinstance(linear, FP8Linear) and linear.fmt == "e4m3" and not _global_hooks()
             and not any(m._forward_hooks or m._forward_pre_hooks for m in (linear, *callers)))
 
 

@@ -100,54 +100,61 @@ class NVFP4Linear(nn.Module):
 # ---------------------------------------------------------------- FP8 W8A8 (opt-in approximate path)
 
 FP8_WEIGHTS_KEY = "fp8_w8a8"  # the budgets table's `weights` key of comparisons made with FP8 linears
+# ... per number format of the 8-bit linears (option fp8_linear_format)
+W8A8_WEIGHTS_KEYS = {"e4m3": FP8_WEIGHTS_KEY, "int8": "int8_w8a8"}
 
 
-def block_linear_names(model: nn.Module) -> list[str]:
-    """The DiT block linears the FP8 path replaces: per block attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2
-    (refiner, adaLN, embedders and output heads are left alone)."""
+def block_linear_names(model: nn.Module, leaves: tuple[str, ...] | None = None) -> list[str]:
+    """The DiT block linears the FP8 path replaces: per block attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2, or
+    those of them whose leaf name is in `leaves` (the option `fp8_linear_layers`); refiner, adaLN, embedders and
+    output heads are left alone."""
     from h3direct.checkpoint.keys import BLOCK_LINEARS
 
-    return [f"blocks.{i}.{leaf}" for i in range(len(model.blocks)) for leaf in BLOCK_LINEARS]
+    chosen = [p for p in BLOCK_LINEARS if leaves is None or p.rpartition(".")[2] in leaves]
+    return [f"blocks.{i}.{leaf}" for i in range(len(model.blocks)) for leaf in chosen]
 
 
 class FP8Linear(nn.Module):
-    """e4m3 W8A8 linear (`h3direct.checkpoint.quant.w8a8`): per-output-channel weight scales, per-token activation
-    scales, `torch._scaled_mm` on CUDA, an fp32 emulation elsewhere.
+    """8-bit W8A8 linear (`h3direct.checkpoint.quant.w8a8`) in format `fmt`: e4m3 (FP8, `torch._scaled_mm` on CUDA)
+    or int8 (`torch._int_mm`); per-output-channel weight scales, per-token activation scales, an emulation elsewhere.
 
     ``resident``: the e4m3 weight is made once and held (half the memory of bf16).
     ``stream`` (NVFP4 sources only): the NVFP4 tensors stay resident and the e4m3 weight is made on every call (one
     Triton pass on CUDA) under per-channel scales computed once from the fp32-decoded rows."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str, source: str):
+    def __init__(self, in_features: int, out_features: int, mode: str, source: str, fmt: str = "e4m3"):
         super().__init__()
         self.in_features, self.out_features, self.island = in_features, out_features, False
-        self.mode, self.source = mode, source
+        self.mode, self.source, self.fmt = mode, source, fmt
         # the load-time options fp8_strict (an emulated GEMM on CUDA is an error) and fp8_accum (the GEMM's
         # accumulation on CUDA), set by `dit.loader.apply_load_time`
         self.strict, self.accum = False, "fast"
         self.bias = None
 
     @classmethod
-    def from_module(cls, layer: nn.Module, mode: str) -> FP8Linear:
+    def from_module(cls, layer: nn.Module, mode: str, fmt: str = "e4m3") -> FP8Linear:
         from h3direct.checkpoint.quant import w8a8
 
         if mode not in ("stream", "resident"):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
+        if fmt not in w8a8.FORMATS:
+            raise ValueError(f"unknown 8-bit format {fmt!r}")
         if isinstance(layer, NVFP4Linear):
-            new = cls(layer.in_features, layer.out_features, mode, "nvfp4")
-            scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2)
+            new = cls(layer.in_features, layer.out_features, mode, "nvfp4", fmt)
+            scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2, fmt)
             if mode == "stream":
                 new.register_buffer("packed", layer.weight)
                 new.register_buffer("block_scale", layer.weight_scale)
                 new.register_buffer("global_scale", layer.weight_scale_2)
                 new.register_buffer("w_scale", scales)
             else:
-                q = w8a8.nvfp4_to_e4m3(layer.weight, layer.weight_scale, layer.weight_scale_2, scales)
+                q = new._convert(layer.weight, layer.weight_scale, layer.weight_scale_2, scales)
                 new.register_buffer("weight8", q[: layer.out_features, : layer.in_features].contiguous())
                 new.register_buffer("w_scale", scales[: layer.out_features].contiguous())
         elif isinstance(layer, Linear):
-            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""))
-            q, s = w8a8.quantize_rows(layer.weight.detach())
+            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""),
+                      fmt)
+            q, s = w8a8.FORMATS[fmt][1](layer.weight.detach())
             new.register_buffer("weight8", q)
             new.register_buffer("w_scale", s)
         else:
@@ -156,13 +163,17 @@ class FP8Linear(nn.Module):
             new.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
         return new
 
-    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 weight [N, K], fp32 per-channel scales [N]) as the GEMM takes them."""
-        if self.mode == "resident":
-            return self.weight8, self.w_scale
+    def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
         from h3direct.checkpoint.quant import w8a8
 
-        q = w8a8.nvfp4_to_e4m3(self.packed, self.block_scale, self.global_scale, self.w_scale)
+        convert = w8a8.nvfp4_to_int8 if self.fmt == "int8" else w8a8.nvfp4_to_e4m3
+        return convert(packed, block_scale, global_scale, scales)
+
+    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(8-bit weight [N, K] (e4m3 or int8), fp32 per-channel scales [N]) as the GEMM takes them."""
+        if self.mode == "resident":
+            return self.weight8, self.w_scale
+        q = self._convert(self.packed, self.block_scale, self.global_scale, self.w_scale)
         n, k = self.out_features, self.in_features
         if q.shape != (n, k):
             q = q[:n, :k].contiguous()
@@ -176,8 +187,9 @@ class FP8Linear(nn.Module):
         return w8a8.linear_w8a8(x, w8, s, self.bias, strict=self.strict, accum=self.accum)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features}, {self.out_features}, fp8 e4m3 w8a8 {self.mode} (from {self.source}), "
-                f"{self.accum} accumulation")
+        accum = "exact int32" if self.fmt == "int8" else self.accum
+        return (f"{self.in_features}, {self.out_features}, {self.fmt} w8a8 {self.mode} (from {self.source}), "
+                f"{accum} accumulation")
 
 
 def check_fp8_linear(mode: str | None) -> str:
@@ -188,15 +200,29 @@ def check_fp8_linear(mode: str | None) -> str:
     return KernelOptions(fp8_linear=mode or "off").fp8_linear
 
 
-def apply_fp8_linears(model: nn.Module, mode: str) -> int:
-    """Replace the block linears of `model` (`block_linear_names`) by `FP8Linear`s in place; returns how many.
-    `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always converted once: "resident")."""
+def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | None = None, fmt: str = "e4m3") -> int:
+    """Replace the block linears of `model` (`block_linear_names`, those of `leaves` only when given) by
+    `FP8Linear`s of format `fmt` in place; returns how many. `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always
+    converted once: "resident"). The replaced modules are kept (`model.fp8_sources`, sharing their tensors with a
+    stream layer's) so that `restore_linears` can undo it."""
     if check_fp8_linear(mode) == "off":
         return 0
-    names = block_linear_names(model)
+    names = block_linear_names(model, leaves)
+    sources = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, FP8Linear.from_module(getattr(parent, child), mode))
-    model.fp8_linear = mode
+        sources[name] = getattr(parent, child)
+        setattr(parent, child, FP8Linear.from_module(sources[name], mode, fmt))
+    model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = mode, leaves, fmt
+    # a plain dict, not a submodule: the originals stay out of the model's state dict and module walks
+    model.__dict__["fp8_sources"] = sources
     return len(names)
+
+
+def restore_linears(model: nn.Module) -> None:
+    """Undo `apply_fp8_linears`: the block linears it replaced are put back."""
+    for name, module in model.__dict__.pop("fp8_sources", {}).items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)
+    model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = "off", None, "e4m3"

@@ -33,10 +33,12 @@ from h3direct.dit.linear import (
     Linear,
     NVFP4Linear,
     apply_fp8_linears,
+    restore_linears,
     check_fp8_linear,
     resolve_nvfp4_mode,
 )
 from h3direct.dit.model import H3DiT
+from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set
 from h3direct.errors import CheckpointError, ConfigError
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -124,30 +126,42 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
 
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
              device: str | torch.device = "cpu", fp8_linear: str | None = None, nvfp4_dequant: str = "auto",
-             fp8_strict: bool = False, fp8_accum: str = "fast") -> H3DiT:
+             fp8_strict: bool = False, fp8_accum: str = "fast", fp8_linear_layers: str | None = None,
+             fp8_linear_format: str = "e4m3") -> H3DiT:
     """The kernel options fixed when the weights load (`KernelOptions.load_time()`): `fp8_linear` "stream"/"resident":
     the 200 (full model) block linears become FP8 W8A8 layers after loading (`linear.apply_fp8_linears`; opt-in,
-    approximate; None/"off": as stored), `fp8_strict` their strictness, `fp8_accum` their GEMMs' accumulation,
+    approximate; None/"off": as stored), `fp8_linear_layers` which of each block's four (None: all),
+    `fp8_linear_format` their number format (e4m3 | int8),
+    `fp8_strict` their strictness, `fp8_accum` their GEMMs' accumulation,
     `nvfp4_dequant` the NVFP4 layers' dequantization path on CUDA."""
     compute = parse_compute_dtype(compute_dtype)
     check_fp8_linear(fp8_linear)
     sd, _meta = read_state_dict(path)
     return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path,
                            fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
-                           fp8_accum=fp8_accum)
+                           fp8_accum=fp8_accum, fp8_linear_layers=fp8_linear_layers,
+                           fp8_linear_format=fp8_linear_format)
 
 
 def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str = "auto",
-                    fp8_strict: bool = False, fp8_accum: str = "fast") -> None:
-    """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: FP8 block linears (made once,
-    in place; a model that has them in another mode is refused), their strictness and accumulation, and the NVFP4
-    layers' dequantization path."""
+                    fp8_strict: bool = False, fp8_accum: str = "fast", fp8_linear_layers: str | None = None,
+                    fp8_linear_format: str = "e4m3") -> None:
+    """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: FP8 block linears (made in
+    place; a model that has them in another mode or for other layers gets its own linears back first, which a
+    `resident` model cannot: it is refused), their strictness and accumulation, and the NVFP4 layers'
+    dequantization path."""
+    leaves = None if fp8_linear_layers is None else fp8_layer_set(fp8_linear_layers)
+    if leaves == FP8_LINEAR_LEAVES:
+        leaves = None
     held = getattr(model, "fp8_linear", "off")
-    if held not in ("off", fp8_linear):
-        raise ConfigError(f"fp8_linear {fp8_linear!r}: this model's block linears were made FP8 {held!r} when it "
-                          f"loaded; load it again for another mode")
-    if fp8_linear != "off" and held == "off":
-        apply_fp8_linears(model, fp8_linear)
+    held_as = (held, getattr(model, "fp8_linear_layers", None), getattr(model, "fp8_linear_format", "e4m3"))
+    if held != "off" and held_as != (fp8_linear, leaves, fp8_linear_format):
+        if held == "resident":
+            raise ConfigError(f"fp8_linear {fp8_linear!r}: this model's block linears were made FP8 {held!r} when "
+                              f"it loaded; load it again for another mode")
+        restore_linears(model)
+    if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
+        apply_fp8_linears(model, fp8_linear, leaves, fp8_linear_format)
     for module in model.modules():
         if isinstance(module, NVFP4Linear):
             module.dequant = nvfp4_dequant
@@ -157,7 +171,8 @@ def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str
 
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
                     nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None,
-                    nvfp4_dequant: str = "auto", fp8_strict: bool = False, fp8_accum: str = "fast") -> H3DiT:
+                    nvfp4_dequant: str = "auto", fp8_strict: bool = False, fp8_accum: str = "fast",
+                    fp8_linear_layers: str | None = None, fp8_linear_format: str = "e4m3") -> H3DiT:
     fp8_linear = check_fp8_linear(fp8_linear)
     formats = quant_formats(sd, source)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
@@ -210,11 +225,11 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
             module.comfy_quant = torch.empty_like(state[f"{mod_name}.comfy_quant"], device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
-    model.fp8_linear = "off"
+    model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = "off", None, "e4m3"
     del state
     # after the strict load: the checkpoint's names are checked as stored
     apply_load_time(model, fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
-                    fp8_accum=fp8_accum)
+                    fp8_accum=fp8_accum, fp8_linear_layers=fp8_linear_layers, fp8_linear_format=fp8_linear_format)
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:

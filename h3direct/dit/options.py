@@ -28,6 +28,25 @@ BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head
 NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
 FP8_LINEAR_MODES = ("off", "stream", "resident")
 FP8_ACCUM = ("fast", "fp32")  # the FP8 GEMMs' accumulation (w8a8.linear_w8a8)
+FP8_LINEAR_FORMATS = ("e4m3", "int8")  # the number format of --fp8-linear's 8-bit GEMMs (w8a8.FORMATS)
+# the leaves of a DiT block's linears that --fp8-linear can make FP8 (h3direct.checkpoint.keys.BLOCK_LINEARS)
+FP8_LINEAR_LEAVES = ("qkv_proj", "out_proj", "fc1", "fc2")
+
+
+def fp8_layer_set(value: str) -> tuple[str, ...]:
+    """"fc1,fc2" -> ("fc1", "fc2") in block order; a name outside FP8_LINEAR_LEAVES, a repeat or nothing: ValueError."""
+    names = [n.strip() for n in str(value).split(",") if n.strip()]
+    if not names or len(set(names)) != len(names) or any(n not in FP8_LINEAR_LEAVES for n in names):
+        raise ValueError(value)
+    return tuple(n for n in FP8_LINEAR_LEAVES if n in names)
+
+
+def _is_layer_set(value: str) -> bool:
+    try:
+        fp8_layer_set(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,15 @@ class KernelOptions:
                            "the whole K (cuBLAS fast accumulation; the default of FBGEMM's rowwise FP8 GEMM), fp32 = "
                            "partial sums promoted to fp32 registers (slower)", choices=FP8_ACCUM, env=True,
                            per_request=False)
+    fp8_linear_layers: str = field(",".join(FP8_LINEAR_LEAVES),
+                                   "which linears of every DiT block --fp8-linear makes FP8: a comma list of "
+                                   "qkv_proj, out_proj, fc1, fc2 (the others keep the checkpoint's own weights)",
+                                   rule=_is_layer_set, expect="a comma list of qkv_proj, out_proj, fc1, fc2",
+                                   env=True, per_request=False)
+    fp8_linear_format: str = field("e4m3", "the number format of --fp8-linear's 8-bit block linears: e4m3 = FP8 "
+                                   "(torch._scaled_mm), int8 = a uniform 8-bit grid, same per-token / per-channel "
+                                   "scales, exact int32 accumulation (torch._int_mm)", choices=FP8_LINEAR_FORMATS,
+                                   env=True, per_request=False)
     fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "
                              "an emulation", env=True, per_request=False)
 

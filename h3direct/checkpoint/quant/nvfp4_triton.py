@@ -42,7 +42,7 @@ except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
 OUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-E4M3_OUT = 3  # the kernel's output code of the e4m3 conversion
+E4M3_OUT = 3  # the kernel's output code of the 8-bit conversions (e4m3, or int8 with the int8 encoder)
 
 # Launch configs (blocks per program, warps) of the two uses of the kernel ("nvfp4_dequant", "nvfp4_e4m3"; the names
 # `tools/tune_kernels.py` sweeps them under). Every config gives the same bits; the fastest depends on the GPU.
@@ -174,7 +174,8 @@ def _storage(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torc
     return packed.view(torch.int32), scales, g, rows, nb, cp // TILE_COLS
 
 
-def _launch(storage, dst: torch.Tensor, out_code: int, row_scales: torch.Tensor | None, config: tuple[int, int]):
+def _launch(storage, dst: torch.Tensor, out_code: int, row_scales: torch.Tensor | None, config: tuple[int, int],
+            fmt: str = "e4m3"):
     words, scales, g, rows, nb, tiles = storage
     total = rows * nb
     if total == 0:
@@ -184,7 +185,7 @@ def _launch(storage, dst: torch.Tensor, out_code: int, row_scales: torch.Tensor 
     if out_code == E4M3_OUT:
         from h3direct.checkpoint.quant.w8a8_triton import device_functions
 
-        encode = device_functions()[1]
+        encode = device_functions(fmt)[1]
     rs = row_scales if row_scales is not None else g  # unread placeholder
     build(_dequant_kernel, do_not_specialize=["NB", "TILES_PER_ROW"])[(triton.cdiv(total, blk),)](
         words, scales, g, dst, rs, total, nb, tiles, BLK=blk, OUT=out_code, EVEN=total % blk == 0,
@@ -219,3 +220,17 @@ def nvfp4_to_e4m3_triton(packed: torch.Tensor, block_scale: torch.Tensor, global
     out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.uint8, device=packed.device)
     _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device))
     return out.view(torch.float8_e4m3fn)
+
+
+def nvfp4_to_int8_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                         row_scales: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """NVFP4 storage and fp32 per-row int8 scales [N16] -> int8 [N16, K16]: the e4m3 conversion's kernel with the
+    int8 encoder (`w8a8_triton.encode_int8`), bitwise `w8a8.nvfp4_to_int8_reference`."""
+    storage = _storage(packed, block_scale, global_scale)
+    rows = packed.shape[0]
+    if row_scales.shape != (rows,):
+        raise ValueError(f"row scales of shape {list(row_scales.shape)} for an NVFP4 weight of {rows} rows")
+    rs = row_scales.to(device=packed.device, dtype=torch.float32).contiguous()
+    out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.int8, device=packed.device)
+    _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device), fmt="int8")
+    return out

@@ -1,5 +1,6 @@
-"""FP8 e4m3 W8A8 linears (the opt-in approximate path): per-output-channel weight scales, per-token activation
-scales, `torch._scaled_mm` with rowwise scaling on Hopper-class GPUs, an fp32 emulation of the same math elsewhere.
+"""8-bit W8A8 linears (the opt-in approximate path): per-output-channel weight scales, per-token activation
+scales; e4m3 (FP8) through `torch._scaled_mm` with rowwise scaling on Hopper-class GPUs, or int8 through
+`torch._int_mm` (option `fp8_linear_format`); an emulation of the same math elsewhere.
 
 Quantization (both operands, same rule along the reduced dimension K):
 
@@ -13,6 +14,14 @@ so every element keeps 3 mantissa bits (relative rounding error ≤ 2^-4) unless
 (one IEEE division per row) times each element (one rounded product): the kernels that write e4m3 are bound by
 their arithmetic, and a product per element costs a fraction of an IEEE division. That product is within two fp32
 roundings (2^-23, relative) of the quotient t / s, far below e4m3's 2^-4.
+
+int8 follows the same pattern with a uniform grid instead of a floating one: s[r] = amax_k |t[r, k]| / 127 and
+q[r, k] = round(clamp(t[r, k] · (1 / s[r]), -127, 127)) (nearest, ties to even), so every element's rounding error is
+at most s[r] / 2 (its variance s[r]² / 12: uniform rounding noise), which against e4m3's 2^-4 relative error is far
+smaller for the bulk of a row and larger only for its smallest elements. The products accumulate exactly in int32
+(|q| ≤ 127: no overflow below K = 2^31 / 127² ≈ 133,000), then one fp32 epilogue per element: acc (rounded to
+fp32) · s_x[m] · s_w[n] (+ bias), rounded to the output dtype. The emulation accumulates in float64 (exact: every
+partial sum is an integer below 2^53) and runs the same epilogue, so the GPU and every CPU give the same bits.
 
 Weights come as bf16/fp32 (quantized once, :func:`quantize_rows`) or as NVFP4; for NVFP4 the per-channel scale is
 taken once from the fp32-decoded rows (:func:`nvfp4_channel_scales`) and the e4m3 weight is either made once
@@ -31,8 +40,10 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
   accumulator over the whole K (cuBLAS fast accumulation, the default of FBGEMM's f8f8bf16_rowwise), "fp32" promotes the
   partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
   gate's rule for FP8 linears bounds;
+- ``int_mm``: an int8 weight on CUDA (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton importable):
+  Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
-  operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
+  operands in fp32 (int8: the exact product in float64 and the GPU's epilogue) (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
   path by design; on CUDA it is a fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it
   into an error.
 """
@@ -50,6 +61,7 @@ from h3direct.errors import ConfigError
 from h3direct.triton_build import interpreting
 
 E4M3_MAX = 448.0
+INT8_MAX = 127.0
 ALIGN = 16  # _scaled_mm: K and N multiples of 16
 _ROW_CHUNK = 4096  # rows per step when quantizing a whole weight (bounds the fp32 temporaries)
 
@@ -84,6 +96,44 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s[r : r + _ROW_CHUNK] = row_scales(part)
         q[r : r + _ROW_CHUNK] = encode_rows(part, s[r : r + _ROW_CHUNK])
     return q, s
+
+
+def int8_row_scales(t: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> fp32 [R]: amax of each row / 127; 1 where that is below MIN_SCALE (an all-zero row included)."""
+    amax = t.abs().amax(dim=-1).to(torch.float32)
+    s = amax / INT8_MAX
+    return torch.where(s >= MIN_SCALE, s, torch.ones_like(s))
+
+
+def encode_rows_int8(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[R, K] and fp32 [R] scales -> int8 [R, K]: t · (1 / s) in fp32 (as `encode_rows`), clamped to ±127, rounded
+    to nearest even."""
+    inverse = 1.0 / scales.to(torch.float32)
+    q = t.to(torch.float32) * inverse[:, None]
+    return torch.round(q.clamp_(-INT8_MAX, INT8_MAX)).to(torch.int8)
+
+
+def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] (any float dtype) -> (int8 [R, K], fp32 scales [R]); rows in chunks to bound memory."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize_rows_int8 takes a 2D tensor, got shape {list(t.shape)}")
+    q = torch.empty(t.shape, dtype=torch.int8, device=t.device)
+    s = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
+    for r in range(0, t.shape[0], _ROW_CHUNK):
+        part = t[r : r + _ROW_CHUNK]
+        s[r : r + _ROW_CHUNK] = int8_row_scales(part)
+        q[r : r + _ROW_CHUNK] = encode_rows_int8(part, s[r : r + _ROW_CHUNK])
+    return q, s
+
+
+# per format: (the codes' dtype, the rows' quantizer, their scales, their encoder)
+FORMATS = {"e4m3": (torch.float8_e4m3fn, quantize_rows, row_scales, encode_rows),
+           "int8": (torch.int8, quantize_rows_int8, int8_row_scales, encode_rows_int8)}
+
+
+def format_of(codes: torch.Tensor) -> str:
+    """"e4m3" | "int8": the format of a tensor of codes."""
+    return {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[codes.dtype]
 
 
 @dataclass(frozen=True)
@@ -125,14 +175,16 @@ def decode_nvfp4_fp32(packed: torch.Tensor, block_scale: torch.Tensor, global_sc
     return _decode_rows(packed, unswizzle_block_scales(block_scale, rows, 2 * half // BLOCK), global_scale)
 
 
-def nvfp4_channel_scales(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Per-row e4m3 scales of an NVFP4 weight ([N16] fp32), from its fp32 decode, rows in chunks."""
+def nvfp4_channel_scales(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                         fmt: str = "e4m3") -> torch.Tensor:
+    """Per-row scales (of format `fmt`) of an NVFP4 weight ([N16] fp32), from its fp32 decode, rows in chunks."""
     rows, half = packed.shape
     scales = unswizzle_block_scales(block_scale, rows, 2 * half // BLOCK)
+    scale_rows = FORMATS[fmt][2]
     out = torch.empty(rows, dtype=torch.float32, device=packed.device)
     for r in range(0, rows, _ROW_CHUNK):
         sl = slice(r, r + _ROW_CHUNK)
-        out[sl] = row_scales(_decode_rows(packed[sl], scales[sl], global_scale))
+        out[sl] = scale_rows(_decode_rows(packed[sl], scales[sl], global_scale))
     return out
 
 
@@ -152,6 +204,22 @@ def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale:
     return nvfp4_to_e4m3_reference(packed, block_scale, global_scale, scales)
 
 
+def nvfp4_to_int8_reference(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                            scales: torch.Tensor) -> torch.Tensor:
+    """NVFP4 storage and per-row int8 scales -> int8 [N16, K16] (torch; what the Triton kernel must equal)."""
+    return encode_rows_int8(decode_nvfp4_fp32(packed, block_scale, global_scale), scales)
+
+
+def nvfp4_to_int8(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                  scales: torch.Tensor) -> torch.Tensor:
+    """The int8 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
+    if _triton_ok(packed):
+        from h3direct.checkpoint.quant import nvfp4_triton
+
+        return nvfp4_triton.nvfp4_to_int8_triton(packed, block_scale, global_scale, scales)
+    return nvfp4_to_int8_reference(packed, block_scale, global_scale, scales)
+
+
 def _triton_ok(t: torch.Tensor) -> bool:
     if not (t.is_cuda or interpreting()):
         return False
@@ -162,13 +230,24 @@ def _triton_ok(t: torch.Tensor) -> bool:
     return True
 
 
-def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (float8_e4m3fn [M, K], fp32 scales [M]): the Triton kernel on CUDA, else torch."""
+def quantize_activation(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (codes of `fmt` [M, K], fp32 scales [M]): the Triton kernel on CUDA, else torch."""
     if _triton_ok(x2d):
         from h3direct.checkpoint.quant import w8a8_triton
 
-        return w8a8_triton.quantize_rows(x2d)
-    return quantize_rows(x2d)
+        return w8a8_triton.quantize_rows(x2d, fmt)
+    return FORMATS[fmt][1](x2d)
+
+
+def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The int8 GEMM's epilogue in torch: (acc in fp32) · s_x[m] · s_w[n] (+ bias in fp32), rounded to `dtype` once;
+    acc int32 or float64 holding integers (the emulation's exact product). The Triton epilogue equals it bitwise."""
+    y = acc.to(torch.float32) * sx.to(torch.float32)[:, None]
+    y = y * sw.to(torch.float32)[None, :]
+    if bias is not None:
+        y = y + bias.to(torch.float32)[None, :]
+    return y.to(dtype)
 
 
 # ---------------------------------------------------------------- the linear
@@ -190,12 +269,52 @@ def _gpu_reason(x: torch.Tensor, dtype: torch.dtype, k: int, n: int) -> str | No
     return None
 
 
+def _int8_gpu_reason(x: torch.Tensor, m: int, k: int, n: int) -> str | None:
+    """Why `torch._int_mm` cannot run on x [m, k] against an int8 weight [n, k]; None: it can."""
+    if not x.is_cuda:
+        return "cpu"
+    if m <= 16 or k % 8 or n % 8:
+        return f"M={m}, K={k}, N={n}: _int_mm needs M > 16 and K, N multiples of 8"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "compute capability < 8.0"
+    if not _triton_ok(x):
+        return "triton not importable"
+    return None
+
+
+def linear_int8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                strict: bool = False) -> torch.Tensor:
+    """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (int8 [N, K], fp32 [N]) and x quantized per row to int8 here
+    (module docstring). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an error."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w8.shape[0]
+    if w8.shape[1] != k:
+        raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
+    x2 = x.reshape(-1, k)
+    reason = _int8_gpu_reason(x2, x2.shape[0], k, n)
+    if reason is not None and x2.is_cuda and strict:
+        raise ConfigError(f"int8 linear [{k} -> {n}] cannot use torch._int_mm: {reason} (fp8_strict is on)")
+    count_fp8_linear("int_mm" if reason is None else f"emulated ({reason})")
+    x8, sx = quantize_activation(x2, "int8")
+    if reason is None:
+        from h3direct.checkpoint.quant import w8a8_triton
+
+        y = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, w_scale, bias, x.dtype)
+    else:
+        y = int8_epilogue(x8.double() @ w8.double().T, sx, w_scale, bias, x.dtype)
+    return y.reshape(*lead, n)
+
+
 def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, strict: bool = False, accum: str = "fast") -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row (here, or
     already: `E4M3Rows`). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an
     error. `accum`: the GEMM's accumulation on CUDA ("fast" / "fp32", module docstring); the emulation is fp32."""
     # x [..., K] -> [..., N]
+    if w8.dtype == torch.int8:
+        if isinstance(x, E4M3Rows):
+            raise TypeError("an int8 linear takes its input unquantized, not as e4m3 rows")
+        return linear_int8(x, w8, w_scale, bias, strict=strict)
     pre = isinstance(x, E4M3Rows)
     codes = x.data if pre else x
     lead, k = codes.shape[:-1], codes.shape[-1]

@@ -1,12 +1,19 @@
-"""Triton side of the FP8 W8A8 path (`w8a8.py` holds the torch reference math they must equal bit for bit).
+"""Triton side of the 8-bit W8A8 path (`w8a8.py` holds the torch reference math they must equal bit for bit).
 
 - device functions, the one place the activation rule is written for the GPU: `quantize_tile` (per-row scale and
   e4m3 codes of a tile of whole rows) and `encode_e4m3`; `device_functions()` gives them built for the current mode
   (compiled / Triton's interpreter), to be passed to kernels as `tl.constexpr` arguments (`h3direct.triton_build`).
   The fused producer kernels (`h3direct.dit.fused`: norm + modulation, SwiGLU) call them to write their output as
   e4m3 rows directly; the NVFP4 -> e4m3 weight conversion (`nvfp4_triton.nvfp4_to_e4m3_triton`) calls `encode_e4m3`;
-- :func:`quantize_rows`: per-row (per-token) e4m3 quantization of a stored activation, one read of each row (the
-  inputs no fused kernel produces: the attention output).
+- :func:`quantize_rows`: per-row (per-token) e4m3 or int8 quantization of a stored activation, one read of each row
+  (the inputs no fused kernel produces: the attention output; every input of an int8 linear);
+- :func:`int8_epilogue`: the int8 GEMM's int32 result times the row and column scales (+ bias), one pass, rounded
+  once to the output dtype.
+
+int8 codes round to nearest even with `rint` (`cvt.rni`) when compiled and by adding and subtracting 1.5 · 2^23 in the
+interpreter (exact for |v| <= 2^22); the product with the row's reciprocal is rounded before it, as torch does (no
+fused multiply-add can join them: the rounding is no addition when compiled, and the interpreter fuses nothing). The
+epilogue is built without floating-point contraction, so its two products and the bias add round as torch's do.
 
 Divisions are IEEE-rounded (`tl.math.div_rn`: `div.rn.f32`, and no approximate division, in the PTX the CPU tests
 compile), as torch divides; Triton's `/` on fp32 is the approximate `div.full.f32`. There is one per row (the scale
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from h3direct.triton_build import FP_OPTIONS, build, interpreting
 
@@ -61,8 +69,35 @@ def quantize_tile(x, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
     return ENCODE(x * inverse[:, None], INTERPRET), s
 
 
-def device_functions() -> tuple:
-    """(quantize_tile, encode_e4m3) built for the current mode, for kernels' `QUANT` / `ENCODE` arguments."""
+def encode_int8(v, INTERPRET: tl.constexpr):
+    """fp32 -> int8 code: clamped to ±127, rounded to nearest even."""
+    v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+    if INTERPRET:
+        r = (v + 12582912.0) - 12582912.0
+    else:
+        r = libdevice.rint(v)
+    return r.to(tl.int8)
+
+
+def quantize_tile_int8(x, ENCODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 [R, B] whole rows -> (int8 codes [R, B], fp32 scales [R]): s = amax / 127 (1 below the smallest normal
+    fp32), codes = encode(x · (1 / s)); `w8a8.int8_row_scales` / `w8a8.encode_rows_int8`."""
+    a = tl.abs(x)
+    if INTERPRET:
+        amax = tl.reduce(a, 1, tl.standard._elementwise_max)
+    else:
+        amax = tl.max(a, axis=1)
+    s = tl.math.div_rn(amax, amax * 0.0 + 127.0)
+    s = tl.where(s >= 1.1754943508222875e-38, s, 1.0)
+    inverse = tl.math.div_rn(s * 0.0 + 1.0, s)
+    return ENCODE(x * inverse[:, None], INTERPRET), s
+
+
+def device_functions(fmt: str = "e4m3") -> tuple:
+    """(quantize_tile, encode) of format `fmt` ("e4m3" | "int8") built for the current mode, for kernels' `QUANT` /
+    `ENCODE` arguments."""
+    if fmt == "int8":
+        return build(quantize_tile_int8), build(encode_int8)
     return build(quantize_tile), build(encode_e4m3)
 
 
@@ -77,17 +112,59 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, ROWS: tl.constexpr, 
     tl.store(s_ptr + rows, s, mask=rows < M)
 
 
-def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] (unit column stride) -> (float8_e4m3fn [M, K] contiguous, fp32 scales [M])."""
+def quantize_rows(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] (unit column stride) -> (codes [M, K] contiguous: float8_e4m3fn, or int8 for `fmt` "int8"; fp32 scales
+    [M])."""
     m, k = x2d.shape
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    q = torch.empty((m, k), dtype=torch.uint8, device=x2d.device)
+    q = torch.empty((m, k), dtype=torch.int8 if fmt == "int8" else torch.uint8, device=x2d.device)
     s = torch.empty(m, dtype=torch.float32, device=x2d.device)
     if m and k:
         block = triton.next_power_of_2(k)
         warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-        quant, encode = device_functions()
+        quant, encode = device_functions(fmt)
         build(_quant_rows_kernel)[(m,)](x2d, q, s, m, k, x2d.stride(0), ROWS=1, BLOCK=block, QUANT=quant,
                                         ENCODE=encode, INTERPRET=interpreting(), num_warps=warps, **FP_OPTIONS)
-    return q.view(torch.float8_e4m3fn), s
+    return (q, s) if fmt == "int8" else (q.view(torch.float8_e4m3fn), s)
+
+
+def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # OUT: 0 fp32, 1 fp16, 2 bf16 (16-bit outputs stored as their int16 bit patterns, rounded to nearest even by
+    # integer arithmetic for bf16: exact in the interpreter too, whose bf16 cast truncates)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows < M)[:, None] & (cols < N)[None, :]
+    off = rows[:, None] * N + cols[None, :]
+    y = tl.load(acc_ptr + off, mask=inside, other=0).to(tl.float32)
+    y = y * tl.load(sx_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    y = y * tl.load(sw_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if OUT == 0:
+        out = y
+    elif OUT == 1:
+        out = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    else:
+        b = y.to(tl.uint32, bitcast=True)
+        out = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    tl.store(out_ptr + off, out, mask=inside)
+
+
+EPILOGUE_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """int32 [M, N] (the int8 GEMM) -> `dtype` [M, N]: acc · sx[m] · sw[n] (+ bias), bitwise `w8a8.int8_epilogue`."""
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=dtype, device=acc.device)
+    if m and n:
+        dst = out if dtype == torch.float32 else out.view(torch.int16)
+        b = bias.contiguous() if bias is not None else sw
+        grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))
+        build(_int8_epilogue_kernel, do_not_specialize=["M", "N"])[grid](
+            acc.contiguous(), sx.contiguous(), sw.contiguous(), b, dst, m, n, HAS_BIAS=bias is not None,
+            OUT=EPILOGUE_OUT[dtype], BLOCK_M=32, BLOCK_N=128, num_warps=8, enable_fp_fusion=False)
+    return out

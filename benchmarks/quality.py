@@ -1,0 +1,196 @@
+"""The contract's quality axis: how far each path's output is from fp32, next to ComfyUI's own, on one structured
+case of the validation set recorded on the same GPU.
+
+    python -m benchmarks.quality --contract benchmarks/ref2va-960x544-124f.json --trace-dir DIR [--case NAME ...]
+        [--paths a,b] [--comfy-root R] [--device cuda] [--out Q.json]
+
+A path (an entry of the contract's "paths": attention backend, options, FP8 linears) runs one denoiser step of the
+case with its own options (`h3direct.traces.evaluate.one_step`, the free run the gate makes) and its x0
+(`sampler.denoised.video` / `.audio`) is measured against ComfyUI's fp32 twin of the case (rel-L2), in units of
+ComfyUI bf16's own error against the same twin (`x_comfyui_bf16`) and of ComfyUI `--use-sage-attention`'s
+(`x_comfyui_sage`), both recorded beside the case (`parity_tests.validation record`; `--comfy-root` records a
+case that is missing). The path's figures are the worse of its two outputs. ComfyUI's configurations get the same
+measurement from their recordings: the default is ComfyUI bf16 (1 by definition), sage its sage recording.
+
+`run_contract --quality-dir DIR` runs this after the timings, in the same process and on the same GPU, for the
+contract's case (`contract["quality"]["case"]`); `compare` checks the targets `error_x_comfyui_bf16` and
+`error_x_comfyui_sage`. This CLI measures any number of cases (the ladder of the closing notes) and paths (a
+frontier: a contract file of candidate paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _common as C  # noqa: E402  (puts the repo root on sys.path)
+
+OUTPUTS = ("video", "audio")
+
+
+def case_dir(root: Path, name: str) -> Path:
+    return root / name
+
+
+def ensure_recorded(root: Path, name: str, comfy_root: str | None, device: str) -> str | None:
+    """None when `root/name` holds a case with ComfyUI's bf16 trace, fp32 twin and sage recording, else why not;
+    a case of the validation set that is missing is built and recorded first where `comfy_root` is given."""
+    from parity_tests import validation
+
+    known = {c.name for c in validation.CASES}
+    if find_case(root, name) is None and comfy_root and name in known:
+        validation.build(root, device=device, only=[name])
+        validation.record(root, comfy_root, device=device, jobs=3, only=[name], sage=True)
+    case = find_case(root, name)
+    if case is None:
+        how = "record it: --comfy-root" if name in known else "not a case of the validation set either"
+        return f"{root / name}: no ComfyUI bf16 trace with its fp32 twin ({how})"
+    if case.sage_twin is None:
+        return f"{root / name}: no ComfyUI --use-sage-attention recording (SageAttention must be importable)"
+    return None
+
+
+def find_case(root: Path, name: str):
+    """The bf16 DitCase of validation case `name` with its fp32 twin, or None."""
+    from parity_tests.discovery import find_dit_cases
+
+    folder = case_dir(root, name)
+    if not folder.is_dir():
+        return None
+    cases, _ = find_dit_cases([folder])
+    return next((c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None), None)
+
+
+def _figures(points: dict, key: str) -> dict:
+    """{video: x, audio: x, worst: x} of one row of `ladder.measure`'s points: `key` err / ComfyUI bf16 and / sage."""
+    x_bf16, x_sage = {}, {}
+    for stream in OUTPUTS:
+        p = points.get(f"sampler.denoised.{stream}")
+        if p is None:
+            continue
+        err = getattr(p, key)
+        x_bf16[stream] = err / p.comfy if p.comfy > 0 else math.nan
+        x_sage[stream] = err / p.sage if p.sage > 0 else math.nan
+    return {"x_comfyui_bf16": x_bf16, "x_comfyui_sage": x_sage,
+            "error_x_comfyui_bf16": max(x_bf16.values(), default=math.nan),
+            "error_x_comfyui_sage": max(x_sage.values(), default=math.nan)}
+
+
+def measure_path(case, options, device: str) -> dict:
+    """One path's quality on `case` (module docstring): its options' weights (FP8 linears as asked), one step."""
+    import torch
+
+    from h3direct.dit.loader import load_dit
+    from h3direct.traces.evaluate import one_step
+    from h3direct.traces.inputs import load_inputs
+    from h3direct.dit.attention import unavailable_reason
+    from parity_tests import ladder
+    from parity_tests.models import nvfp4_mode
+
+    like = torch.empty(0, device=device, dtype=torch.bfloat16)
+    reason = unavailable_reason(options.attention, like)
+    if reason is not None:
+        return {"status": f"unavailable: {reason}"}
+    model = load_dit(case.checkpoint, compute_dtype=case.compute, nvfp4_mode=nvfp4_mode(case), device=device,
+                     **options.kernels.load_time())
+    with torch.inference_mode():
+        out = one_step(model, load_inputs(case.inputs), backend=options, device=device)
+    points = ladder.measure(out, ladder.references(case))
+    del model
+    C.free_memory(device)
+    err = {s: points[f"sampler.denoised.{s}"].err for s in OUTPUTS if f"sampler.denoised.{s}" in points}
+    return {"status": "ok", "case": case.trace.parent.name, "err": err, **_figures(points, "err")}
+
+
+def comfy_quality(case) -> dict:
+    """ComfyUI's configurations' quality on `case`: default = its bf16 recording, sage = its sage recording."""
+    from parity_tests import ladder
+
+    refs = ladder.references(case)
+    names = [f"sampler.denoised.{s}" for s in OUTPUTS]
+    tensors = {n: refs.low.get(n) for n in names if refs.low is not None and n in refs.low}
+    points = ladder.measure(tensors, refs)
+    return {"default": {"case": case.trace.parent.name, **_figures(points, "comfy")},
+            "sage": {"case": case.trace.parent.name, **_figures(points, "sage")}}
+
+
+def measure(contract: dict, names: list[str], root: Path, case_name: str, device: str,
+            comfy_root: str | None = None) -> dict:
+    """{"case", "paths": {name: quality}, "comfyui": {config: quality}} or {"status": why not}."""
+    problem = ensure_recorded(root, case_name, comfy_root, device)
+    if problem is not None:
+        return {"case": case_name, "status": f"not measured: {problem}"}
+    case = find_case(root, case_name)
+    out = {"case": case_name, "status": "ok", "paths": {}, "comfyui": comfy_quality(case)}
+    for name in names:
+        res = measure_path(case, C.path_options(contract["paths"][name]), device)
+        out["paths"][name] = res
+        if res.get("status") == "ok":
+            C.log(f"quality {case_name} {name}: x{res['error_x_comfyui_bf16']:.2f} ComfyUI bf16, "
+                  f"x{res['error_x_comfyui_sage']:.2f} ComfyUI+sage")
+        else:
+            C.log(f"quality {case_name} {name}: {res['status']}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n")[0])
+    ap.add_argument("--contract", required=True)
+    ap.add_argument("--trace-dir", required=True, type=Path, help="the validation set's folder")
+    ap.add_argument("--case", action="append", default=None,
+                    help="a validation case (repeatable; default: the contract's quality case)")
+    ap.add_argument("--paths", default=None, help="comma list of the contract's paths (default all)")
+    ap.add_argument("--comfy-root", default=None, help="record a missing case with this ComfyUI checkout")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--out", default=None, help="result JSON (default: print only)")
+    args = ap.parse_args(argv)
+    try:
+        contract = json.loads(Path(args.contract).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        C.usage_error(f"--contract {args.contract}: {exc}")
+    names = args.paths.split(",") if args.paths else list(contract.get("paths", {}))
+    unknown = [n for n in names if n not in contract.get("paths", {})]
+    if unknown:
+        C.usage_error(f"--paths: {', '.join(unknown)} not a path of the contract")
+    cases = args.case or [(contract.get("quality") or {}).get("case")]
+    if None in cases:
+        C.usage_error("--case: the contract names no quality case; give one")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            C.usage_error("--device cuda: no CUDA device here")
+    results = [measure(contract, names, args.trace_dir, c, args.device, args.comfy_root) for c in cases]
+    if args.out:
+        C.write_result(args.out, {"contract": contract.get("contract"), "cases": results})
+    for r in results:
+        print(ladder_table(r))
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
+def ladder_table(r: dict) -> str:
+    """One case's ladder as markdown: ComfyUI's rows, then each path, × ComfyUI bf16 (video / audio) and × sage."""
+    if r.get("status") != "ok":
+        return f"{r['case']}: {r.get('status')}"
+    lines = [f"{r['case']}", "", "| mode | × ComfyUI bf16 (video / audio) | × ComfyUI+sage (worse output) |",
+             "|---|---|---|"]
+    rows = [(f"ComfyUI {n}", q) for n, q in r["comfyui"].items()] + list(r["paths"].items())
+    for name, q in rows:
+        if q.get("status", "ok") != "ok":
+            lines.append(f"| {name} | {q['status']} | |")
+            continue
+        x = q["x_comfyui_bf16"]
+        lines.append(f"| {name} | {x.get('video', math.nan):.2f} / {x.get('audio', math.nan):.2f} | "
+                     f"{q['error_x_comfyui_sage']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

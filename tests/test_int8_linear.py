@@ -1,0 +1,242 @@
+"""int8 W8A8 block linears (`--fp8-linear --option fp8_linear_format=int8`): the quantizer against numpy's fp32
+arithmetic, the product against exact integer arithmetic, the gate's rounding bound (predictive, and able to fail),
+the Triton kernels against the torch reference (Triton's interpreter), the loader and the gate's keying."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from h3direct.checkpoint.quant import w8a8
+from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+from h3direct.counts import counting
+from h3direct.dit.linear import FP8Linear
+from h3direct.dit.loader import load_dit
+from parity_tests import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "fixtures"
+
+
+def _rows(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(24, 300, generator=g) * torch.logspace(-6, 3, 24)[:, None]
+    x[3] = 0.0  # a zero row: scale 1, codes 0
+    x[5] = torch.tensor([1e-37, -3e-38] * 150)  # amax / 127 not a normal fp32: scale 1, codes 0
+    x[6, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: ties go to even
+    x[6, 4:] = 0.0
+    return x
+
+
+def test_codes_are_the_rounded_product_with_the_row_reciprocal():
+    """From numpy's fp32 arithmetic: s = fl(amax / 127) (1 where that is not a normal fp32), codes =
+    rint(clip(x · fl(1 / s), ±127)) with ties to even; every element within s / 2 of its code's value."""
+    x = _rows()
+    q, s = w8a8.quantize_rows_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    x32 = x.numpy()
+    amax = np.abs(x32).max(axis=1)
+    want_s = (amax / np.float32(127.0)).astype(np.float32)
+    want_s = np.where(want_s >= np.float32(2.0 ** -126), want_s, np.float32(1.0)).astype(np.float32)
+    assert np.array_equal(s.numpy(), want_s)
+    inverse = (np.float32(1.0) / want_s).astype(np.float32)
+    want = np.rint(np.clip((x32 * inverse[:, None]).astype(np.float32), -127, 127)).astype(np.int8)
+    assert np.array_equal(q.numpy(), want)
+    assert q[6, :4].tolist() == [127, 0, 2, -2] and not q[3].any() and not q[5].any()
+    back = q.double() * s.double()[:, None]
+    assert bool(((back - x.double()).abs() <= s.double()[:, None] / 2 * (1 + 1e-6)).all())
+    nz = torch.from_numpy(amax > np.float32(127 * 2.0 ** -126))
+    assert bool((q[nz].abs().amax(dim=1) == 127).all())  # each row's largest element lands on ±127
+
+
+def test_the_emulated_product_is_exact_integer_arithmetic_then_one_epilogue():
+    """The emulation's product equals numpy's integer product of the codes, then fl32(acc) · s_x · s_w (+ bias)
+    rounded once, bit for bit; it is counted as emulated on the CPU."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 40, 512, generator=g).bfloat16()
+    w8, sw = w8a8.quantize_rows_int8(torch.randn(96, 512, generator=g) * 0.05)
+    b = torch.randn(96, generator=g)
+    with counting() as calls:
+        y = w8a8.linear_w8a8(x, w8, sw, b)
+    assert y.shape == (2, 40, 96) and y.dtype == torch.bfloat16
+    assert calls.as_dict() == {"fp8_linear": {"emulated (cpu)": 1}}
+    xq, sx = w8a8.quantize_rows_int8(x.reshape(-1, 512))
+    acc = xq.numpy().astype(np.int64) @ w8.numpy().astype(np.int64).T
+    ref = (acc.astype(np.float32) * sx.numpy()[:, None]).astype(np.float32) * sw.numpy()[None, :]
+    ref = torch.from_numpy((ref + b.numpy()[None, :]).astype(np.float32)).to(torch.bfloat16)
+    assert torch.equal(y.reshape(-1, 96), ref)
+
+
+@pytest.mark.parametrize("tails", [1.0, 4.0])
+def test_the_rounding_bound_predicts_the_error_and_fails_coarser_grids(tails):
+    """`kernels.int8_rho` (uniform noise of variance s²/12 per code) is the expected error itself: the measured
+    error of the product lies near it (Gaussian rows, and rows with a few large elements), inside the gate's
+    k = 1.5 bound; the same product with a grid four times coarser (scales amax / 31) breaks the bound."""
+    from parity_tests.budgets import Measured, load_budgets, verdict
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, 1024, generator=g)
+    x[:, :8] *= tails  # outlier channels widen each row's range
+    w = torch.randn(384, 1024, generator=g) * 0.02
+    exact = x.double() @ w.double().T
+    rho = kernels.int8_rho(x, w, exact)
+    b = load_budgets().lookup(mode="kernel", kind="linear", compute="*", weights="int8_w8a8", attention="*", twin="*")
+
+    def err(scale_rows):
+        xq, sx = scale_rows(x)
+        wq, sw = scale_rows(w)
+        y = w8a8.int8_epilogue(xq.double() @ wq.double().T, sx, sw, None, torch.float32)
+        return float((y.double() - exact).norm() / exact.norm())
+
+    ok = err(w8a8.quantize_rows_int8)
+    assert 0.8 < ok / rho < 1.2, (ok, rho)
+    assert verdict(b, Measured(ok, gemm_rho=rho)).passed
+
+    def coarse(t):  # a planted coarser grid: the same codes for values four times larger
+        s = w8a8.int8_row_scales(t) * (127 / 31)
+        return w8a8.encode_rows_int8(t, s), s
+
+    bad = err(coarse)
+    assert not verdict(b, Measured(bad, gemm_rho=rho)).passed, (bad, rho)
+
+
+_KERNEL_CHECK = textwrap.dedent("""
+    import json, torch
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8, w8a8_triton
+    from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 300, generator=g) * torch.logspace(-6, 3, 37)[:, None]
+    x[3] = 0
+    x[9] = torch.tensor([1e-37, -3e-38] * 150)
+    x[10, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, 126.5])
+    x[10, 6:] = 0
+    for name, t in (("fp32", x), ("bf16", x.bfloat16()), ("strided", x[:, :256])):
+        q1, s1 = w8a8_triton.quantize_rows(t, "int8")
+        q2, s2 = w8a8.quantize_rows_int8(t)
+        out[name] = [int((q1 != q2).sum()), bool(torch.equal(s1, s2)), str(q1.dtype)]
+    for n, k in ((200, 96), (256, 512)):
+        t = quantize_nvfp4(torch.randn(n, k, generator=g).bfloat16())
+        s = w8a8.nvfp4_channel_scales(*t, "int8")
+        a = nvfp4_triton.nvfp4_to_int8_triton(*t, s)
+        b = w8a8.nvfp4_to_int8_reference(*t, s)
+        out[f"nvfp4_{n}x{k}"] = [int((a != b).sum()), list(a.shape), str(a.dtype)]
+    acc = torch.randint(-2 ** 30, 2 ** 30, (70, 300), generator=g, dtype=torch.int32)
+    sx, sw = torch.rand(70, generator=g) * 1e-3, torch.rand(300, generator=g) * 1e-3
+    bias = torch.randn(300, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for b in (None, bias.to(dtype)):
+            a = w8a8_triton.int8_epilogue(acc, sx, sw, b, dtype)
+            r = w8a8.int8_epilogue(acc, sx, sw, b, dtype)
+            out[f"epilogue_{dtype}_{b is not None}"] = int((a.float() != r.float()).sum())
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_triton_kernels_bitwise_under_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    for name in ("fp32", "bf16", "strided"):
+        assert res[name] == [0, True, "torch.int8"], (name, res[name])
+    assert res["nvfp4_200x96"] == [0, [208, 96], "torch.int8"]
+    assert res["nvfp4_256x512"] == [0, [256, 512], "torch.int8"]
+    assert {k: v for k, v in res.items() if k.startswith("epilogue")} == {
+        f"epilogue_{d}_{b}": 0 for d in ("torch.float32", "torch.bfloat16", "torch.float16") for b in (False, True)}
+
+
+def test_nvfp4_stream_and_resident_int8_give_the_same_product_as_the_reference_conversion():
+    a = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="stream", fp8_linear_format="int8")
+    b = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="resident", fp8_linear_format="int8")
+    fc1 = a.blocks[1].mlp.fc1
+    assert isinstance(fc1, FP8Linear) and fc1.fmt == "int8" and "int8 w8a8 stream" in repr(fc1)
+    x = torch.randn(33, fc1.in_features, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(fc1(x), b.blocks[1].mlp.fc1(x))
+    w8, s = fc1.fp8_weight()
+    assert w8.dtype == torch.int8 and torch.equal(
+        w8, w8a8.nvfp4_to_int8_reference(fc1.packed, fc1.block_scale, fc1.global_scale, fc1.w_scale)
+        [: fc1.out_features, : fc1.in_features])
+
+
+def test_an_int8_linear_refuses_e4m3_rows():
+    w8, sw = w8a8.quantize_rows_int8(torch.randn(16, 32))
+    rows = w8a8.E4M3Rows(*w8a8.quantize_rows(torch.randn(20, 32)), torch.float32)
+    with pytest.raises(TypeError, match="int8 linear"):
+        w8a8.linear_w8a8(rows, w8, sw)
+
+
+def test_the_gate_keys_int8_linears_by_their_own_rule_and_it_can_fail(monkeypatch):
+    """Teacher-forced gate of the fixture with int8 linears: every FP8-site row is keyed int8_w8a8 and passes; the
+    quantizer's grid made four times coarser (planted) fails those rows."""
+    from parity_tests.discovery import find_dit_cases
+    from parity_tests.gate import run_dit_case
+    from parity_tests.models import model
+
+    cases, _ = find_dit_cases([FIX])
+    case = next(c for c in cases if c.trace.stem == "trace_fx_curve_nvfp4_ref2va_fp32")
+    ok = run_dit_case(case, mode="teacher", fp8_linear="stream/int8")
+    rows = [r for r in ok.layers if r.part == "kernel" and "int8" in r.rule]
+    assert ok.weights == "int8_w8a8" and rows and all(r.passed for r in rows), ok.report()
+    model.cache_clear()
+    real = w8a8.int8_row_scales
+    monkeypatch.setattr(w8a8, "int8_row_scales", lambda t: real(t) * (127 / 31))
+    try:
+        bad = run_dit_case(case, mode="teacher", fp8_linear="stream/int8")
+    finally:
+        model.cache_clear()
+    failed = [r for r in bad.layers if r.part == "kernel" and not r.passed]
+    assert failed and all("int8" in r.rule for r in failed), bad.report()
+
+
+def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, monkeypatch):
+    """The int8 kernels through Triton's whole compiler to an sm_90 cubin (no GPU needed): round to nearest even by
+    `cvt.rni` (libdevice rint), IEEE division for the row scales, and no fused multiply-add in the epilogue (its two
+    products and the bias add round as torch's do)."""
+    triton = pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from h3direct.checkpoint.quant import nvfp4_triton, w8a8_triton
+    from h3direct.triton_build import FP_OPTIONS, build
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    quant, encode = w8a8_triton.device_functions("int8")
+    rows = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_x": "i32",
+            "ROWS": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr", "ENCODE": "constexpr",
+            "INTERPRET": "constexpr"}
+    conv = {"words_ptr": "*i32", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*i8", "rs_ptr": "*fp32",
+            "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
+            "EVEN": "constexpr", "INTERPRET": "constexpr", "ENCODE": "constexpr"}
+    epi = {"acc_ptr": "*i32", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*i16", "M": "i32",
+           "N": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+    ptx = {}
+    for name, fn, sig, consts, options in (
+            ("rows", build(w8a8_triton._quant_rows_kernel), rows,
+             {"ROWS": 1, "BLOCK": 8192, "QUANT": quant, "ENCODE": encode, "INTERPRET": False}, FP_OPTIONS),
+            ("nvfp4", build(nvfp4_triton._dequant_kernel), conv,
+             {"BLK": 256, "OUT": nvfp4_triton.E4M3_OUT, "EVEN": False, "INTERPRET": False, "ENCODE": encode},
+             FP_OPTIONS),
+            ("epilogue", build(w8a8_triton._int8_epilogue_kernel), epi,
+             {"HAS_BIAS": True, "OUT": 2, "BLOCK_M": 32, "BLOCK_N": 128}, {"enable_fp_fusion": False})):
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        ptx[name] = compiled.asm["ptx"]
+        assert compiled.asm["cubin"]
+    for name in ("rows", "nvfp4"):
+        assert "cvt.rni.f32.f32" in ptx[name], name  # rint: nearest, ties to even
+        assert "div.full.f32" not in ptx[name] and "div.approx" not in ptx[name], name
+    assert "div.rn.f32" in ptx["rows"]
+    assert "fma.rn.f32" not in ptx["epilogue"] and "mul.rn.f32" in ptx["epilogue"]
