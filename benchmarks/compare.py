@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     for r in rows:
         v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
         extra = f"  ({r['note']})" if r["note"] else ""
-        print(f"{'pass' if r['passed'] else 'MISS'} {r['path']:12s} {r['metric']:17s} {v:>8s} {r['op']} "
+        print(f"{'pass' if r['passed'] else 'MISS'} {r['path']:12s} {r['metric']:20s} {v:>8s} {r['op']} "
               f"{r['limit']:g}{extra}")
     for line in info(contract, result):
         print(f"info {line}")

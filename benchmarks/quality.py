@@ -33,6 +33,7 @@ if str(HERE) not in sys.path:
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 
 OUTPUTS = ("video", "audio")
+PROG = "benchmarks.quality"
 
 
 def case_dir(root: Path, name: str) -> Path:
@@ -87,10 +88,10 @@ def measure_path(case, options, device: str) -> dict:
     """One path's quality on `case` (module docstring): its options' weights (FP8 linears as asked), one step."""
     import torch
 
+    from h3direct.dit.attention import unavailable_reason
     from h3direct.dit.loader import load_dit
     from h3direct.traces.evaluate import one_step
     from h3direct.traces.inputs import load_inputs
-    from h3direct.dit.attention import unavailable_reason
     from parity_tests import ladder
     from parity_tests.models import nvfp4_mode
 
@@ -154,19 +155,19 @@ def main(argv=None) -> int:
     try:
         contract = json.loads(Path(args.contract).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        C.usage_error(f"--contract {args.contract}: {exc}")
+        C.usage_error(f"--contract {args.contract}: {exc}", PROG)
     names = args.paths.split(",") if args.paths else list(contract.get("paths", {}))
     unknown = [n for n in names if n not in contract.get("paths", {})]
     if unknown:
-        C.usage_error(f"--paths: {', '.join(unknown)} not a path of the contract")
+        C.usage_error(f"--paths: {', '.join(unknown)} not a path of the contract", PROG)
     cases = args.case or [(contract.get("quality") or {}).get("case")]
     if None in cases:
-        C.usage_error("--case: the contract names no quality case; give one")
+        C.usage_error("--case: the contract names no quality case; give one", PROG)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            C.usage_error("--device cuda: no CUDA device here")
+            C.usage_error("--device cuda: no CUDA device here", PROG)
     results = [measure(contract, names, args.trace_dir, c, args.device, args.comfy_root) for c in cases]
     if args.out:
         C.write_result(args.out, {"contract": contract.get("contract"), "cases": results})

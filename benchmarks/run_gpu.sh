@@ -11,7 +11,8 @@
 # Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), contract
 # (run_contract.py, then compare.py on its result), e2e (run_contract.py on the end-to-end contract, the
 # configurations of E2E_CONFIGS or all, into $OUT/e2e[-CONFIGS].json, then compare.py). Knobs (environment): OUT
-# (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS /
+# (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, QUALITY_DIR (the contract's quality case: default
+# $OUT/validation, recorded there by ComfyUI when COMFY_ROOT is set), DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS /
 # E2E_ARGS (extra flags), E2E_CONFIGS, <PART>_TIMEOUT (hard limit in seconds, e.g. DIT_TIMEOUT=600). A failing or
 # killed part never stops the next one; the exit status is 1 when any part failed.
 set -u
@@ -61,7 +62,7 @@ for p in "${PARTS[@]}"; do
     contract)
       part contract "${CONTRACT_TIMEOUT:-900}" "$PY" -m benchmarks.run_contract \
         --contract benchmarks/ref2va-960x544-124f.json --out "$OUT/contract.json" \
-        ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
+        --quality-dir "${QUALITY_DIR:-$OUT/validation}" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
       part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
         --result "$OUT/contract.json" ;;
     e2e)

@@ -72,6 +72,13 @@ def unit_roundoff(dtype: str) -> float:
     return 2.0 ** -SIGNIFICAND_BITS[name]
 
 
+def product_unit(dtype: str) -> float:
+    """The expected relative error of a quantized product per unit of its site's rho: u·sqrt(2/3) for a floating
+    dtype (one rounding per operand, uniform in relative terms), 1 for a uniform grid (rho is then the expected
+    error itself, `kernels.int8_rho`)."""
+    return 1.0 if dtype in UNIFORM_GRIDS else unit_roundoff(dtype) * math.sqrt(2.0 / 3.0)
+
+
 @dataclass(frozen=True)
 class Budget:
     match: dict[str, str]
@@ -309,8 +316,7 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
         if b.dtype:
             if m.gemm_rho is None:
                 return Verdict(False, "a quantized-product rounding bound needs the site's operands", m.err, 0.0)
-            per_element = 1.0 if b.dtype in UNIFORM_GRIDS else unit_roundoff(b.dtype) * math.sqrt(2.0 / 3.0)
-            limit = max(b.floor, b.k * per_element * m.gemm_rho)
+            limit = max(b.floor, b.k * product_unit(b.dtype) * m.gemm_rho)
             what = f"{b.k:g}× the expected {b.dtype} product error"
         else:
             if roundings is None:

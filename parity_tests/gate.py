@@ -131,8 +131,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
     an fp32 trace): the budget key is then "<compute>@<trace compute>" and the ratio rule uses ComfyUI's own trace in
     that dtype. no_twin: gate a low-precision case without ComfyUI's fp32 twin by the rounding bounds (teacher sites
     only; what has no rounding bound is listed as not gated) instead of refusing it. sage_class: hold the approximate
-    mode, whatever its backend and linears, to the class rule against ComfyUI+sage (what a tier that claims ComfyUI+sage's
-    quality must meet; `--sage-class`)."""
+    mode, whatever its backend and linears, to the class rule against ComfyUI+sage (what a tier that claims
+    ComfyUI+sage's quality must meet; `--sage-class`)."""
     from h3direct.counts import counting
     from h3direct.dit.attention import as_options, is_exact
     from h3direct.dit.linear import W8A8_WEIGHTS_KEYS

@@ -26,6 +26,10 @@ def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subp
     return compare(result, contract, tmp)
 
 
+QUALITY = {"exact": (0.95, 0.5), "sage_class": (2.2, 1.2), "fastest": (4.0, 2.5), "approximate_1s": (11.0, 6.0),
+           "sage2": (1.9, 1.0)}  # made-up error_x_comfyui_bf16 / error_x_comfyui_sage per path
+
+
 def _passing() -> dict:
     """A result that ran the contract and meets every target (the numbers are made up, the shape is run_contract's)."""
     c = json.loads(CONTRACT.read_text())
@@ -33,19 +37,24 @@ def _passing() -> dict:
 
     def path(name, s):
         spec = c["paths"][name]
+        bf16, sage = QUALITY[name]
         return {"status": "ok", "class": spec["class"], "s_per_step": s, "step_s": [s] * timed, "peak_gpu_gib": 13.9,
                 "settings": {"attention": spec["attention"], "options": dict(spec.get("options", {})),
-                             "fp8_linear": spec.get("fp8_linear", "off")}}
+                             "fp8_linear": spec.get("fp8_linear", "off")},
+                "quality": {"status": "ok", "case": c["quality"]["case"], "x_comfyui_bf16": {"video": bf16},
+                            "x_comfyui_sage": {"video": sage}, "error_x_comfyui_bf16": bf16,
+                            "error_x_comfyui_sage": sage}}
 
     w = c["workload"]
     comfy = {"default": 3.0, "sage": 2.237, "exact_fastest": 2.9}
+    speeds = {"exact": 2.0, "sage_class": 1.25, "fastest": 0.95, "approximate_1s": 0.9, "sage2": 2.0}
     return {"contract": c["contract"], "smoke": False, "device": "NVIDIA H200",
             "workload": {"width": w["width"], "height": w["height"], "frames": w["frames"], "text_len": w["text_tokens"],
                          "seq_len": w["seq_len"]},
             "weights": dict(c["weights"]), "steps": {"warmup": c["steps"]["warmup"], "timed": timed},
-            "paths": {"exact": path("exact", 2.0), "approximate": path("approximate", 0.95),
-                      "approximate_fp8_attention": path("approximate_fp8_attention", 1.5)},
+            "paths": {n: path(n, s) for n, s in speeds.items()},
             "hot_floor": {"status": "ok", "s_per_step": 1.94},
+            "quality": {"case": c["quality"]["case"], "status": "ok"},
             "comfyui": {"version": "0.33.0", "configs": {
                 n: {"status": "ok", "class": spec["class"], "settings": spec["settings"], "attention": spec["attention"],
                     "chosen": spec["attention"][0], "s_per_step": comfy[n]} for n, spec in c["comfyui"].items()}}}
@@ -54,11 +63,15 @@ def _passing() -> dict:
 def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
     p = _compare(_passing(), tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert has(p.stdout, "5 of 5 targets met") and "FAIL" not in p.stdout
-    # the same-run ratios: approximate against --use-sage-attention, exact against the fastest exact ComfyUI
-    assert has(p.stdout, "approximate  x_comfyui_default 3.158, x_comfyui_best 2.355")
-    assert has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_best 1.450, floor_ratio 1.031")
+    assert has(p.stdout, "10 of 10 targets met") and "FAIL" not in p.stdout
+    # the same-run ratios: each path against ComfyUI's default, its sage mode, and the fastest ComfyUI of its class
+    assert has(p.stdout, "sage_class   x_comfyui_default 2.400, x_comfyui_sage 1.790, x_comfyui_best 1.790")
+    assert has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_sage 1.119, x_comfyui_best 1.450, "
+                         "floor_ratio 1.031")
     assert has(p.stdout, "info ComfyUI sage          approximate, user settings: 2.237 s/step (sage)")
+    assert has(p.stdout, "ok   rule   quality case")
+    assert has(p.stdout, "pass sage_class error_x_comfyui_sage 1.200 <= 1.5")
+    assert has(p.stdout, "info fastest quality: x4.00 / xnan ComfyUI bf16 (video / audio), x2.50 ComfyUI+sage")
 
 
 @pytest.mark.parametrize("where, value, needle", [
@@ -72,13 +85,18 @@ def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
     ("paths.exact.settings.attention", "sdpa", "FAIL rule   path exact settings: attention 'sdpa' (contract 'fa3')"),
     ("paths.exact.settings.fp8_linear", "stream",
      "FAIL rule   path exact settings: fp8_linear 'stream' (contract 'off')"),
-    ("paths.approximate.settings.options", {"sol_tau": 2.0, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
-                                            "fp8_accum": "fast"},
-     "FAIL rule   path approximate settings: options sol_tau 2.0 (contract 2.5)"),
+    ("paths.fastest.settings.options", {"sol_tau": 2.0, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
+                                        "fp8_linear_layers": "fc1,fc2", "fp8_accum": "fast"},
+     "FAIL rule   path fastest settings: options sol_tau 2.0 (contract 1.3)"),
+    ("paths.fastest.settings.options", {"sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
+                                        "fp8_linear_layers": "qkv_proj,out_proj,fc1,fc2", "fp8_accum": "fast"},
+     "FAIL rule   path fastest settings: options fp8_linear_layers 'qkv_proj,out_proj,fc1,fc2' (contract 'fc1,fc2')"),
     ("comfyui.configs.sage.settings", "oracle",
      "FAIL rule   ComfyUI sage settings: settings 'oracle' (contract 'user')"),
+    ("quality.case", "v5_local_bf16_s5584",
+     "FAIL rule   quality case: case 'v5_local_bf16_s5584' (contract 'v4_local_nvfp4_s5072')"),
 ], ids=["smoke", "device", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
-        "path-options", "comfy-settings"])
+        "path-options", "path-fp8-layers", "comfy-settings", "quality-case"])
 def test_compare_fails_a_result_that_did_not_run_the_contract(tmp_path, where, value, needle):
     p = _compare(broken(_passing(), where, value), tmp=tmp_path)
     assert p.returncode == 1 and has(p.stdout, needle), p.stdout
@@ -87,34 +105,42 @@ def test_compare_fails_a_result_that_did_not_run_the_contract(tmp_path, where, v
 
 def test_compare_fails_a_path_the_result_lacks(tmp_path):
     r = _passing()
-    del r["paths"]["approximate_fp8_attention"]
+    del r["paths"]["sage2"]
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and has(p.stdout, "FAIL rule   path approximate_fp8_attention: not in the result")
+    assert p.returncode == 1 and has(p.stdout, "FAIL rule   path sage2: not in the result")
 
 
 @pytest.mark.parametrize("where, value, needle", [
-    ("paths.approximate.s_per_step", float("-inf"), "MISS approximate  s_per_step"),  # -inf <= 1.0 must not pass
+    ("paths.fastest.s_per_step", float("-inf"), "MISS fastest s_per_step"),  # -inf <= 1.0 must not pass
     ("paths.exact.peak_gpu_gib", float("-inf"), "MISS exact        peak_gpu_gib"),
     ("paths.exact.peak_gpu_gib", float("nan"), "MISS exact        peak_gpu_gib"),
     ("paths.exact.peak_gpu_gib", "13.0", "MISS exact        peak_gpu_gib"),
     ("paths.exact.peak_gpu_gib", True, "MISS exact        peak_gpu_gib"),  # JSON true is not 1
-    ("paths.approximate.s_per_step", True, "MISS approximate  s_per_step"),
-    ("comfyui.configs.sage.s_per_step", float("inf"), "MISS approximate  x_comfyui_best"),  # inf / s would pass
+    ("paths.fastest.s_per_step", True, "MISS fastest s_per_step"),
+    ("comfyui.configs.sage.s_per_step", float("inf"), "MISS sage_class x_comfyui_sage"),  # inf / s would pass
     ("hot_floor.s_per_step", float("inf"), "MISS exact        floor_ratio"),
     ("hot_floor.s_per_step", 0, "MISS exact        floor_ratio"),
+    ("paths.fastest.quality.error_x_comfyui_sage", float("-inf"), "MISS fastest error_x_comfyui_sage"),
+    ("paths.sage_class.quality.error_x_comfyui_sage", float("nan"), "MISS sage_class error_x_comfyui_sage"),
+    ("paths.exact.quality.error_x_comfyui_bf16", "0.9", "MISS exact error_x_comfyui_bf16"),
 ], ids=["s-minus-inf", "peak-minus-inf", "peak-nan", "peak-string", "peak-true", "s-true", "comfy-inf", "floor-inf",
-        "floor-zero"])
+        "floor-zero", "quality-minus-inf", "quality-nan", "quality-string"])
 def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, value, needle):
     p = _compare(broken(_passing(), where, value), tmp=tmp_path)
     assert p.returncode == 1 and has(p.stdout, needle), p.stdout
 
 
 @pytest.mark.parametrize("where, value, needle", [
-    ("paths.approximate.s_per_step", 1.01, "MISS approximate  s_per_step              1.010 <= 1"),
-    ("comfyui.configs.sage.s_per_step", 2.0, "MISS approximate  x_comfyui_best          2.105 >= 2.2"),
+    ("paths.fastest.s_per_step", 1.01, "MISS fastest s_per_step 1.010 <= 1"),
+    ("comfyui.configs.sage.s_per_step", 2.0, "MISS sage_class x_comfyui_sage 1.600 >= 1.7"),
     ("paths.exact.s_per_step", 2.07, "MISS exact        floor_ratio             1.067 <= 1.06"),
     ("paths.exact.peak_gpu_gib", 14.01, "MISS exact        peak_gpu_gib           14.010 <= 14"),
-    ("paths.approximate.status", "unavailable: no sol_attn", "MISS approximate  s_per_step"),
+    ("paths.fastest.status", "unavailable: no sol_attn", "MISS fastest s_per_step"),
+    ("paths.sage_class.quality.error_x_comfyui_sage", 1.51, "MISS sage_class error_x_comfyui_sage 1.510 <= 1.5"),
+    ("paths.fastest.quality.error_x_comfyui_sage", 3.2, "MISS fastest error_x_comfyui_sage 3.200 <= 3"),
+    ("paths.exact.quality.error_x_comfyui_bf16", 1.6, "MISS exact error_x_comfyui_bf16 1.600 <= 1.5"),
+    ("paths.fastest.quality", {"status": "unavailable: sol_attn needs a CUDA device"},
+     "MISS fastest error_x_comfyui_sage n/a <= 3 (quality: unavailable: sol_attn needs a CUDA device)"),
 ])
 def test_compare_misses_exit_nonzero(tmp_path, where, value, needle):
     p = _compare(broken(_passing(), where, value), tmp=tmp_path)
@@ -126,12 +152,24 @@ def test_compare_ratios_need_the_same_run(tmp_path):
     r = _passing()
     r["comfyui"], r["comfyui_note"] = None, "no same-run ComfyUI"
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and has(p.stdout, "MISS approximate  x_comfyui_best") and has(p.stdout, "no same-run ComfyUI")
+    assert p.returncode == 1 and has(p.stdout, "MISS sage_class x_comfyui_sage") and has(p.stdout, "no same-run ComfyUI")
     r = _passing()
     r["comfyui"]["configs"]["sage"]["status"] = "sage: unavailable: sageattention is not importable here"
-    r["paths"]["approximate"]["x_comfyui_best"] = 9.9  # a stored ratio is not a measurement
+    r["paths"]["sage_class"]["x_comfyui_sage"] = 9.9  # a stored ratio is not a measurement
     p = _compare(r, tmp=tmp_path)
-    assert p.returncode == 1 and has(p.stdout, "MISS approximate  x_comfyui_best")
+    assert p.returncode == 1 and has(p.stdout, "MISS sage_class x_comfyui_sage")
+
+
+def test_compare_quality_needs_its_measurement(tmp_path):
+    """A result without the quality axis (run without --quality-dir) misses every quality target, saying why."""
+    r = _passing()
+    for p in r["paths"].values():
+        del p["quality"]
+    r["quality"] = {"case": "v4_local_nvfp4_s5072", "status": "not measured (run with --quality-dir)"}
+    p = _compare(r, tmp=tmp_path)
+    assert p.returncode == 1 and has(p.stdout, "MISS exact error_x_comfyui_bf16 n/a <= 1.5 (not measured (run with "
+                                               "--quality-dir))")
+    assert has(p.stdout, "7 of 10 targets met, 3 missed")
 
 
 @pytest.mark.parametrize("content, needle", [(None, "cannot read"), ("{", "not JSON"),
@@ -149,22 +187,29 @@ def test_compare_reports_clock_and_power_of_each_run(tmp_path):
           "power_limit_w": 700.0, "temperature_c_median": 66.0, "power_capped_share": 0.9, "samples": 40}
     r = _passing()
     r["paths"]["exact"]["gpu_clock_power"] = gp
-    r["paths"]["approximate"]["gpu_clock_power"] = None
+    r["paths"]["fastest"]["gpu_clock_power"] = None
     p = _compare(r, tmp=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert has(p.stdout, "info exact SM clock median 1530 MHz (max seen 1980), power median 688 of 700 W, at the "
                           "power cap in 90 % of samples")
-    assert not has(p.stdout, "info approximate SM clock")
+    assert not has(p.stdout, "info fastest SM clock")
 
 
 def test_committed_result_ran_this_contract_and_compare_reads_it():
     """The committed H200 result ran this contract (every rule holds: three ComfyUI configurations, the hot floor,
-    each path's settings); compare reads it without a traceback, and every target passes."""
+    each path's settings, the quality case); compare reads it without a traceback. Its misses are the two speed
+    targets that the frontier shows out of reach on that GPU (README "Speed"); every quality and memory target and the
+    exact tier's speed pass."""
     p = _compare(COMMITTED)
-    assert p.returncode == 0 and not p.stderr, p.stdout + p.stderr
-    assert "FAIL rule" not in p.stdout and "MISS" not in p.stdout and has(p.stdout, "ok   rule   ComfyUI sage settings")
-    assert has(p.stdout, "pass exact        floor_ratio") and has(p.stdout, "pass approximate  s_per_step")
-    assert has(p.stdout, "5 of 5 targets met")
+    assert p.returncode == 1 and not p.stderr, p.stdout + p.stderr
+    assert "FAIL rule" not in p.stdout and has(p.stdout, "ok   rule   ComfyUI sage settings")
+    assert has(p.stdout, "ok   rule   quality case")
+    misses = sorted(line.split()[1:3] for line in p.stdout.splitlines() if line.startswith("MISS"))
+    assert misses == [["fastest", "s_per_step"], ["sage_class", "s_per_step"], ["sage_class", "x_comfyui_sage"]]
+    for path, metric in (("exact", "floor_ratio"), ("exact", "error_x_comfyui_bf16"), ("sage_class", "error_x_comfyui_sage"),
+                         ("fastest", "error_x_comfyui_sage")):
+        assert has(p.stdout, f"pass {path} {metric}"), (path, metric)
+    assert has(p.stdout, "7 of 10 targets met, 3 missed")
     for name in ("default", "sage", "exact_fastest"):
         assert re.search(rf"info ComfyUI {name} +\w+, \w+ settings: [0-9.]+ s/step", p.stdout), name
 
@@ -221,7 +266,8 @@ def test_runner_smoke_writes_a_result_compare_reads_and_refuses(tmp_path):
 
 @pytest.mark.parametrize("flags, needle", [(["--paths", "exact,nope"], "--paths: nope not a path"),
                                            (["--comfy-root", "/"], "--comfy-root:"),
-                                           (["--steps", "0"], "--steps 0")])
+                                           (["--steps", "0"], "--steps 0"),
+                                           (["--quality-dir", "/etc/hostname"], "--quality-dir /etc/hostname: not a")])
 def test_runner_bad_flags_are_one_line_exit_2(tmp_path, flags, needle):
     p = _run_contract(tmp_path, *flags)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
@@ -231,7 +277,8 @@ def test_runner_help_names_its_options():
     p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0
-    for flag in ("--comfy-root", "--comfy-rounds", "--comfy-only", "--floor-seconds", "--smoke", "--paths"):
+    for flag in ("--comfy-root", "--comfy-rounds", "--comfy-only", "--floor-seconds", "--smoke", "--paths",
+                 "--quality-dir"):
         assert flag in p.stdout, flag
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from h3direct.checkpoint.quant import w8a8
 from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
@@ -174,13 +175,7 @@ _KERNEL_CHECK = textwrap.dedent("""
 
 
 def test_triton_kernels_bitwise_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    res = json.loads(line[len("RESULT "):])
+    res = run_interpreted(_KERNEL_CHECK)
     for name in ("fp32", "bf16", "sweep", "strided"):
         assert res[name] == [0, True], (name, res[name])
     assert res["nvfp4_200x96"] == [0, [208, 96]]

@@ -4,16 +4,13 @@ the Triton kernels against the torch reference (Triton's interpreter), the loade
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from h3direct.checkpoint.quant import w8a8
 from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
@@ -126,8 +123,8 @@ _KERNEL_CHECK = textwrap.dedent("""
     for n, k in ((200, 96), (256, 512)):
         t = quantize_nvfp4(torch.randn(n, k, generator=g).bfloat16())
         s = w8a8.nvfp4_channel_scales(*t, "int8")
-        a = nvfp4_triton.nvfp4_to_int8_triton(*t, s)
-        b = w8a8.nvfp4_to_int8_reference(*t, s)
+        a = nvfp4_triton.nvfp4_to_codes_triton(*t, s, fmt="int8")
+        b = w8a8.nvfp4_to_codes_reference(*t, s, "int8")
         out[f"nvfp4_{n}x{k}"] = [int((a != b).sum()), list(a.shape), str(a.dtype)]
     acc = torch.randint(-2 ** 30, 2 ** 30, (70, 300), generator=g, dtype=torch.int32)
     sx, sw = torch.rand(70, generator=g) * 1e-3, torch.rand(300, generator=g) * 1e-3
@@ -142,13 +139,7 @@ _KERNEL_CHECK = textwrap.dedent("""
 
 
 def test_triton_kernels_bitwise_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    res = json.loads(line[len("RESULT "):])
+    res = run_interpreted(_KERNEL_CHECK)
     for name in ("fp32", "bf16", "strided"):
         assert res[name] == [0, True, "torch.int8"], (name, res[name])
     assert res["nvfp4_200x96"] == [0, [208, 96], "torch.int8"]
@@ -166,7 +157,7 @@ def test_nvfp4_stream_and_resident_int8_give_the_same_product_as_the_reference_c
     assert torch.equal(fc1(x), b.blocks[1].mlp.fc1(x))
     w8, s = fc1.fp8_weight()
     assert w8.dtype == torch.int8 and torch.equal(
-        w8, w8a8.nvfp4_to_int8_reference(fc1.packed, fc1.block_scale, fc1.global_scale, fc1.w_scale)
+        w8, w8a8.nvfp4_to_codes_reference(fc1.packed, fc1.block_scale, fc1.global_scale, fc1.w_scale, "int8")
         [: fc1.out_features, : fc1.in_features])
 
 
@@ -240,3 +231,29 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
         assert "div.full.f32" not in ptx[name] and "div.approx" not in ptx[name], name
     assert "div.rn.f32" in ptx["rows"]
     assert "fma.rn.f32" not in ptx["epilogue"] and "mul.rn.f32" in ptx["epilogue"]
+
+
+GPU_SHAPES = {"qkv_proj": (384, 1152), "fc2": (1536, 384)}  # (K, N) of block-like linears, M = 300 tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_int_mm_path_is_its_cpu_emulation_bit_for_bit(name):
+    """On CUDA the int8 linear runs the Triton quantizer, `torch._int_mm` (exact int32 accumulation) and the Triton
+    epilogue; the CPU emulation accumulates exactly in float64 and runs the same epilogue: the same bits, bias
+    included; an NVFP4 weight's int8 codes from the CUDA kernel equal the CPU reference's."""
+    from h3direct.checkpoint.quant import nvfp4_triton
+
+    k, n = GPU_SHAPES[name]
+    g = torch.Generator().manual_seed(k + n)
+    x = (torch.randn(300, k, generator=g) * torch.logspace(-2, 1, k)[None, :]).bfloat16()
+    t = quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+    s = w8a8.nvfp4_channel_scales(*t, "int8")
+    w8 = w8a8.nvfp4_to_codes_reference(*t, s, "int8")
+    on_gpu = nvfp4_triton.nvfp4_to_codes_triton(*(a.cuda() for a in t), s.cuda(), fmt="int8").cpu()
+    assert torch.equal(on_gpu, w8)
+    b = torch.randn(n, generator=g).bfloat16()
+    with counting() as calls:
+        y = w8a8.linear_w8a8(x.cuda(), w8.cuda(), s.cuda(), b.cuda()).cpu()
+    assert calls.as_dict() == {"fp8_linear": {"int_mm": 1}}, calls.as_dict()
+    assert torch.equal(y, w8a8.linear_w8a8(x, w8, s, b))

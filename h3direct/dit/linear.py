@@ -137,7 +137,9 @@ class FP8Linear(nn.Module):
 
         if mode not in ("stream", "resident"):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
-        if fmt not in w8a8.FORMATS:
+        from h3direct.dit.options import FP8_LINEAR_FORMATS
+
+        if fmt not in FP8_LINEAR_FORMATS:
             raise ValueError(f"unknown 8-bit format {fmt!r}")
         if isinstance(layer, NVFP4Linear):
             new = cls(layer.in_features, layer.out_features, mode, "nvfp4", fmt)
@@ -154,7 +156,7 @@ class FP8Linear(nn.Module):
         elif isinstance(layer, Linear):
             new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""),
                       fmt)
-            q, s = w8a8.FORMATS[fmt][1](layer.weight.detach())
+            q, s = w8a8.format_functions(fmt)[0](layer.weight.detach())
             new.register_buffer("weight8", q)
             new.register_buffer("w_scale", s)
         else:
@@ -166,8 +168,7 @@ class FP8Linear(nn.Module):
     def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
         from h3direct.checkpoint.quant import w8a8
 
-        convert = w8a8.nvfp4_to_int8 if self.fmt == "int8" else w8a8.nvfp4_to_e4m3
-        return convert(packed, block_scale, global_scale, scales)
+        return w8a8.nvfp4_to_codes(packed, block_scale, global_scale, scales, self.fmt)
 
     def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(8-bit weight [N, K] (e4m3 or int8), fp32 per-channel scales [N]) as the GEMM takes them."""
@@ -202,9 +203,9 @@ def check_fp8_linear(mode: str | None) -> str:
 
 def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | None = None, fmt: str = "e4m3") -> int:
     """Replace the block linears of `model` (`block_linear_names`, those of `leaves` only when given) by
-    `FP8Linear`s of format `fmt` in place; returns how many. `mode` "stream" keeps NVFP4 sources packed (bf16/fp32 sources are always
-    converted once: "resident"). The replaced modules are kept (`model.fp8_sources`, sharing their tensors with a
-    stream layer's) so that `restore_linears` can undo it."""
+    `FP8Linear`s of format `fmt` in place; returns how many. `mode` "stream" keeps NVFP4 sources packed (bf16/fp32
+    sources are always converted once: "resident"). The replaced modules are kept (`model.fp8_sources`, sharing their
+    tensors with a stream layer's) so that `restore_linears` can undo it."""
     if check_fp8_linear(mode) == "off":
         return 0
     names = block_linear_names(model, leaves)

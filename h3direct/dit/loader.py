@@ -33,9 +33,9 @@ from h3direct.dit.linear import (
     Linear,
     NVFP4Linear,
     apply_fp8_linears,
-    restore_linears,
     check_fp8_linear,
     resolve_nvfp4_mode,
+    restore_linears,
 )
 from h3direct.dit.model import H3DiT
 from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set

@@ -108,8 +108,9 @@ class KernelOptions:
     nvfp4_dequant: str = field("auto", "NVFP4 weight dequantization on CUDA: auto = triton when importable, else "
                                "kitchen, else torch (the CPU always runs torch)", choices=NVFP4_DEQUANT, env=True,
                                per_request=False)
-    fp8_linear: str = field("off", "opt-in, approximate: the DiT block linears as FP8 e4m3 W8A8 GEMMs; stream = NVFP4 "
-                            "weights stay packed (made fp8 per call), resident = fp8 weights held",
+    fp8_linear: str = field("off", "opt-in, approximate: the DiT block linears as 8-bit W8A8 GEMMs (FP8 e4m3, or int8 "
+                            "by --fp8-linear-format); stream = NVFP4 weights stay packed (made 8-bit per call), "
+                            "resident = 8-bit weights held",
                             choices=FP8_LINEAR_MODES, per_request=False, bare="stream")
     fp8_accum: str = field("fast", "the FP8 GEMMs' accumulation on CUDA: fast = the tensor cores' own accumulator over "
                            "the whole K (cuBLAS fast accumulation; the default of FBGEMM's rowwise FP8 GEMM), fp32 = "

@@ -17,7 +17,17 @@ from functools import cache
 import pytest
 
 from h3direct.traces.format import Trace, load_trace
-from parity_tests.budgets import RULES, Budget, BudgetError, Measured, load_budgets, table_of, unit_roundoff, verdict
+from parity_tests.budgets import (
+    RULES,
+    Budget,
+    BudgetError,
+    Measured,
+    load_budgets,
+    product_unit,
+    table_of,
+    unit_roundoff,
+    verdict,
+)
 from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
 
 TABLE = load_budgets()
@@ -123,7 +133,7 @@ def _limit_measurements(b: Budget, factor: float) -> tuple[Measured, int | None]
     if b.rule == "rounding":
         if b.dtype:
             rho = 40.0
-            limit = b.k * unit_roundoff(b.dtype) * math.sqrt(2.0 / 3.0) * rho
+            limit = b.k * product_unit(b.dtype) * rho
             return Measured(factor * limit, gemm_rho=rho), None
         n = 2
         return Measured(factor * 2 * n * unit_roundoff("bfloat16"), produced="bfloat16"), n

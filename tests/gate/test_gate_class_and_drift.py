@@ -128,6 +128,24 @@ def test_sol_attn_has_no_class_rule(sage_root, approximate):
                                     "x0.audio"}
 
 
+def test_a_mode_that_claims_the_sage_class_is_held_to_its_rule(sage_root, approximate):
+    """--sage-class (`run_dit_case(sage_class=True)`): a mode outside the class (sol_attn; FP8 linears) is held to
+    the class rule against ComfyUI+sage at every output, as sage2 is: within it it passes, far off it fails there."""
+    from parity_tests.gate import run_dit_case
+
+    approximate("sol_attn", SMALL)
+    ok = run_dit_case(_case(sage_root), mode="free", attention="sol_attn", sage_class=True)
+    rows = [r for r in ok.layers if r.part == "class" and r.kind == "output"]
+    assert ok.passed and rows and all("ComfyUI+sage" in r.rule for r in rows), ok.report()
+    approximate("sol_attn", LARGE)
+    bad = run_dit_case(_case(sage_root), mode="free", attention="sol_attn", sage_class=True)
+    assert bad.first_failure is not None and bad.first_failure.part == "class", bad.report()
+    fp8 = run_dit_case(_case(sage_root), mode="free", attention="sdpa", fp8_linear="stream", sage_class=True)
+    assert any(r.part == "class" for r in fp8.layers)  # FP8 linears alone: the class rule too (e4m3 errs ×5 here)
+    exact = run_dit_case(_case(sage_root), mode="free", attention="sdpa", sage_class=True)
+    assert not any(r.part == "class" for r in exact.layers)  # an exact path claims nothing: the exact rules hold it
+
+
 # ---- the drift gate, as a user runs it ------------------------------------------------------------------
 
 PLANT = '''

@@ -95,6 +95,17 @@ def test_a_bad_backend_option_is_a_usage_error(tmp_path, option, words):
     assert words in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--fp8-linear-layers", "fc1"], "--fp8-linear-layers: needs --fp8-linear"),
+    (["--fp8-linear-format", "int8"], "--fp8-linear-format: needs --fp8-linear"),
+    (["--fp8-linear", "--fp8-linear-layers", "fc1,fc9"], "--fp8-linear-layers 'fc1,fc9': a comma list of qkv_proj"),
+    (["--fp8-linear", "--fp8-linear-format", "int4"], "invalid choice: 'int4'")])
+def test_bad_fp8_linear_flags_are_usage_errors(tmp_path, flags, words):
+    r = _pytest(["-m", "parity", *flags, str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert words in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
+
+
 def test_started_outside_the_checkout_without_a_test_path_runs_the_gate(outside_root, tmp_path):
     """`pytest -m parity --trace-dir DIR` from another folder, nothing else: the installed gate runs on DIR."""
     r = _pytest(["-m", "parity", "--trace-dir", str(outside_root), "-k", "test_dit_layers and teacher"], tmp_path)

@@ -207,30 +207,21 @@ def dequantize_nvfp4_triton(packed: torch.Tensor, block_scale: torch.Tensor, glo
     return out
 
 
-def nvfp4_to_e4m3_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                         row_scales: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
-    """NVFP4 storage (as `dequantize_nvfp4_triton`) and fp32 per-row scales [N16] -> float8_e4m3fn [N16, K16] (the
-    whole padded storage), bitwise `w8a8.nvfp4_to_e4m3_reference`. `config`: None: `launch_config("nvfp4_e4m3",
-    packed.device)`."""
+def nvfp4_to_codes_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                          row_scales: torch.Tensor, config: tuple[int, int] | None = None,
+                          fmt: str = "e4m3") -> torch.Tensor:
+    """NVFP4 storage (as `dequantize_nvfp4_triton`) and fp32 per-row scales [N16] -> 8-bit codes of format `fmt`
+    [N16, K16] (the whole padded storage: float8_e4m3fn, or int8 through `w8a8_triton.encode_int8`), bitwise
+    `w8a8.nvfp4_to_codes_reference`. `config`: None: `launch_config("nvfp4_e4m3", packed.device)`."""
     storage = _storage(packed, block_scale, global_scale)
     rows = packed.shape[0]
     if row_scales.shape != (rows,):
         raise ValueError(f"row scales of shape {list(row_scales.shape)} for an NVFP4 weight of {rows} rows")
     rs = row_scales.to(device=packed.device, dtype=torch.float32).contiguous()
-    out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.uint8, device=packed.device)
-    _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device))
-    return out.view(torch.float8_e4m3fn)
+    int8 = fmt == "int8"
+    out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.int8 if int8 else torch.uint8, device=packed.device)
+    _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device), fmt=fmt)
+    return out if int8 else out.view(torch.float8_e4m3fn)
 
 
-def nvfp4_to_int8_triton(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                         row_scales: torch.Tensor, config: tuple[int, int] | None = None) -> torch.Tensor:
-    """NVFP4 storage and fp32 per-row int8 scales [N16] -> int8 [N16, K16]: the e4m3 conversion's kernel with the
-    int8 encoder (`w8a8_triton.encode_int8`), bitwise `w8a8.nvfp4_to_int8_reference`."""
-    storage = _storage(packed, block_scale, global_scale)
-    rows = packed.shape[0]
-    if row_scales.shape != (rows,):
-        raise ValueError(f"row scales of shape {list(row_scales.shape)} for an NVFP4 weight of {rows} rows")
-    rs = row_scales.to(device=packed.device, dtype=torch.float32).contiguous()
-    out = torch.empty((rows, 2 * packed.shape[1]), dtype=torch.int8, device=packed.device)
-    _launch(storage, out, E4M3_OUT, rs, config or launch_config("nvfp4_e4m3", packed.device), fmt="int8")
-    return out
+nvfp4_to_e4m3_triton = nvfp4_to_codes_triton  # the default format's name

@@ -43,9 +43,9 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
 - ``int_mm``: an int8 weight on CUDA (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton importable):
   Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
-  operands in fp32 (int8: the exact product in float64 and the GPU's epilogue) (the GPU accumulates in fp32 as well; only the summation order differs). On the CPU this is the
-  path by design; on CUDA it is a fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it
-  into an error.
+  operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs; int8: the exact product
+  in float64 and the GPU's epilogue, so the same bits). On the CPU this is the path by design; on CUDA it is a
+  fallback with its reason, and ``strict`` (the option ``fp8_strict``) turns it into an error.
 """
 
 from __future__ import annotations
@@ -85,17 +85,23 @@ def encode_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, K] (any float dtype) -> (float8_e4m3fn [R, K], fp32 scales [R]); rows in chunks to bound memory."""
+def _quantize_rows(t: torch.Tensor, dtype: torch.dtype, scale_rows, encode) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] (any float dtype) -> (codes [R, K] of `dtype`, fp32 scales [R]) by `scale_rows` and `encode`; rows in
+    chunks to bound memory."""
     if t.dim() != 2:
-        raise ValueError(f"quantize_rows takes a 2D tensor, got shape {list(t.shape)}")
-    q = torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device)
+        raise ValueError(f"row quantization takes a 2D tensor, got shape {list(t.shape)}")
+    q = torch.empty(t.shape, dtype=dtype, device=t.device)
     s = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
     for r in range(0, t.shape[0], _ROW_CHUNK):
         part = t[r : r + _ROW_CHUNK]
-        s[r : r + _ROW_CHUNK] = row_scales(part)
-        q[r : r + _ROW_CHUNK] = encode_rows(part, s[r : r + _ROW_CHUNK])
+        s[r : r + _ROW_CHUNK] = scale_rows(part)
+        q[r : r + _ROW_CHUNK] = encode(part, s[r : r + _ROW_CHUNK])
     return q, s
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] (any float dtype) -> (float8_e4m3fn [R, K], fp32 scales [R])."""
+    return _quantize_rows(t, torch.float8_e4m3fn, row_scales, encode_rows)
 
 
 def int8_row_scales(t: torch.Tensor) -> torch.Tensor:
@@ -114,21 +120,15 @@ def encode_rows_int8(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, K] (any float dtype) -> (int8 [R, K], fp32 scales [R]); rows in chunks to bound memory."""
-    if t.dim() != 2:
-        raise ValueError(f"quantize_rows_int8 takes a 2D tensor, got shape {list(t.shape)}")
-    q = torch.empty(t.shape, dtype=torch.int8, device=t.device)
-    s = torch.empty(t.shape[0], dtype=torch.float32, device=t.device)
-    for r in range(0, t.shape[0], _ROW_CHUNK):
-        part = t[r : r + _ROW_CHUNK]
-        s[r : r + _ROW_CHUNK] = int8_row_scales(part)
-        q[r : r + _ROW_CHUNK] = encode_rows_int8(part, s[r : r + _ROW_CHUNK])
-    return q, s
+    """[R, K] (any float dtype) -> (int8 [R, K], fp32 scales [R])."""
+    return _quantize_rows(t, torch.int8, int8_row_scales, encode_rows_int8)
 
 
-# per format: (the codes' dtype, the rows' quantizer, their scales, their encoder)
-FORMATS = {"e4m3": (torch.float8_e4m3fn, quantize_rows, row_scales, encode_rows),
-           "int8": (torch.int8, quantize_rows_int8, int8_row_scales, encode_rows_int8)}
+def format_functions(fmt: str) -> tuple:
+    """(rows' quantizer, their scales, their encoder) of format `fmt` (the option fp8_linear_format's choices),
+    looked up when called (a test's patch of one of them reaches every caller)."""
+    return {"e4m3": (quantize_rows, row_scales, encode_rows),
+            "int8": (quantize_rows_int8, int8_row_scales, encode_rows_int8)}[fmt]
 
 
 def format_of(codes: torch.Tensor) -> str:
@@ -180,7 +180,7 @@ def nvfp4_channel_scales(packed: torch.Tensor, block_scale: torch.Tensor, global
     """Per-row scales (of format `fmt`) of an NVFP4 weight ([N16] fp32), from its fp32 decode, rows in chunks."""
     rows, half = packed.shape
     scales = unswizzle_block_scales(block_scale, rows, 2 * half // BLOCK)
-    scale_rows = FORMATS[fmt][2]
+    scale_rows = format_functions(fmt)[1]
     out = torch.empty(rows, dtype=torch.float32, device=packed.device)
     for r in range(0, rows, _ROW_CHUNK):
         sl = slice(r, r + _ROW_CHUNK)
@@ -188,36 +188,24 @@ def nvfp4_channel_scales(packed: torch.Tensor, block_scale: torch.Tensor, global
     return out
 
 
-def nvfp4_to_e4m3_reference(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                            scales: torch.Tensor) -> torch.Tensor:
-    """NVFP4 storage and per-row scales -> float8_e4m3fn [N16, K16] (torch; what the Triton kernel must equal)."""
-    return encode_rows(decode_nvfp4_fp32(packed, block_scale, global_scale), scales)
+def nvfp4_to_codes_reference(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                             scales: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """NVFP4 storage and per-row scales -> codes of format `fmt` [N16, K16] (float8_e4m3fn or int8; torch, what the
+    Triton kernel must equal)."""
+    return format_functions(fmt)[2](decode_nvfp4_fp32(packed, block_scale, global_scale), scales)
 
 
-def nvfp4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                  scales: torch.Tensor) -> torch.Tensor:
-    """The e4m3 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
+def nvfp4_to_codes(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                   scales: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """The 8-bit weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
     if _triton_ok(packed):
         from h3direct.checkpoint.quant import nvfp4_triton
 
-        return nvfp4_triton.nvfp4_to_e4m3_triton(packed, block_scale, global_scale, scales)
-    return nvfp4_to_e4m3_reference(packed, block_scale, global_scale, scales)
+        return nvfp4_triton.nvfp4_to_codes_triton(packed, block_scale, global_scale, scales, fmt=fmt)
+    return nvfp4_to_codes_reference(packed, block_scale, global_scale, scales, fmt)
 
 
-def nvfp4_to_int8_reference(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                            scales: torch.Tensor) -> torch.Tensor:
-    """NVFP4 storage and per-row int8 scales -> int8 [N16, K16] (torch; what the Triton kernel must equal)."""
-    return encode_rows_int8(decode_nvfp4_fp32(packed, block_scale, global_scale), scales)
-
-
-def nvfp4_to_int8(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                  scales: torch.Tensor) -> torch.Tensor:
-    """The int8 weight of an NVFP4 layer: the Triton kernel on CUDA (or under TRITON_INTERPRET=1), else torch."""
-    if _triton_ok(packed):
-        from h3direct.checkpoint.quant import nvfp4_triton
-
-        return nvfp4_triton.nvfp4_to_int8_triton(packed, block_scale, global_scale, scales)
-    return nvfp4_to_int8_reference(packed, block_scale, global_scale, scales)
+nvfp4_to_e4m3_reference, nvfp4_to_e4m3 = nvfp4_to_codes_reference, nvfp4_to_codes  # the default format's names
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
@@ -236,7 +224,7 @@ def quantize_activation(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Ten
         from h3direct.checkpoint.quant import w8a8_triton
 
         return w8a8_triton.quantize_rows(x2d, fmt)
-    return FORMATS[fmt][1](x2d)
+    return format_functions(fmt)[0](x2d)
 
 
 def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,

@@ -1,0 +1,117 @@
+"""The contract's quality axis (`benchmarks/quality.py`, `run_contract --quality-dir`), on the CPU: a case laid out
+like the validation set's (ComfyUI bf16, its fp32 twin, a stand-in of its `--use-sage-attention` recording), each
+path's output error against the twin in units of ComfyUI bf16's and ComfyUI+sage's, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gate.test_gate_class_and_drift import SAGE_ERROR, _copy_case, write_sage_recording
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = ROOT / "benchmarks" / "ref2va-960x544-124f.json"
+
+
+@pytest.fixture(scope="module")
+def quality_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("validation")
+    (root / "fx").mkdir()
+    _copy_case(root / "fx")
+    write_sage_recording(root / "fx")
+    (root / "no_sage").mkdir()
+    _copy_case(root / "no_sage")
+    return root
+
+
+def _contract(tmp_path: Path, case: str = "fx") -> Path:
+    c = json.loads(CONTRACT.read_text())
+    c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"fused": False}},
+                  "fp8": {"class": "approximate", "attention": "sdpa", "fp8_linear": "stream"},
+                  "int8_mlp": {"class": "approximate", "attention": "sdpa", "fp8_linear": "stream",
+                               "options": {"fp8_linear_format": "int8", "fp8_linear_layers": "fc1,fc2"}},
+                  "gpu_only": {"class": "approximate", "attention": "fa3"}}
+    c["quality"] = {"case": case}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(c))
+    return path
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("H3_")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return env
+
+
+def test_quality_measures_each_path_against_the_twin_in_comfyui_units(tmp_path, quality_dir):
+    """The exact path is ComfyUI bf16's equal (×1 within the exact rule's k) and far inside ComfyUI+sage (whose
+    stand-in errs sqrt(1 + 3²) × ComfyUI bf16); FP8 linears err more than the exact path, int8 on the MLP less than
+    FP8 on every linear; ComfyUI's own rows: 1 and the stand-in's sqrt(10); a GPU-only path says why it did not run."""
+    out = tmp_path / "q.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--contract", str(_contract(tmp_path)),
+                        "--trace-dir", str(quality_dir), "--device", "cpu", "--out", str(out)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["status"] == "ok" and case["case"] == "fx"
+    comfy, paths = case["comfyui"], case["paths"]
+    assert comfy["default"]["error_x_comfyui_bf16"] == 1.0
+    assert comfy["sage"]["error_x_comfyui_bf16"] == pytest.approx((1 + SAGE_ERROR ** 2) ** 0.5, rel=0.05)
+    assert comfy["sage"]["error_x_comfyui_sage"] == 1.0
+    exact = paths["exact"]["error_x_comfyui_bf16"]
+    assert exact <= 1.5
+    fp8, int8 = paths["fp8"]["error_x_comfyui_bf16"], paths["int8_mlp"]["error_x_comfyui_bf16"]
+    assert fp8 > 1.5 * exact and int8 < fp8
+    for name in ("exact", "fp8", "int8_mlp"):
+        q = paths[name]
+        assert q["error_x_comfyui_sage"] == pytest.approx(q["error_x_comfyui_bf16"] / comfy["sage"]["error_x_comfyui_bf16"],
+                                                          rel=0.05)
+    assert paths["gpu_only"]["status"].startswith("unavailable:")
+    assert "| ComfyUI sage |" in p.stdout and "| fp8 |" in p.stdout  # the ladder table
+
+
+def test_a_case_without_its_sage_recording_is_not_measured(tmp_path, quality_dir):
+    p = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--contract", str(_contract(tmp_path)),
+                        "--trace-dir", str(quality_dir), "--case", "no_sage", "--device", "cpu", "--paths", "exact"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "no ComfyUI --use-sage-attention recording" in p.stdout, p.stdout + p.stderr
+
+
+def test_run_contract_records_quality_per_path_and_compare_reads_it(tmp_path, quality_dir):
+    contract = _contract(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--contract", str(contract), "--out",
+                        str(tmp_path / "r.json"), "--smoke", "--steps", "1", "--device", "cpu", "--no-vae",
+                        "--floor-seconds", "0", "--paths", "exact,fp8", "--quality-dir", str(quality_dir)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["quality"] == {"case": "fx", "status": "ok"}
+    assert r["paths"]["exact"]["quality"]["error_x_comfyui_bf16"] <= 1.5
+    assert r["paths"]["fp8"]["quality"]["error_x_comfyui_bf16"] > 1.5
+    q = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
+                        str(tmp_path / "r.json")], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert "info quality case fx: ok" in q.stdout and "info exact        quality: x" in q.stdout, q.stdout
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--case", "nope"], "no ComfyUI bf16 trace with its fp32 twin (not a case of the validation set either)"),
+    (["--paths", "exact,nope"], "--paths: nope not a path of the contract"),
+    (["--contract", "/nonexistent.json"], "--contract /nonexistent.json"),
+])
+def test_quality_bad_input(tmp_path, quality_dir, flags, needle):
+    args = ["--contract", str(_contract(tmp_path)), "--trace-dir", str(quality_dir), "--device", "cpu"]
+    for i in range(0, len(flags), 2):
+        if flags[i] in args:
+            args[args.index(flags[i]) + 1] = flags[i + 1]
+        else:
+            args += flags[i:i + 2]
+    p = subprocess.run([sys.executable, "-m", "benchmarks.quality", *args], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode in (1, 2) and needle in p.stdout + p.stderr, p.stdout + p.stderr
+    if p.returncode == 2:
+        assert len(p.stderr.strip().splitlines()) == 1
