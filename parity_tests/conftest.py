@@ -152,17 +152,39 @@ def pytest_runtest_makereport(item, call):
     return rep
 
 
+def _found(config) -> tuple[dict[str, int], list[str]] | None:
+    """({kind: cases found}, roots) of this process's collection, or what an xdist worker reported."""
+    if hasattr(config, "_h3_cases"):
+        cases = config._h3_cases
+        return {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}, [str(r) for r in cases.roots]
+    return getattr(config, "_h3_found", None)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not hasattr(config, "_h3_cases"):
+    found = _found(config)
+    if found is None:
         return
-    cases = config._h3_cases
-    found = {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}
+    found, roots = found
     ran = ", ".join(f"{k} {len(_ran[k])}/{found[k]}" for k in ("dit", "vae", "generate"))
-    terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(map(str, cases.roots))}")
+    terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(roots)}")
     if getattr(config, "_h3_nothing_compared", None):
         terminalreporter.write_line(f"FAILED: {config._h3_nothing_compared}", red=True, bold=True)
     if getattr(config, "_h3_live_warning", None):
         terminalreporter.write_line(f"WARNING: {config._h3_live_warning}", yellow=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller, as each worker ends: its report rows, the cases it ran and found (`pytest_sessionfinish`
+    then writes one report and judges the whole run, as without workers)."""
+    part = getattr(node, "workeroutput", {}).get("h3_parity")
+    if not part:
+        return
+    _collector.merge(part["rows"], part["cases"])
+    for kind, ids in part["ran"].items():
+        _ran[kind].update(ids)
+    if part["found"] is not None:
+        node.config._h3_found = part["found"]
 
 
 @pytest.fixture(scope="session")
@@ -221,6 +243,11 @@ def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workeroutput"):  # an xdist worker: the controller merges every worker's part, then judges
+        config.workeroutput["h3_parity"] = {"rows": _collector.rows, "cases": _collector.cases,
+                                            "ran": {k: sorted(v) for k, v in _ran.items()}, "found": _found(config)}
+        return
     if _collector.rows:
         _collector.write(report_dir(session.config))
     line = kernel_compared_nowhere(session.config, _collector.cases) if _collector.cases else None

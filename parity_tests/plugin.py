@@ -126,6 +126,8 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--baselines: not a directory: {baselines}")
     gate_attention(config)
     gate_fp8(config)
+    if getattr(config.option, "numprocesses", None) and config.getoption("--comfy-root"):
+        raise pytest.UsageError("--comfy-root (the live gate records ComfyUI once): run it without -n")
 
 
 def gate_attention(config):
@@ -206,6 +208,24 @@ def pytest_collection_modifyitems(config, items):
     # the e2e frames gate compares an approximate path with the exact one: for an exact path it has no item
     _deselect(config, items, [it for it in items if getattr(it, "callspec", None) is not None
                               and "e2e_path" in it.callspec.params and it.callspec.params["e2e_path"] is None])
+
+
+DESELECTED = ("_h3_gpu_deselected", "_h3_comfy_deselected", "_h3_shared_deselected")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workeroutput"):  # an xdist worker: its deselections, for the controller's summary
+        config.workeroutput["h3_deselected"] = {  # plain values: they travel through execnet
+            k: ([x if isinstance(x, int) else str(x) for x in v] if isinstance(v, tuple) else v)
+            for k in DESELECTED if (v := getattr(config, k, None)) is not None}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: every worker collects the same items, so any worker's deselections are the run's."""
+    for k, v in getattr(node, "workeroutput", {}).get("h3_deselected", {}).items():
+        setattr(node.config, k, tuple(v) if isinstance(v, list) else v)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

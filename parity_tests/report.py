@@ -63,6 +63,12 @@ class ReportCollector:
                            "fp8_linear_calls": getattr(result, "fp8_linear_calls", None),
                            "ladder": getattr(result, "ladder", None) or None})
 
+    def merge(self, rows: list[dict], cases: list[dict]) -> None:
+        """Add another collector's rows and cases (an xdist worker's), its cases' row spans moved past ours."""
+        offset = len(self.rows)
+        self.rows += rows
+        self.cases += [{**c, "rows": (c["rows"][0] + offset, c["rows"][1] + offset)} for c in cases]
+
     def write(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,25 @@ def test_bad_fp8_linear_flags_are_usage_errors(tmp_path, flags, words):
     assert words in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
 
 
+def test_under_xdist_the_summary_and_the_report_are_the_whole_runs(tmp_path):
+    """`-n 2` (what the README's test command runs): every worker's cases reach one parity report and one summary
+    line, and the deselections are explained as without workers."""
+    import json
+
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed (the test extra has it)")
+    report = tmp_path / "report"
+    r = _pytest(["-n", "2", "-m", "parity or gpu", "-k", "test_dit_layers and teacher or int_mm",
+                 "--parity-report", str(report), str(REPO / "parity_tests"), str(REPO / "tests" / "test_int8_linear.py")],
+                tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cases = {json.loads(line)["case"] for line in (report / "results.jsonl").read_text().splitlines()}
+    found = [line for line in r.stdout.splitlines() if line.startswith("parity cases run (of found): dit ")]
+    n = int(found[0].split("dit ")[1].split("/")[0]) if found else -1
+    assert n >= 2 and len(cases) == n, (found, sorted(cases))
+    if not __import__("torch").cuda.is_available():
+        assert "2 GPU test(s) deselected: no CUDA device here" in r.stdout, r.stdout[-2000:]
+
+
 def test_started_outside_the_checkout_without_a_test_path_runs_the_gate(outside_root, tmp_path):
     """`pytest -m parity --trace-dir DIR` from another folder, nothing else: the installed gate runs on DIR."""
     r = _pytest(["-m", "parity", "--trace-dir", str(outside_root), "-k", "test_dit_layers and teacher"], tmp_path)
