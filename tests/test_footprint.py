@@ -154,3 +154,23 @@ def test_the_table_and_its_one_line_errors(capsys):
         assert cli.main(["footprint", *flags]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_resident_8bit_linears_are_counted_by_layer_and_format():
+    """A resident 8-bit DiT holds one byte per weight of each 8-bit linear instead of NVFP4's half byte plus its
+    scales: the DiT's count grows with each layer set, by the linears' weight count, and int8 holds as much as e4m3."""
+    from dataclasses import replace
+
+    from h3direct.config import H3Config
+
+    config = H3Config.from_name("tiny")
+    base = footprint.Held(compute_dtype=torch.bfloat16)
+    dit = {}
+    for key, fp8, layers, fmt in (("off", None, None, "e4m3"), ("fc1", "resident", "fc1", "e4m3"),
+                                  ("all", "resident", None, "e4m3"), ("all int8", "resident", None, "int8")):
+        held = replace(base, fp8_linear=fp8, fp8_linear_layers=layers, fp8_linear_format=fmt)
+        dit[key] = footprint.of_preset("tiny", "nvfp4", held)["dit"]
+    h, f = config.hidden_size, config.ffn_hidden_size
+    assert dit["off"] < dit["fc1"] < dit["all"] == dit["all int8"], dit
+    # fc1 (2F x H per block): 1 byte a weight and a 4-byte scale a row, instead of 0.5 byte and block scales
+    assert dit["fc1"] - dit["off"] > config.num_layers * 2 * f * h * 0.4, dit

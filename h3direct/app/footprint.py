@@ -34,6 +34,8 @@ class Held:
     fp8_linear: str | None = None  # the kernel option fixed at load (`--fp8-linear`)
     video_vae_config: object = None  # anything `vae.config.resolve_vae_config` takes
     audio_vae_config: object = None
+    fp8_linear_layers: str | None = None  # which block linears `fp8_linear` makes 8-bit (None: all four)
+    fp8_linear_format: str = "e4m3"
 
 
 def tensors(module) -> list[torch.Tensor]:
@@ -70,7 +72,8 @@ def hold(component: str, sd: dict, held: Held = Held()):
     if component == "dit":
         from h3direct.dit.loader import load_state_dict
 
-        return load_state_dict(sd, compute_dtype=held.compute_dtype, device="meta", fp8_linear=held.fp8_linear)
+        return load_state_dict(sd, compute_dtype=held.compute_dtype, device="meta", fp8_linear=held.fp8_linear,
+                               fp8_linear_layers=held.fp8_linear_layers, fp8_linear_format=held.fp8_linear_format)
     if component == "text_encoder":
         from h3direct.text.load import text_encoder_of
 

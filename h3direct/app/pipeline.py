@@ -237,7 +237,8 @@ class H3Pipeline:
         files = {k: None if p is None else str(p) for k, p in files.items()}
         vcfg, acfg = resolve_vae_config("video", video_vae_config), resolve_vae_config("audio", audio_vae_config)
         vae_dtype = _vae_dtype(vae_dtype, dev)
-        held = Held(parse_compute_dtype(compute_dtype), vae_dtype, kernels.fp8_linear, vcfg, acfg)
+        held = Held(parse_compute_dtype(compute_dtype), vae_dtype, kernels.fp8_linear, vcfg, acfg,
+                    kernels.fp8_linear_layers, kernels.fp8_linear_format)
         slot, hot = _text_slot(files, text_encoder_policy, dev, held)
         seconds = {}
         t = time.perf_counter()
