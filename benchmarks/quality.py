@@ -36,36 +36,32 @@ OUTPUTS = ("video", "audio")
 PROG = "benchmarks.quality"
 
 
-def case_dir(root: Path, name: str) -> Path:
-    return root / name
-
-
-def ensure_recorded(root: Path, name: str, comfy_root: str | None, device: str) -> str | None:
-    """None when `root/name` holds a case with ComfyUI's bf16 trace, fp32 twin and sage recording, else why not;
-    a case of the validation set that is missing is built and recorded first where `comfy_root` is given."""
+def recorded_case(root: Path, name: str, comfy_root: str | None, device: str):
+    """(the bf16 case `root/name` with ComfyUI's fp32 twin and sage recording, None) or (None, why not); a case of
+    the validation set that is missing is built and recorded first where `comfy_root` is given."""
     from parity_tests import validation
 
     known = {c.name for c in validation.CASES}
-    if find_case(root, name) is None and comfy_root and name in known:
+    case = find_case(root, name)
+    if case is None and comfy_root and name in known:
         validation.build(root, device=device, only=[name])
         validation.record(root, comfy_root, device=device, jobs=3, only=[name], sage=True)
-    case = find_case(root, name)
+        case = find_case(root, name)
     if case is None:
         how = "record it: --comfy-root" if name in known else "not a case of the validation set either"
-        return f"{root / name}: no ComfyUI bf16 trace with its fp32 twin ({how})"
+        return None, f"{root / name}: no ComfyUI bf16 trace with its fp32 twin ({how})"
     if case.sage_twin is None:
-        return f"{root / name}: no ComfyUI --use-sage-attention recording (SageAttention must be importable)"
-    return None
+        return None, f"{root / name}: no ComfyUI --use-sage-attention recording (SageAttention must be importable)"
+    return case, None
 
 
 def find_case(root: Path, name: str):
     """The bf16 DitCase of validation case `name` with its fp32 twin, or None."""
     from parity_tests.discovery import find_dit_cases
 
-    folder = case_dir(root, name)
-    if not folder.is_dir():
+    if not (root / name).is_dir():
         return None
-    cases, _ = find_dit_cases([folder])
+    cases, _ = find_dit_cases([root / name])
     return next((c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None), None)
 
 
@@ -125,10 +121,9 @@ def comfy_quality(case) -> dict:
 def measure(contract: dict, names: list[str], root: Path, case_name: str, device: str,
             comfy_root: str | None = None) -> dict:
     """{"case", "paths": {name: quality}, "comfyui": {config: quality}} or {"status": why not}."""
-    problem = ensure_recorded(root, case_name, comfy_root, device)
+    case, problem = recorded_case(root, case_name, comfy_root, device)
     if problem is not None:
         return {"case": case_name, "status": f"not measured: {problem}"}
-    case = find_case(root, case_name)
     out = {"case": case_name, "status": "ok", "paths": {}, "comfyui": comfy_quality(case)}
     for name in names:
         res = measure_path(case, C.path_options(contract["paths"][name]), device)

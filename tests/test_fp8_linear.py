@@ -260,6 +260,14 @@ def test_a_stream_model_changes_its_fp8_layers_and_format_and_gives_its_own_line
     assert torch.equal(model.blocks[1].mlp.fc1(x), plain.blocks[1].mlp.fc1(x))
 
 
+def test_the_options_layer_names_are_the_checkpoints_block_linears():
+    """options.FP8_LINEAR_LEAVES (torch-free, for the command line) names each of keys.BLOCK_LINEARS, in order."""
+    from h3direct.checkpoint.keys import BLOCK_LINEARS
+    from h3direct.dit.options import FP8_LINEAR_LEAVES
+
+    assert FP8_LINEAR_LEAVES == tuple(p.rpartition(".")[2] for p in BLOCK_LINEARS)
+
+
 @pytest.mark.parametrize("value", ["", "fc3", "fc1,fc1", "qkv_proj;fc2"])
 def test_a_bad_fp8_layer_list_is_one_line(value):
     from h3direct.dit.options import KernelOptions

@@ -98,20 +98,17 @@ def test_run_contract_records_quality_per_path_and_compare_reads_it(tmp_path, qu
     assert "info quality case fx: ok" in q.stdout and "info exact        quality: x" in q.stdout, q.stdout
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--case", "nope"], "no ComfyUI bf16 trace with its fp32 twin (not a case of the validation set either)"),
-    (["--paths", "exact,nope"], "--paths: nope not a path of the contract"),
-    (["--contract", "/nonexistent.json"], "--contract /nonexistent.json"),
+@pytest.mark.parametrize("flags, code, needle", [
+    (["--case", "nope"], 1, "no ComfyUI bf16 trace with its fp32 twin (not a case of the validation set either)"),
+    (["--paths", "exact,nope"], 2, "--paths: nope not a path of the contract"),
+    (["--contract", "/nonexistent.json"], 2, "--contract /nonexistent.json"),
 ])
-def test_quality_bad_input(tmp_path, quality_dir, flags, needle):
-    args = ["--contract", str(_contract(tmp_path)), "--trace-dir", str(quality_dir), "--device", "cpu"]
-    for i in range(0, len(flags), 2):
-        if flags[i] in args:
-            args[args.index(flags[i]) + 1] = flags[i + 1]
-        else:
-            args += flags[i:i + 2]
-    p = subprocess.run([sys.executable, "-m", "benchmarks.quality", *args], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode in (1, 2) and needle in p.stdout + p.stderr, p.stdout + p.stderr
-    if p.returncode == 2:
-        assert len(p.stderr.strip().splitlines()) == 1
+def test_quality_bad_input(tmp_path, quality_dir, flags, code, needle):
+    """A bad flag is one line and exit 2; a case that is not there is its status and exit 1."""
+    base = {"--contract": str(_contract(tmp_path)), "--trace-dir": str(quality_dir), "--device": "cpu"}
+    base.update(zip(flags[::2], flags[1::2]))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.quality", *(a for kv in base.items() for a in kv)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == code and needle in p.stdout + p.stderr, p.stdout + p.stderr
+    if code == 2:
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr

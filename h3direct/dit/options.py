@@ -28,8 +28,9 @@ BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head
 NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
 FP8_LINEAR_MODES = ("off", "stream", "resident")
 FP8_ACCUM = ("fast", "fp32")  # the FP8 GEMMs' accumulation (w8a8.linear_w8a8)
-FP8_LINEAR_FORMATS = ("e4m3", "int8")  # the number format of --fp8-linear's 8-bit GEMMs (w8a8.FORMATS)
-# the leaves of a DiT block's linears that --fp8-linear can make FP8 (h3direct.checkpoint.keys.BLOCK_LINEARS)
+FP8_LINEAR_FORMATS = ("e4m3", "int8")  # the number format of --fp8-linear's 8-bit GEMMs (w8a8.format_functions)
+# the leaves of a DiT block's linears that --fp8-linear can make FP8: h3direct.checkpoint.keys.BLOCK_LINEARS's, named
+# here so that the command line's help needs no torch (a test holds the two equal)
 FP8_LINEAR_LEAVES = ("qkv_proj", "out_proj", "fc1", "fc2")
 
 

@@ -131,11 +131,6 @@ def format_functions(fmt: str) -> tuple:
             "int8": (quantize_rows_int8, int8_row_scales, encode_rows_int8)}[fmt]
 
 
-def format_of(codes: torch.Tensor) -> str:
-    """"e4m3" | "int8": the format of a tensor of codes."""
-    return {torch.float8_e4m3fn: "e4m3", torch.int8: "int8"}[codes.dtype]
-
-
 @dataclass(frozen=True)
 class E4M3Rows:
     """An activation already quantized by this module's rule: e4m3 codes [M, K] (unit column stride), fp32 per-row
@@ -257,10 +252,11 @@ def _gpu_reason(x: torch.Tensor, dtype: torch.dtype, k: int, n: int) -> str | No
     return None
 
 
-def _int8_gpu_reason(x: torch.Tensor, m: int, k: int, n: int) -> str | None:
-    """Why `torch._int_mm` cannot run on x [m, k] against an int8 weight [n, k]; None: it can."""
+def _int8_gpu_reason(x: torch.Tensor, n: int) -> str | None:
+    """Why `torch._int_mm` cannot run on x [M, K] against an int8 weight [n, K]; None: it can."""
     if not x.is_cuda:
         return "cpu"
+    m, k = x.shape
     if m <= 16 or k % 8 or n % 8:
         return f"M={m}, K={k}, N={n}: _int_mm needs M > 16 and K, N multiples of 8"
     if torch.cuda.get_device_capability(x.device) < (8, 0):
@@ -279,7 +275,7 @@ def linear_int8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: 
     if w8.shape[1] != k:
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = x.reshape(-1, k)
-    reason = _int8_gpu_reason(x2, x2.shape[0], k, n)
+    reason = _int8_gpu_reason(x2, n)
     if reason is not None and x2.is_cuda and strict:
         raise ConfigError(f"int8 linear [{k} -> {n}] cannot use torch._int_mm: {reason} (fp8_strict is on)")
     count_fp8_linear("int_mm" if reason is None else f"emulated ({reason})")
