@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     runs = [(b, {}) for b in args.backends.split(",") if b]
     if "sol_attn" in args.backends:
         runs += [("sol_attn", {"sol_tau": float(t)}) for t in args.sol_taus.split(",") if t and t != "1.3"]
-    if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing
-        runs.append(("fa3_fp8", {"fp8_attn_smooth_v": False}))
+    if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing, and without the rotation of q and k
+        runs += [("fa3_fp8", {"fp8_attn_smooth_v": False}), ("fa3_fp8", {"fp8_attn_rotate": False})]
     rows = []
     like = torch.empty(0, device=device, dtype=torch.bfloat16)
     for backend, changed in runs:

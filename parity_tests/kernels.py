@@ -116,7 +116,9 @@ def attention_site(gate, site, backend, device) -> None:
     if b.reference == "emulation":
         from h3direct.dit.fp8_attention import fp8_attention_reference
 
-        emu = rearrange(fp8_attention_reference(qq, kk, vv), "b h s d -> b s (h d)")[0].float()
+        fp8 = backend.fa3_fp8
+        emu = fp8_attention_reference(qq, kk, vv, smooth_v=fp8.smooth_v, rotate=fp8.rotate)
+        emu = rearrange(emu, "b h s d -> b s (h d)")[0].float()
         m = Measured(vs_exact, twin=(vs_exact, metrics.rel_l2(emu, exact)))
         ref = exact
     elif b.reference == "algorithm":

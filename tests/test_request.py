@@ -109,8 +109,8 @@ def test_name_value_assignments_by_the_variables_rule():
 def test_one_boolean_rule_for_every_switch(raw, value):
     switches = [name for name in variables() if name in ("H3_FUSED", "H3_FP8_STRICT", "H3_SOL_STRICT",
                                                           "H3_FP8_ATTN_STRICT", "H3_FP8_ATTN_SMOOTH_V",
-                                                          "H3_SOL_EXACT_ROWS", "H3_SOL_TAIL")]
-    assert len(switches) == 7  # once parsed each its own way (any non-"0", exactly "1", exactly 0/1)
+                                                          "H3_FP8_ATTN_ROTATE", "H3_SOL_EXACT_ROWS", "H3_SOL_TAIL")]
+    assert len(switches) == 8  # once parsed each its own way (any non-"0", exactly "1", exactly 0/1)
     for name in switches:
         assert list(read_options({name: raw}).values()) == [value], name
 

@@ -13,7 +13,8 @@ with a backend's constraints); its function and availability check get the call'
 | cudnn_sdpa      | torch SDPA forced to cuDNN; an error if cuDNN cannot run it (never falls back)            |
 | fa3             | FlashAttention-3 forward (`fa3-fwd`, extra `fa3`): Hopper (sm_90) only, bf16; exact       |
 | fa3_fp8         | FA3's FP8 e4m3 forward, approximate: per-(batch, head) scales, K (and V) smoothing over    |
-|                 | tokens (fp8_attention.py); sm_90, bf16 inputs. head_dim not a multiple of 16 (or > 256)  |
+|                 | tokens, q and k rotated by a random-sign Hadamard matrix (fp8_attention.py); sm_90, bf16  |
+|                 | inputs. head_dim not a multiple of 16 (or > 256)                                          |
 |                 | runs its `fallback` (fa3), counted; `strict` makes it an error (`FP8AttentionOptions`).   |
 | sage2           | SageAttention 2 (`sageattention.sageattn`: INT8 QK, FP8 PV on sm_89/sm_90/sm_12x), built   |
 |                 | from source by `tools/build_sageattention.sh`; SageAttention 1 (PyPI 1.x) is refused      |
@@ -443,7 +444,7 @@ def _fa3_fp8(q, k, v, opts: AttentionOptions):
     if why is not None:
         return _run_fallback("fa3_fp8", "fp8_attn_strict", fp8.fallback, fp8.strict, why, "head_dim", q, k, v, opts)
     count_attention("fa3_fp8", "kernel")
-    return fa3_fp8_attention(q, k, v, smooth_v=fp8.smooth_v)
+    return fa3_fp8_attention(q, k, v, smooth_v=fp8.smooth_v, rotate=fp8.rotate)
 
 
 def _fa3_fp8_available(like, opts: AttentionOptions):

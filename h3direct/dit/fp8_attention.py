@@ -1,8 +1,8 @@
-"""FP8 (e4m3) attention on FlashAttention-3's FP8 forward, with per-(batch, head) scales and smoothing.
+"""FP8 (e4m3) attention on FlashAttention-3's FP8 forward, with per-(batch, head) scales, smoothing and a rotation.
 
 The `fa3_fp8` backend (h3direct/dit/attention.py) quantizes q, k, v to e4m3 and calls FA3's FP8 kernel, which takes
 one fp32 descale per (batch, kv head) for each of q, k, v (`q_descale` etc., shape [B, H_k]) and folds
-q_descale·k_descale into the softmax scale and v_descale into the output. Three things keep the error small:
+q_descale·k_descale into the softmax scale and v_descale into the output. Four things keep the error small:
 
 - per-(batch, head) scales: scale = amax / 448 of that head (448 = e4m3's largest finite value), so a head with
   large values does not flatten the others (with one scale per tensor the heads of small values lose most of their
@@ -11,20 +11,34 @@ q_descale·k_descale into the softmax scale and v_descale into the output. Three
   constant along the softmax row, so the attention weights are unchanged while the common channel offset of the keys
   (which would take e4m3's range) is removed before quantizing;
 - V smoothing: v' = v − mean over tokens of v; every softmax row sums to one, so attn(v') + mean = attn(v). The mean
-  is added back to FA3's bf16 output (option `fp8_attn_smooth_v` off turns it off).
+  is added back to FA3's bf16 output (option `fp8_attn_smooth_v` off turns it off);
+- a rotation of q and k (option `fp8_attn_rotate`): both are multiplied by the same orthogonal matrix
+  R = diag(signs)·Hadamard/√b (Sylvester Hadamard blocks of size b, fixed random signs), so q·k is unchanged.
+  e4m3 rounds each element with a relative error up to 2⁻⁴, so the error a key's rounding puts on its score is
+  Σ_c q_c·k_c·ε_c: large where the channels that carry most of q's energy also carry k's, as a trained network's q
+  and k do (their channel variances correlate); R spreads every channel over all b, which removes that alignment.
+  This is FlashAttention-3's "incoherent processing" (Shah et al., 2024, §3.3 and Table 3: FP8 attention's error on
+  inputs with outlier channels 2.6× lower with it and block scales). What it does on the validation set:
+  benchmarks/results/LOG.md, "fa3_fp8 rotated".
 
 Quantization of one tensor is two passes: per-channel sum, min and max over tokens (torch reductions, which read the
-strided q/k views of the qkv projection in place), then one Triton pass that subtracts the mean, scales, rounds to
-e4m3 (nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA or Triton the same math runs in torch
+strided q/k views of the qkv projection in place), then one Triton pass that rotates (a ±1 matrix product on the
+tensor cores, exact products in the input's bf16 summed in fp32), subtracts the mean, scales, rounds to e4m3
+(nearest, ties to even) and writes FA3's [B, S, H, D] layout. Without CUDA or Triton the same math runs in torch
 (`quantize_torch`), which is also what `fp8_attention_reference` (the numerical emulation of the whole backend,
 fp32 attention with FA3's FP8 probability rounding) uses.
 
-The maximum of the smoothed tensor needs no second reduction: rounding is monotone, so
-max_t fl(x_t − m) = fl(max_t x_t − m) and the head's amax is max_c max(fl(max_c − m_c), fl(m_c − min_c)).
+The head's scale needs no second reduction:
+- unrotated, rounding is monotone, so max_t fl(x_t − m) = fl(max_t x_t − m) and the head's amax is
+  max_c max(fl(max_c − m_c), fl(m_c − min_c));
+- rotated, an element of (x − m)·diag(signs)·H is a ±1 sum over one block of b channels, so its magnitude is at most
+  the sum of those channels' amax: the scale is set by that bound (never an overflow; where the bound is loose the
+  values sit lower in e4m3's range, whose relative precision is the same down to 2⁻⁶ of the scale).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,33 +59,85 @@ P_OFFSET_LOG2 = 8.0
 # head dims FA3's FP8 kernels take: a multiple of 16 (16-byte rows of e4m3), at most 256
 FP8_HEAD_DIM_ALIGN = 16
 FP8_MAX_HEAD_DIM = 256
+# the rotation's Hadamard blocks: the largest power of two dividing head_dim, at most this (H3's 128: one block)
+ROTATION_MAX_BLOCK = 128
+ROTATION_SEED = 20240711  # the signs' generator seed (any fixed value: q and k must share them within a call)
 
 
 @dataclass
 class Quantized:
     """One tensor in e4m3: `data` [B, S, H, D] (contiguous), `descale` [B, H] fp32, `mean` [B, H, D] fp32 or None
-    (the per-channel token mean subtracted before scaling)."""
+    (the per-channel token mean subtracted before scaling), `rotation` [D, D] fp32 or None (the orthogonal R the
+    data is in: data · descale ≈ (x − mean)·R)."""
 
     data: torch.Tensor
     descale: torch.Tensor
     mean: torch.Tensor | None
+    rotation: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """[B, H, S, D] fp32: data · descale (+ mean)."""
+        """[B, H, S, D] fp32: data · descale (· Rᵀ) (+ mean)."""
         x = self.data.transpose(1, 2).float() * self.descale[:, :, None, None]
+        if self.rotation is not None:
+            x = x @ self.rotation.to(x.device).T
         return x if self.mean is None else x + self.mean[:, :, None, :]
 
 
-def channel_stats(x: torch.Tensor, center: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """x [B, H, S, D] -> (per-channel token mean [B, H, D] fp32 if `center`, else None; amax [B, H] fp32 of x − mean).
+def rotation_block(d: int) -> int:
+    """The size of the rotation's Hadamard blocks for head_dim d: its largest power-of-two divisor, at most 128."""
+    return min(d & -d, ROTATION_MAX_BLOCK)
 
-    amax is the largest |x − mean| of the head, computed from per-channel max and min (see the module docstring)."""
+
+@functools.cache
+def _signed_hadamard(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = rotation_block(d)
+    h = torch.ones(1, 1)
+    while h.shape[0] < b:  # Sylvester: H_2n = [[H, H], [H, −H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = 1.0 - 2.0 * torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(ROTATION_SEED))
+    return signs, h
+
+
+def rotation(d: int, device=None, normalized: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[d, d] in `dtype`: diag(signs)·blockdiag(H_b, …) (entries ±1, or 0 off the blocks), divided by √b when
+    `normalized` (then orthogonal: R·Rᵀ = I, to `dtype`'s rounding of 1/√b). Made once per device (a copy to the
+    GPU inside the DiT step would wait for the stream); read-only."""
+    return _rotation(d, torch.device(device) if device is not None else torch.device("cpu"), normalized, dtype)
+
+
+@functools.cache
+def _kernel_operands(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer kernel's sign vector [d] and ±1 Hadamard block [b, b], fp32 on `device`."""
+    signs, h = _signed_hadamard(d)
+    return signs.to(device), h.to(device)
+
+
+@functools.cache
+def _rotation(d: int, device: torch.device, normalized: bool, dtype: torch.dtype) -> torch.Tensor:
+    signs, h = _signed_hadamard(d)
+    b = h.shape[0]
+    r = (signs[:, None] * torch.block_diag(*[h] * (d // b))).double()
+    return (r / math.sqrt(b) if normalized else r).to(device=device, dtype=dtype)
+
+
+def channel_stats(x: torch.Tensor, center: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """x [B, H, S, D] -> (per-channel token mean [B, H, D] fp32 if `center`, else None; per-channel amax [B, H, D]
+    fp32 of x − mean), from per-channel max and min (see the module docstring)."""
     lo, hi = torch.aminmax(x, dim=2)  # exact in x's dtype
     hi, lo = hi.float(), lo.float()
     if not center:
-        return None, torch.maximum(hi.abs(), lo.abs()).amax(dim=-1)
+        return None, torch.maximum(hi.abs(), lo.abs())
     mean = x.sum(dim=2, dtype=torch.float32) / x.shape[2]
-    return mean, torch.maximum(hi - mean, mean - lo).amax(dim=-1)
+    return mean, torch.maximum(hi - mean, mean - lo)
+
+
+def head_amax(channel_amax: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """[B, H, D] per-channel amax -> [B, H]: the largest |element| of the head, or with `rotate` the bound on the
+    largest |element| of its ±1 rotation (the largest sum of channel amax over one Hadamard block)."""
+    if not rotate:
+        return channel_amax.amax(dim=-1)
+    b = rotation_block(channel_amax.shape[-1])
+    return channel_amax.unflatten(-1, (-1, b)).sum(dim=-1).amax(dim=-1)
 
 
 def scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +149,13 @@ def scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return descale.contiguous(), inverse.contiguous()
 
 
-def quantize_torch(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
-    """The quantizer's math in torch: e4m3(clamp((x − mean) · inverse, ±448)) as [B, S, H, D] contiguous."""
+def quantize_torch(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor,
+                   rotate: bool = False) -> torch.Tensor:
+    """The quantizer's math in torch: e4m3(clamp((x·P − mean) · inverse, ±448)) as [B, S, H, D] contiguous, where
+    P = `rotation(D, normalized=False)` with `rotate` (else the identity; `mean` is then the rotated mean, mean·P)."""
     y = x.float()
+    if rotate:
+        y = y @ rotation(x.shape[-1], y.device, normalized=False)
     if mean is not None:
         y = y - mean[:, :, None, :]
     y = (y * inverse[:, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX)
@@ -126,10 +196,44 @@ if triton is not None:
         q = _round_e4m3(y).to(tl.float8e4nv)
         tl.store(out_ptr + ((b * S + rows[:, None]) * H + h) * D + cols[None, :], q, mask=mask)
 
+    @triton.jit
+    def _quantize_rotated_kernel(x_ptr, sign_ptr, had_ptr, mean_ptr, inv_ptr, out_ptr, S, H, sxb, sxh, sxs,
+                                 D: tl.constexpr, RB: tl.constexpr, HAS_MEAN: tl.constexpr, IEEE: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, TILES: tl.constexpr):
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        kk = tl.arange(0, RB)
+        had = tl.load(had_ptr + kk[:, None] * RB + kk[None, :])  # the ±1 Hadamard block, fp32: loaded once
+        inv = tl.load(inv_ptr + bh)
+        for t in tl.static_range(TILES):  # TILES row tiles per program share the loaded block
+            rows = (tl.program_id(0) * TILES + t) * BLOCK_S + tl.arange(0, BLOCK_S)
+            inside = rows[:, None] < S
+            for j in tl.static_range(D // RB):
+                cols = j * RB + kk
+                x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :], mask=inside, other=0.0)
+                x = x.to(tl.float32) * tl.load(sign_ptr + cols)[None, :]  # a sign flip: exact
+                if IEEE:
+                    y = tl.dot(x, had, input_precision="ieee")
+                else:  # bf16 / fp16 values are exact in tf32 (one factor is ±1): exact products, fp32 sums
+                    y = tl.dot(x, had, input_precision="tf32")
+                if HAS_MEAN:
+                    y = y - tl.load(mean_ptr + bh * D + cols)[None, :]
+                y = tl.minimum(tl.maximum(y * inv, -448.0), 448.0)
+                q = _round_e4m3(y).to(tl.float8e4nv)
+                tl.store(out_ptr + ((b * S + rows[:, None]) * H + h) * D + cols[None, :], q, mask=inside)
 
-def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor) -> torch.Tensor:
-    """`quantize_torch` in one Triton pass (bitwise equal): reads x [B, H, S, D] (any strides, unit channel stride)
-    and writes e4m3 [B, S, H, D] contiguous."""
+
+# the rotated quantizer's launch (rows per tile, tiles per program, warps), tuned on the H200 at the workload's
+# shape (LOG.md, "fa3_fp8 rotated")
+ROTATED_LAUNCH = {"block_s": 128, "tiles": 2, "num_warps": 4}
+
+
+def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.Tensor,
+                    rotate: bool = False) -> torch.Tensor:
+    """`quantize_torch` in one Triton pass: reads x [B, H, S, D] (any strides, unit channel stride) and writes e4m3
+    [B, S, H, D] contiguous. Unrotated it is bitwise equal; rotated, its sums run in another order, so an element
+    may round to the neighbouring e4m3 value where x·P lies within fp32 rounding of a tie."""
     if triton is None:
         raise RuntimeError("Triton is not importable")
     if x.stride(-1) != 1:
@@ -137,6 +241,16 @@ def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.T
     b, h, s, d = x.shape
     out = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
     mean_arg = mean.contiguous() if mean is not None else inverse  # a dummy pointer when there is no mean
+    if rotate:
+        signs, had = _kernel_operands(d, x.device)
+        rb = had.shape[0]
+        block_s, tiles = ROTATED_LAUNCH["block_s"], ROTATED_LAUNCH["tiles"]
+        _quantize_rotated_kernel[(triton.cdiv(s, block_s * tiles), b * h)](
+            x, signs, had, mean_arg, inverse.contiguous(), out, s, h,
+            x.stride(0), x.stride(1), x.stride(2), D=d, RB=rb, HAS_MEAN=mean is not None,
+            IEEE=x.dtype not in (torch.bfloat16, torch.float16), BLOCK_S=block_s, TILES=tiles,
+            num_warps=ROTATED_LAUNCH["num_warps"], **FP_OPTIONS)
+        return out
     block_d = triton.next_power_of_2(d)
     block_s = max(1, min(64, 8192 // block_d))
     _quantize_kernel[(triton.cdiv(s, block_s), b * h)](
@@ -145,33 +259,44 @@ def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.T
     return out
 
 
-def quantize(x: torch.Tensor, center: bool, per_head: bool = True, kernel: bool | None = None) -> Quantized:
+def quantize(x: torch.Tensor, center: bool, per_head: bool = True, kernel: bool | None = None,
+             rotate: bool = False) -> Quantized:
     """x [B, H, S, D] -> `Quantized`. `center`: subtract the per-channel token mean first (smoothing). `per_head`:
-    one scale per (batch, head) (False: one for the whole tensor, the coarse variant, for comparison). `kernel`:
-    the Triton pass (default: when x is on CUDA and Triton is importable), else torch."""
-    mean, amax = channel_stats(x, center)
+    one scale per (batch, head) (False: one for the whole tensor, the coarse variant, for comparison). `rotate`:
+    quantize (x − mean)·R (module docstring). `kernel`: the Triton pass (default: when x is on CUDA and Triton is
+    importable), else torch."""
+    mean, channel_amax = channel_stats(x, center)
+    amax = head_amax(channel_amax, rotate)
     if not per_head:
         amax = amax.amax().expand_as(amax)
     descale, inverse = scales(amax)
+    shift, r = mean, None
+    if rotate:  # the data hold (x − mean)·P with P = √b·R: the descale takes the 1/√b
+        d = x.shape[-1]
+        descale = descale / math.sqrt(rotation_block(d))
+        r = rotation(d, x.device)
+        if mean is not None:
+            shift = mean @ rotation(d, x.device, normalized=False)
     if kernel is None:
         kernel = x.is_cuda and triton is not None
-    data = (quantize_triton if kernel else quantize_torch)(x, mean, inverse)
-    return Quantized(data, descale, mean)
+    data = (quantize_triton if kernel else quantize_torch)(x, shift, inverse, rotate)
+    return Quantized(data, descale, mean, r)
 
 
 def quantize_qkv(q, k, v, smooth_k: bool = True, smooth_v: bool = True, per_head: bool = True,
-                 kernel: bool | None = None) -> tuple[Quantized, Quantized, Quantized]:
-    """q is scaled only (a per-query offset would change the softmax); k and v optionally smoothed."""
-    return (quantize(q, False, per_head, kernel), quantize(k, smooth_k, per_head, kernel),
+                 kernel: bool | None = None, rotate: bool = True) -> tuple[Quantized, Quantized, Quantized]:
+    """q is scaled only (a per-query offset would change the softmax); k and v optionally smoothed; q and k
+    optionally rotated (the same R: q·k unchanged)."""
+    return (quantize(q, False, per_head, kernel, rotate), quantize(k, smooth_k, per_head, kernel, rotate),
             quantize(v, smooth_v, per_head, kernel))
 
 
 def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
-                      smooth_v: bool = True, per_head: bool = True) -> torch.Tensor:
+                      smooth_v: bool = True, per_head: bool = True, rotate: bool = True) -> torch.Tensor:
     """q, k, v [B, H, S, D] bf16 on an sm_90 GPU -> [B, H, S, D] bf16 (a view of FA3's [B, S, H, D] output).
-    `smooth_v`: the backend's option (`FP8AttentionOptions.smooth_v`); `smooth_k=False` / `per_head=False`: the
+    `smooth_v`, `rotate`: the backend's options (`FP8AttentionOptions`); `smooth_k=False` / `per_head=False`: the
     coarser variants, for measurements."""
-    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v, per_head=per_head)
+    qq, kq, vq = quantize_qkv(q, k, v, smooth_k=smooth_k, smooth_v=smooth_v, per_head=per_head, rotate=rotate)
     return fa3_fp8_call(qq, kq, vq, q.shape[-1])
 
 
@@ -193,21 +318,21 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth_k: bool = True,
-                            smooth_v: bool = True, per_head: bool = True, fp8: bool = True, fp8_p: bool = True,
-                            dtype: torch.dtype = torch.float32, q_chunk: int = 4096,
+                            smooth_v: bool = True, per_head: bool = True, rotate: bool = True, fp8: bool = True,
+                            fp8_p: bool = True, dtype: torch.dtype = torch.float32, q_chunk: int = 4096,
                             rows: slice | None = None, p_offset_log2: float = P_OFFSET_LOG2) -> torch.Tensor:
     """Numerical emulation of `fa3_fp8_attention` in torch: [B, H, S, D] -> [B, H, S, D] in `dtype`.
 
-    Same quantization (torch form of the quantizer, bitwise equal to the Triton pass); scores q8·k8 accumulated in
+    Same quantization (torch form of the quantizer; q and k rotated with `rotate`); scores q8·k8 accumulated in
     `dtype`, times q_descale·k_descale·D^-1/2; probabilities exp2 of (score − row max)·log2(e) + 8, rounded to e4m3
     for the PV product (`fp8_p`), normalised by the sum of the unrounded ones; times v_descale; the v mean added back
     in bf16. FA3 rescales block by block with a running max, so its probability roundings differ from these (which use
-    the final row max) in detail, not in size. `fp8=False`: the same smoothing without any quantization (exact
-    algebra, for the invariance checks); the result is then not rounded to bf16. `rows`: only these query rows
-    (the scales and means still come from every token). `p_offset_log2`: the exponent offset of the probabilities
-    before their e4m3 rounding (FA3's 8; 0 models a kernel that rounds probabilities in [0, 1])."""
+    the final row max) in detail, not in size. `fp8=False`: the same smoothing and rotation without any
+    quantization (exact algebra, for the invariance checks); the result is then not rounded to bf16. `rows`: only
+    these query rows (the scales and means still come from every token). `p_offset_log2`: the exponent offset of the
+    probabilities before their e4m3 rounding (FA3's 8; 0 models a kernel that rounds probabilities in [0, 1])."""
     if fp8:
-        qq, kq, vq = quantize_qkv(q, k, v, smooth_k, smooth_v, per_head, kernel=False)
+        qq, kq, vq = quantize_qkv(q, k, v, smooth_k, smooth_v, per_head, kernel=False, rotate=rotate)
         qd = qq.data.transpose(1, 2).to(dtype)
         kd = kq.data.transpose(1, 2).to(dtype)
         vd = vq.data.transpose(1, 2).to(dtype)
@@ -220,6 +345,9 @@ def fp8_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         v_mean = vd.mean(dim=2) if smooth_v else None
         if v_mean is not None:
             vd = vd - v_mean[:, :, None, :]
+        if rotate:
+            r = rotation(q.shape[-1], q.device, dtype=dtype)
+            qd, kd = qd @ r, kd @ r
         q_desc = k_desc = v_desc = torch.ones((), dtype=dtype, device=q.device)
     if rows is not None:
         qd = qd[:, :, rows]

@@ -56,6 +56,9 @@ class FP8AttentionOptions:
 
     smooth_v: bool = field(True, "subtract V's per-channel token mean before the e4m3 scaling (and add it back)",
                            env=True)
+    rotate: bool = field(True, "rotate q and k by one random-sign Hadamard matrix before the e4m3 scaling (q·k "
+                         "unchanged; spreads the channels q and k share: FlashAttention-3's incoherent processing)",
+                         env=True)
     fallback: str = field("fa3", "the backend of calls whose head_dim FA3's FP8 kernel cannot take",
                           rule=lambda v: v != "fa3_fp8", expect="another attention backend", env=True)
     strict: bool = field(False, "a call that would fall back is an error instead", env=True)
