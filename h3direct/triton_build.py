@@ -6,6 +6,7 @@
   kernel resolves its global names for one mode only.
 - `for_device(table, default, device)`: a kernel's launch config on `device`: the entry of `table` for the GPU's
   compute capability, else `default` (other GPUs, the CPU interpreter, no device).
+- `OUT_CODES`: the code of each output dtype, for kernels that write any of them (`OUT: tl.constexpr`).
 - `FP_OPTIONS`: compile options every launch passes. FMA contraction is pinned on: the kernels' bits were verified
   against their references with it, and Triton 3.10 turns its default off.
 """
@@ -29,6 +30,7 @@ def interpreting() -> bool:
 _BUILT: dict = {}
 
 FP_OPTIONS = {"enable_fp_fusion": True}
+OUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def build(fn, **jit_options):

@@ -260,6 +260,20 @@ def test_a_stream_model_changes_its_fp8_layers_and_format_and_gives_its_own_line
     assert torch.equal(model.blocks[1].mlp.fc1(x), plain.blocks[1].mlp.fc1(x))
 
 
+def test_converted_8bit_linears_do_not_keep_the_checkpoints_modules():
+    """A layer converted to 8-bit weights (resident, or any layer of a bf16/fp32 checkpoint) holds only those: the
+    module it replaced is not kept (it would hold the checkpoint's weights a second time), so such a model cannot
+    take other layers or formats without a reload. A stream layer keeps its source, which shares its tensors."""
+    for ckpt, mode in (("h3_fx_curve_nvfp4.safetensors", "resident"), ("h3_fx_bf16.safetensors", "stream")):
+        model = load_dit(FIX / ckpt, fp8_linear=mode)
+        assert "fp8_sources" not in vars(model), (ckpt, mode)
+        with pytest.raises(ConfigError, match="converted: its own linears are gone"):
+            apply_load_time(model, fp8_linear=mode, fp8_linear_layers="fc1")
+    stream = load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="stream")
+    sources = vars(stream)["fp8_sources"]
+    assert len(sources) == 8 and all(src.weight is stream.get_submodule(n).packed for n, src in sources.items())
+
+
 def test_the_options_layer_names_are_the_checkpoints_block_linears():
     """options.FP8_LINEAR_LEAVES (torch-free, for the command line) names each of keys.BLOCK_LINEARS, in order."""
     from h3direct.checkpoint.keys import BLOCK_LINEARS

@@ -134,11 +134,10 @@ class FP8Linear(nn.Module):
     @classmethod
     def from_module(cls, layer: nn.Module, mode: str, fmt: str = "e4m3") -> FP8Linear:
         from h3direct.checkpoint.quant import w8a8
+        from h3direct.dit.options import FP8_LINEAR_FORMATS
 
         if mode not in ("stream", "resident"):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
-        from h3direct.dit.options import FP8_LINEAR_FORMATS
-
         if fmt not in FP8_LINEAR_FORMATS:
             raise ValueError(f"unknown 8-bit format {fmt!r}")
         if isinstance(layer, NVFP4Linear):
@@ -204,8 +203,9 @@ def check_fp8_linear(mode: str | None) -> str:
 def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | None = None, fmt: str = "e4m3") -> int:
     """Replace the block linears of `model` (`block_linear_names`, those of `leaves` only when given) by
     `FP8Linear`s of format `fmt` in place; returns how many. `mode` "stream" keeps NVFP4 sources packed (bf16/fp32
-    sources are always converted once: "resident"). The replaced modules are kept (`model.fp8_sources`, sharing their
-    tensors with a stream layer's) so that `restore_linears` can undo it."""
+    sources are always converted once: "resident"). When every new layer streams (it holds its source's own tensors)
+    the replaced modules are kept, at no cost, so that `restore_linears` can undo it (`restorable`); a converted
+    layer's source is dropped (keeping it would hold the checkpoint's weights beside the 8-bit ones)."""
     if check_fp8_linear(mode) == "off":
         return 0
     names = block_linear_names(model, leaves)
@@ -213,16 +213,25 @@ def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | Non
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        sources[name] = getattr(parent, child)
-        setattr(parent, child, FP8Linear.from_module(sources[name], mode, fmt))
+        old = getattr(parent, child)
+        new = FP8Linear.from_module(old, mode, fmt)
+        setattr(parent, child, new)
+        if new.mode == "stream":
+            sources[name] = old
     model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = mode, leaves, fmt
-    # a plain dict, not a submodule: the originals stay out of the model's state dict and module walks
-    model.__dict__["fp8_sources"] = sources
+    if len(sources) == len(names):
+        # a plain dict, not a submodule: the originals stay out of the model's state dict and module walks
+        model.__dict__["fp8_sources"] = sources
     return len(names)
 
 
+def restorable(model: nn.Module) -> bool:
+    """The model still has the block linears `apply_fp8_linears` replaced (every one of them streams)."""
+    return "fp8_sources" in model.__dict__
+
+
 def restore_linears(model: nn.Module) -> None:
-    """Undo `apply_fp8_linears`: the block linears it replaced are put back."""
+    """Undo `apply_fp8_linears`: the block linears it replaced are put back (the model must be `restorable`)."""
     for name, module in model.__dict__.pop("fp8_sources", {}).items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, module)

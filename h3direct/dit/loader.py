@@ -35,6 +35,7 @@ from h3direct.dit.linear import (
     apply_fp8_linears,
     check_fp8_linear,
     resolve_nvfp4_mode,
+    restorable,
     restore_linears,
 )
 from h3direct.dit.model import H3DiT
@@ -147,18 +148,18 @@ def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str
                     fp8_strict: bool = False, fp8_accum: str = "fast", fp8_linear_layers: str | None = None,
                     fp8_linear_format: str = "e4m3") -> None:
     """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: FP8 block linears (made in
-    place; a model that has them in another mode or for other layers gets its own linears back first, which a
-    `resident` model cannot: it is refused), their strictness and accumulation, and the NVFP4 layers'
-    dequantization path."""
+    place; a model that has them in another mode or for other layers gets its own linears back first, which a model
+    whose linears were converted (`resident`, or from bf16 weights) cannot: it is refused), their strictness and
+    accumulation, and the NVFP4 layers' dequantization path."""
     leaves = None if fp8_linear_layers is None else fp8_layer_set(fp8_linear_layers)
     if leaves == FP8_LINEAR_LEAVES:
         leaves = None
     held = getattr(model, "fp8_linear", "off")
     held_as = (held, getattr(model, "fp8_linear_layers", None), getattr(model, "fp8_linear_format", "e4m3"))
     if held != "off" and held_as != (fp8_linear, leaves, fp8_linear_format):
-        if held == "resident":
+        if not restorable(model):
             raise ConfigError(f"fp8_linear {fp8_linear!r}: this model's block linears were made FP8 {held!r} when "
-                              f"it loaded; load it again for another mode")
+                              f"it loaded (converted: its own linears are gone); load it again for another mode")
         restore_linears(model)
     if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
         apply_fp8_linears(model, fp8_linear, leaves, fp8_linear_format)

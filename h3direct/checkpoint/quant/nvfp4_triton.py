@@ -33,7 +33,7 @@ import torch
 
 from h3direct.checkpoint.quant.nvfp4_layout import BLOCK, TILE_COLS, scale_storage_shape
 from h3direct.errors import CheckpointError
-from h3direct.triton_build import FP_OPTIONS, build, for_device, interpreting
+from h3direct.triton_build import FP_OPTIONS, OUT_CODES, build, for_device, interpreting
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra installs it for the interpreter)
     import triton
@@ -41,7 +41,6 @@ try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra insta
 except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
-OUT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 E4M3_OUT = 3  # the kernel's output code of the 8-bit conversions (e4m3, or int8 with the int8 encoder)
 
 # Launch configs (blocks per program, warps) of the two uses of the kernel ("nvfp4_dequant", "nvfp4_e4m3"; the names

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from h3direct.triton_build import FP_OPTIONS, build, interpreting
+from h3direct.triton_build import FP_OPTIONS, OUT_CODES, build, interpreting
 
 
 def encode_e4m3(v, INTERPRET: tl.constexpr):
@@ -131,8 +131,8 @@ def quantize_rows(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, t
 
 def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # OUT: 0 fp32, 1 fp16, 2 bf16 (16-bit outputs stored as their int16 bit patterns, rounded to nearest even by
-    # integer arithmetic for bf16: exact in the interpreter too, whose bf16 cast truncates)
+    # OUT: triton_build.OUT_CODES, 0 fp32, 1 fp16, 2 bf16 (16-bit outputs stored as their int16 bit patterns,
+    # rounded to nearest even by integer arithmetic for bf16: exact in the interpreter too, whose bf16 cast truncates)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows < M)[:, None] & (cols < N)[None, :]
@@ -152,9 +152,6 @@ def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIA
     tl.store(out_ptr + off, out, mask=inside)
 
 
-EPILOGUE_OUT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
     """int32 [M, N] (the int8 GEMM) -> `dtype` [M, N]: acc · sx[m] · sw[n] (+ bias), bitwise `w8a8.int8_epilogue`."""
@@ -166,5 +163,5 @@ def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: t
         grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))
         build(_int8_epilogue_kernel, do_not_specialize=["M", "N"])[grid](
             acc.contiguous(), sx.contiguous(), sw.contiguous(), b, dst, m, n, HAS_BIAS=bias is not None,
-            OUT=EPILOGUE_OUT[dtype], BLOCK_M=32, BLOCK_N=128, num_warps=8, enable_fp_fusion=False)
+            OUT=OUT_CODES[dtype], BLOCK_M=32, BLOCK_N=128, num_warps=8, enable_fp_fusion=False)
     return out
