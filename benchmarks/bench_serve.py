@@ -269,7 +269,7 @@ def main(argv=None) -> int:
             body = {"ref_images": ["ref.png"], "text_embeds": "text.safetensors", "width": args.p_width,
                     "height": args.p_height, "frames": args.p_frames, "steps": args.steps, "seed": i,
                     "attention": backend, "progress": True, "profile_memory": True,
-                    "output": f"ref2va_{i}_{backend}.mp4"}
+                    "output": f"ref2va_{i}_{backend}.mp4", "overwrite": True}  # (--work is reused across runs)
             entry["body"] = body
             t0 = time.perf_counter()
             status, summary = http("POST", base + "/generate", body, timeout=args.request_timeout + 30)

@@ -41,7 +41,8 @@ class RequestError(H3Error):
 
     `field` is a field name (or several joined by ' × ' or '/'); how it is spelled is the reader's: field names for
     the HTTP API (`str(e)`), flags on the command line (`e.render(flag_name)`). `kind`: 'value' (a value out of range,
-    a file that is not what it should be: HTTP 400) or 'choice' (not one of the allowed names: HTTP 422)."""
+    a file that is not what it should be: HTTP 400), 'choice' (not one of the allowed names: HTTP 422) or 'conflict'
+    (an output file that exists, or that another job will write: HTTP 409)."""
 
     def __init__(self, field: str, detail: str, *, kind: str = "value", path=None):
         self.field, self.detail, self.kind = field, detail, kind

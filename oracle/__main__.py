@@ -26,7 +26,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+RUN_COMFY = ("record", "record-vae", "record-generate", "replay")  # the commands that run ComfyUI (--comfy-python)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from oracle import elsewhere
+
     parser = argparse.ArgumentParser(prog="python -m oracle", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
@@ -38,11 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module:
                 raise
             p.set_defaults(_missing=True)
+        if name in RUN_COMFY:
+            elsewhere.add_argument(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -51,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oracle: error: '{args.command}' is not available in this build", file=sys.stderr)
         return 2
     try:
+        python = _comfy_python(args)
+        if python is not None:
+            return _in_comfy_environment(args, argv, python)
         return int(importlib.import_module(args._module).run(args) or 0)
     except H3Error as exc:
         print(f"oracle {args.command}: error: {exc}", file=sys.stderr)
@@ -58,6 +69,39 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("oracle: interrupted", file=sys.stderr)
         return 130
+
+
+def _comfy_python(args) -> str | None:
+    """The other interpreter this command's ComfyUI side runs in (--comfy-python), or None: here."""
+    import os
+
+    from oracle import elsewhere
+
+    if args.command not in RUN_COMFY:
+        return None
+    python = elsewhere.python_of(args)
+    if python is None or args.command != "replay":
+        return python
+    uses_comfy = (args.comfy_root or os.environ.get("H3_COMFY_ROOT")) and not args.no_comfy
+    return python if uses_comfy else None
+
+
+def _in_comfy_environment(args, argv: list[str], python: str) -> int:
+    """Record in ComfyUI's environment; a replay runs its ComfyUI side there and its h3direct side (--direct) here."""
+    from oracle import elsewhere
+
+    if args.command != "replay":
+        return elsewhere.run(python, argv)
+    rc = elsewhere.run(python, [a for a in argv if a != "--direct"])
+    if rc == 2 or not args.direct:
+        return rc
+    ours = int(importlib.import_module(args._module).run(_without_comfy(args)) or 0)
+    return max(rc, ours)
+
+
+def _without_comfy(args):
+    args.no_comfy = args.comfy_elsewhere = True
+    return args
 
 
 if __name__ == "__main__":

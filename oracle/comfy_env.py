@@ -199,6 +199,14 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+def missing_package(name: str) -> str:
+    """One line for a package ComfyUI imports that this Python lacks: where ComfyUI should run instead."""
+    return (f"ComfyUI needs the Python package {name!r}, which this Python ({sys.executable}) lacks: run ComfyUI in "
+            f"its own environment with --comfy-python PY (README, 'Recording with ComfyUI'), or install ComfyUI's "
+            f"requirements here (pyproject extra 'oracle', in an environment of its own: it pins ComfyUI's "
+            f"comfy-kitchen)")
+
+
 _OPENED: ComfyEnv | None = None
 
 
@@ -244,7 +252,7 @@ def open_comfy(
         cli_args = importlib.import_module("comfy.cli_args")
     except ModuleNotFoundError as exc:
         raise H3Error(
-            f"ComfyUI needs the Python package {exc.name!r}: pip install it (see pyproject extra 'oracle')"
+            missing_package(exc.name)
         ) from None
     args = cli_args.args
     args.cpu = device == "cpu"
@@ -286,7 +294,7 @@ def open_comfy(
         except ModuleNotFoundError as exc:
             if exc.name and not exc.name.startswith("comfy"):
                 raise H3Error(
-                    f"ComfyUI needs the Python package {exc.name!r}: pip install it (see pyproject extra 'oracle')"
+                    missing_package(exc.name)
                 ) from None
             raise H3Error(f"ComfyUI checkout is incomplete: cannot import {name} ({exc})", path=root) from None
     if not oracle:  # main.py's start: cudnn.benchmark as its --fast flags say (off by default)

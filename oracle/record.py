@@ -59,6 +59,13 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def file_fields(key: str, path: str | Path) -> dict:
+    """A recorded file in a manifest: its name, its sha256 and where it was (absolute), so that the gate and replay
+    find it beside the trace or where it was recorded from (`h3direct.traces.pairing.recorded_file`)."""
+    path = Path(path)
+    return {key: path.name, f"{key}_sha256": file_sha256(path), f"{key}_path": str(path.resolve())}
+
+
 def build_conditioning(inputs) -> list:
     """`[[text_states, {minimax_token_tags, minimax_keyframes?, minimax_refs?}]]` as ComfyUI's nodes produce it."""
     extra: dict[str, Any] = {"minimax_token_tags": inputs.token_tags}
@@ -195,20 +202,23 @@ def _layout_fields(payload: dict) -> dict:
 
 def open_run(args: argparse.Namespace):
     """(checkpoint path, inputs, ComfyUI environment, common manifest fields) of a DiT recording command."""
-    from h3direct.traces.inputs import load_inputs
+    from h3direct.checkpoint.inspect import inspect_checkpoint
+    from h3direct.config import H3Config
+    from h3direct.traces.inputs import check_fits, load_inputs
     from oracle.comfy_env import open_comfy
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_file():
         raise H3Error("checkpoint not found", path=checkpoint)
     inputs = load_inputs(args.inputs)
+    # the inputs against the checkpoint's header (one line, before ComfyUI is imported): ComfyUI itself would stop
+    # deep in a matrix product
+    check_fits(inputs, H3Config.from_dict(inspect_checkpoint(checkpoint)["config"]))
     env = open_comfy(args.comfy_root, device=args.device, compute_dtype=args.compute_dtype, attention=args.attention)
     common = {
         "comfyui_commit": env.commit,
-        "checkpoint": checkpoint.name,
-        "checkpoint_sha256": file_sha256(checkpoint),
-        "inputs": Path(args.inputs).name,
-        "inputs_sha256": file_sha256(args.inputs),
+        **file_fields("checkpoint", checkpoint),
+        **file_fields("inputs", args.inputs),
         "task": inputs.task,
         "variant": inputs.variant,
         "seed": inputs.sampler_seed,

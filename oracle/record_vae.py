@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
     from h3direct.traces.format import load_vae_inputs, save_trace
     from oracle.comfy_env import open_comfy
-    from oracle.record import file_sha256
+    from oracle.record import file_fields
 
     weights = Path(args.weights)
     if not weights.is_file():
@@ -280,12 +280,9 @@ def run(args: argparse.Namespace) -> int:
             "kind": kind,
             "compute_dtype": args.dtype,
             "vae_dtype": str(vae.vae_dtype),
-            "weights": weights.name,
-            "weights_sha256": file_sha256(weights),
-            "config": config_path.name if config_path else None,
-            "config_sha256": file_sha256(config_path) if config_path else None,
-            "inputs": Path(args.inputs).name,
-            "inputs_sha256": file_sha256(args.inputs),
+            **file_fields("weights", weights),
+            **(file_fields("config", config_path) if config_path else {"config": None}),
+            **file_fields("inputs", args.inputs),
             "constructor_args": config.get("constructor_args", {}),
             "attention": _vae_attention(),
             "calls_recorded": "first" if first_only else "all",

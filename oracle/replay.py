@@ -26,12 +26,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-from pathlib import Path
-from typing import Any
 
+from h3direct.dit.options import FP8_LINEAR_FORMATS, FP8_LINEAR_MODES
 from h3direct.errors import H3Error
-from oracle.replay_report import Rule, find_checkpoint, report
+from oracle.replay_report import Rule, comfy_not_run, ratio_refs, report
+from oracle.replay_sites import (  # noqa: F401 (recorded_inputs, report: what tests and people import from here)
+    DerivedInputs,
+    as_list,
+    module_of,
+    recorded_inputs,
+    recorded_outputs,
+    replay_comfy,
+    replay_comfy_step,
+    replay_direct,
+    tensor_names,
+)
 
 WHOLE_STEP = ("dit_inner.", "dit_forward.", "sampler.", "sample_out.")
 
@@ -45,6 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint file (default: the manifest's, looked up beside the trace and in $H3_ORACLE_DIR)",
     )
     parser.add_argument("--direct", action="store_true", help="re-run the layer with h3direct")
+    parser.add_argument("--mode", choices=("teacher", "free"), default="teacher",
+                        help="teacher (default): the layer alone, fed its recorded inputs (the gate's teacher-forced "
+                             "row); free: the whole step from the inputs file, as the gate's free-running row, with "
+                             "the first layer out of its rule on the way (where the drift starts)")
+    parser.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"),
+                        help="h3direct's dtype where the gate ran it in another than the trace's (default: the "
+                             "trace's)")
+    parser.add_argument("--twin", help="ComfyUI's other recording of the case for the ratio rule: the fp32 twin of a "
+                                       "low-precision trace, or ComfyUI's low-precision trace of an fp32 case run in "
+                                       "--compute-dtype")
+    parser.add_argument("--against", help="with --ratio: the ComfyUI recording whose own error against fp32 scales "
+                                          "the limit (default: ComfyUI's low-precision recording of the case; the "
+                                          "class rule's is ComfyUI --use-sage-attention's)")
+    parser.add_argument("--fp8-linear", choices=FP8_LINEAR_MODES, default="off",
+                        help="h3direct's 8-bit block linears (free mode), as the gate's --fp8-linear")
+    parser.add_argument("--fp8-linear-layers", help="with --fp8-linear: which linears of every block (comma list)")
+    parser.add_argument("--fp8-linear-format", choices=FP8_LINEAR_FORMATS, default="e4m3",
+                        help="with --fp8-linear: the 8-bit number format")
     parser.add_argument("--no-comfy", action="store_true",
                         help="only h3direct (with --direct), even with a ComfyUI root")
     parser.add_argument("--attention", default="sdpa", help="h3direct's attention backend for --direct (default sdpa)")
@@ -65,239 +92,6 @@ def trace_kind(manifest: dict) -> str:
     if kind == "generate":
         return "generate"
     return "dit"
-
-
-def split_call(layer: str) -> tuple[str, str]:
-    """'final_layer.norm#1' -> ('final_layer.norm', 'final_layer.norm#1')."""
-    return re.sub(r"#\d+$", "", layer), layer
-
-
-def _static(value: Any) -> Any:
-    if isinstance(value, list):
-        return [tuple(v) if isinstance(v, list) else v for v in value]
-    return value
-
-
-def _static_input(static: dict, layer: str, i: int) -> tuple[bool, Any]:
-    name = f"{layer}.in.{i}"
-    if name in static:
-        return True, _static(static[name])
-    m = re.match(r"^blocks\.\d+(.*)$", layer)  # blocks share the block-0 segment list
-    alt = f"blocks.0{m.group(1)}.in.{i}" if m else None
-    if alt and alt in static and not isinstance(static[alt], str):
-        return True, _static(static[alt])
-    return False, None
-
-
-def _recorded(trace, name: str):
-    """A fresh copy of a recorded tensor in the dtype its program produced (stored widened to float32)."""
-    import torch
-
-    t = trace.get(name).clone()
-    dt = trace.produced_dtype(name)
-    return t.to(getattr(torch, dt)) if dt and hasattr(torch, dt) else t
-
-
-def recorded_inputs(trace, layer: str, derived=None) -> tuple[list[Any], dict[str, Any]]:
-    """Positional inputs `<layer>.in.N` (tensors at their produced dtype, or manifest static values) + kwargs.
-
-    `derived`: a `DerivedInputs` used when the trace holds no `<layer>.in.0` (a trace of outputs only): the module's
-    inputs are then derived from the recorded outputs as the gate's teacher forcing does, a recorded static value
-    winning over a derived one."""
-    static = trace.manifest.get("static_inputs") or {}
-    args: list[Any] = []
-    derived_args = f"{layer}.in.0" not in trace and derived is not None
-    if derived_args:
-        for i, a in enumerate(derived.args(layer)):
-            found, value = _static_input(static, layer, i)
-            if found and not hasattr(a, "shape"):
-                a = value
-            if a is None:
-                raise H3Error(f"{layer}: non-tensor input {i} is neither in the manifest's static_inputs nor "
-                              f"derivable", path=trace.path)
-            args.append(a)
-    i = 0
-    while not derived_args:
-        name = f"{layer}.in.{i}"
-        if name in trace:
-            args.append(_recorded(trace, name))
-        else:
-            found, value = _static_input(static, layer, i)
-            if not found:
-                break
-            args.append(value)
-        i += 1
-    if not args:
-        raise H3Error(f"no recorded inputs '{layer}.in.N' in this trace and none derivable", path=trace.path)
-    kwargs: dict[str, Any] = {}
-    if re.match(r"^blocks\.\d+\.attn$", layer.split("#")[0]):
-        block = layer.rsplit(".", 1)[0]
-        table = next((n for n in (f"{block}.in.3", "blocks.0.in.3") if n in trace), None)
-        if table is not None:
-            kwargs["rope_freqs"] = _recorded(trace, table)
-        elif derived is not None:
-            kwargs["rope_freqs"] = derived.view("blocks.0.in.3")
-        else:
-            raise H3Error(f"{layer} needs the rope table '{block}.in.3', not in this trace", path=trace.path)
-    return args, kwargs
-
-
-class DerivedInputs:
-    """Module inputs of a DiT trace derived from its recorded tensors by the gate's teacher-forced sites.
-
-    widen: an fp32 model fed the recorded values in float32 (the fp32 evaluation of each layer on ComfyUI's inputs,
-    which the ratio rule measures both sides against)."""
-
-    def __init__(self, trace, *, checkpoint: str | None = None, attention="sdpa", device: str = "cpu",
-                 widen: bool = False):
-        from h3direct.dit.loader import load_dit
-        from h3direct.dit.model import Conditioning
-        from h3direct.traces.evaluate import conditioning_of
-        from h3direct.traces.inputs import load_inputs
-        from h3direct.traces.pairing import compute_of
-        from h3direct.traces.replay import TraceView, sites
-
-        ckpt = find_checkpoint(trace, checkpoint)
-        inputs = find_inputs(trace)
-        compute = "fp32" if widen else compute_of(trace.manifest)
-        self.model = load_dit(ckpt, compute_dtype=compute, nvfp4_mode=trace.manifest.get("nvfp4_mode", "w4a16"),
-                              device=device)
-        inp = load_inputs(inputs) if inputs else None
-        cond = conditioning_of(inp) if inp else Conditioning()
-        self.view = TraceView(trace, device, widen=widen)
-        self.sites = {s.name: s for s in sites(self.model, trace, cond, inp["text_states"] if inp else None,
-                                               backend=attention, device=device, view=self.view)}
-        self.trace = trace
-
-    def site(self, name: str):
-        site = self.sites.get(name)
-        if site is None:
-            raise H3Error(f"h3direct has no teacher-forced site for {name!r}")
-        missing = [n for n in site.needs if n not in self.view]
-        if missing:
-            raise H3Error(f"{name} needs {', '.join(missing[:3])}, neither recorded nor derivable from this trace",
-                          path=self.trace.path)
-        return site
-
-    def args(self, module: str) -> list:
-        """The positional inputs of ComfyUI's module `module`, derived (tensors, and the non-tensor runs)."""
-        import torch
-
-        name = next((n for n in (f"{module}.out", f"{module}.out.0") if n in self.sites), None)
-        if name is None or self.sites[name].args is None:
-            raise H3Error(f"cannot derive the inputs of {module!r} from this trace", path=self.trace.path)
-        with torch.no_grad():
-            return [a.clone() if isinstance(a, torch.Tensor) else a for a in self.site(name).args()]
-
-
-def recorded_outputs(trace, layer: str) -> list[tuple[str, Any]]:
-    if f"{layer}.out" in trace:
-        return [(f"{layer}.out", trace.get(f"{layer}.out"))]
-    outs, i = [], 0
-    while f"{layer}.out.{i}" in trace:
-        outs.append((f"{layer}.out.{i}", trace.get(f"{layer}.out.{i}")))
-        i += 1
-    if not outs:
-        raise H3Error(f"no recorded output '{layer}.out' in this trace", path=trace.path)
-    return outs
-
-
-def find_inputs(trace) -> Path | None:
-    """The inputs file of a trace, paired as the gate pairs it (`h3direct.traces.pairing.pair_inputs`), or None."""
-    from h3direct.traces.pairing import pair_inputs
-
-    folder, m = trace.path.parent, trace.manifest
-    ckpt = folder / Path(str(m["checkpoint"])).name if m.get("checkpoint") else None
-    return pair_inputs(folder, m, trace.path, ckpt if ckpt and ckpt.is_file() else None)[0]
-
-
-def _attention_name(trace) -> str:
-    fn = str(trace.manifest.get("attention", "attention_pytorch"))
-    return {
-        "attention_pytorch": "pytorch",
-        "attention_sage": "sage",
-        "attention_flash": "flash",
-        "attention_split": "split",
-        "attention_sub_quad": "sub_quad",
-    }.get(fn, "pytorch")
-
-
-def replay_comfy(trace, layer: str, *, comfy_root: str | None = None, checkpoint: str | None = None,
-                 derived: DerivedInputs | None = None):
-    """The ComfyUI module at `layer` called on the recorded (or derived) inputs; returns its output."""
-    import torch
-
-    from h3direct.traces.pairing import compute_of
-    from oracle.comfy_env import open_comfy
-
-    ckpt = find_checkpoint(trace, checkpoint)
-    env = open_comfy(comfy_root, device="cpu", compute_dtype=compute_of(trace.manifest),
-                     attention=_attention_name(trace))
-    patcher = env.sd.load_diffusion_model(str(ckpt))
-    env.model_management.load_models_gpu([patcher])
-    path, _ = split_call(layer)
-    try:
-        module = patcher.model.diffusion_model.get_submodule(path)
-    except AttributeError:
-        raise H3Error(f"ComfyUI's model has no module {path!r}") from None
-    if derived is None and f"{path}.in.0" not in trace and f"{layer}.in.0" not in trace:
-        derived = DerivedInputs(trace, checkpoint=checkpoint)
-    args, kwargs = recorded_inputs(trace, layer, derived)
-    with torch.no_grad():
-        return module(*args, **kwargs)
-
-
-def replay_comfy_step(trace, *, comfy_root: str | None, checkpoint: str | None) -> dict:
-    """The recorded denoiser evaluation re-run whole in ComfyUI from its inputs file: {tensor name: tensor}."""
-    from h3direct.traces.inputs import load_inputs
-    from h3direct.traces.pairing import compute_of
-    from oracle.comfy_env import open_comfy
-    from oracle.record import record_dit
-
-    inputs = find_inputs(trace)
-    if inputs is None:
-        raise H3Error("no inputs file pairs with this trace: a whole-step replay needs it", path=trace.path)
-    env = open_comfy(comfy_root, device="cpu", compute_dtype=compute_of(trace.manifest),
-                     attention=_attention_name(trace))
-    tensors, _ = record_dit(env, find_checkpoint(trace, checkpoint), load_inputs(inputs),
-                            detail=str(trace.manifest.get("trace_detail", "full")))
-    return tensors
-
-
-def tensor_names(trace, layer: str) -> list[str]:
-    """Recorded tensor(s) a --layer argument names: a tensor name itself, else `<layer>.out` / `.out.N`."""
-    if layer in trace and not re.search(r"\.in(\.\d+)?$", layer):
-        return [layer]
-    return [name for name, _ in recorded_outputs(trace, layer)]
-
-
-def module_of(name: str) -> str | None:
-    """The ComfyUI module whose call produced a recorded tensor, None for in-module sites (rope_q, out_proj.in)."""
-    m = re.match(r"^(.*?)\.out(\.\d+)?$", name)
-    return m.group(1) if m else None
-
-
-def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention="sdpa",
-                  device: str = "cpu", derived: DerivedInputs | None = None) -> list[tuple[str, Any, str]]:
-    """Re-run `layer` with h3direct from the recorded inputs: [(tensor name, output, site kind)].
-
-    Uses the teacher-forced sites of `h3direct.traces.replay` (the parity gate's own): the h3direct layer is fed
-    ComfyUI's recorded inputs, narrowed back to the dtype ComfyUI produced, or derived like the gate derives them.
-    """
-    import torch
-
-    names = tensor_names(trace, layer)
-    derived = derived or DerivedInputs(trace, checkpoint=checkpoint, attention=attention, device=device)
-    out = []
-    for name in names:
-        site = derived.site(name)
-        with torch.no_grad():
-            out.append((name, site.run(), site.kind))
-    return out
-
-
-def _as_list(out: Any) -> list:
-    return list(out) if isinstance(out, list | tuple) else [out]
 
 
 def _kernel_lines(derived: DerivedInputs, names: list[str], attention, device: str) -> list[str]:
@@ -329,19 +123,30 @@ def _kernel_lines(derived: DerivedInputs, names: list[str], attention, device: s
 
 
 def run(args: argparse.Namespace) -> int:
-    from h3direct.dit.options import Options, parse_assignments
+    from h3direct.dit.options import Options, check_in_effect, parse_assignments
     from h3direct.traces.format import load_trace
 
     given = parse_assignments(args.option, only="attention")  # a bad one is one line, before anything loads
-    args.attention = Options.from_flat({"attention": args.attention, **given}).attention
+    options = Options.from_flat({"attention": args.attention, **given})
+    check_in_effect(options, given, spell=lambda n: f"--option {n}")
+    args.attention = options.attention
+    check_fp8_flags(args)
     trace = load_trace(args.trace)
+    args.twin = load_trace(args.twin) if args.twin else None
+    args.against = load_trace(args.against) if args.against else None
+    if args.against is not None and args.ratio is None:
+        raise H3Error("--against scales the ratio rule's limit: give --ratio K too")
     comfy_root = args.comfy_root or os.environ.get("H3_COMFY_ROOT")
     use_comfy = bool(comfy_root) and not args.no_comfy
     if not use_comfy and not args.direct:
         raise H3Error("nothing to replay: pass --comfy-root R (or set H3_COMFY_ROOT) and/or --direct")
     rule = Rule(args.budget, args.ratio, args.floor)
     kind = trace_kind(trace.manifest)
-    if kind == "dit":
+    if kind == "dit" and args.mode == "free":
+        from oracle import replay_free
+
+        results, label = replay_free.run(args, trace, comfy_root if use_comfy else None, rule)
+    elif kind == "dit":
         results, label = _run_dit(args, trace, comfy_root if use_comfy else None, rule)
     else:
         from oracle import replay_ops
@@ -355,21 +160,45 @@ def run(args: argparse.Namespace) -> int:
     return 1 if drifted else 0
 
 
+def check_fp8_flags(args) -> None:
+    """--fp8-linear and its companions as one line each when they do not fit together, before anything loads."""
+    from h3direct.dit.options import fp8_layer_set
+
+    if args.fp8_linear == "off" and (args.fp8_linear_layers is not None or args.fp8_linear_format != "e4m3"):
+        raise H3Error("--fp8-linear-layers and --fp8-linear-format need --fp8-linear")
+    if args.fp8_linear != "off" and args.mode != "free":
+        raise H3Error("--fp8-linear replays a free run (--mode free): a teacher-forced layer runs the checkpoint's "
+                      "own linears")
+    if args.fp8_linear_layers is not None:
+        try:
+            fp8_layer_set(args.fp8_linear_layers)
+        except ValueError:
+            raise H3Error(f"--fp8-linear-layers {args.fp8_linear_layers!r}: a comma list of qkv_proj, out_proj, fc1, "
+                          "fc2 (each once)") from None
+
+
 def _run_dit(args, trace, comfy_root: str | None, rule: Rule) -> tuple[dict[str, bool | None], str]:
     from h3direct.traces.pairing import compute_of
 
     dtype = compute_of(trace.manifest)
+    low = args.compute_dtype is not None and args.compute_dtype != dtype  # h3direct in another dtype than the trace
+    if low and args.twin is None:
+        raise H3Error(f"--compute-dtype {args.compute_dtype} against a {dtype} trace needs --twin: ComfyUI's own "
+                      f"{args.compute_dtype} recording of the case (its dtypes and the ratio rule's reference)")
     names = tensor_names(trace, args.layer)
     results: dict[str, bool | None] = {}
     module = module_of(names[0])
     whole = names[0].startswith(WHOLE_STEP)
     derived = None  # h3direct's sites: needed for --direct, and for ComfyUI when the module's inputs are not recorded
     if args.direct or (comfy_root and not whole and module is not None and f"{module}.in.0" not in trace):
-        derived = DerivedInputs(trace, checkpoint=args.checkpoint, attention=args.attention, device=args.device)
-    local = None
-    if rule.ratio is not None and dtype != "fp32":  # the fp32 evaluation of each layer on the recorded inputs
+        derived = DerivedInputs(trace, checkpoint=args.checkpoint, attention=args.attention, device=args.device,
+                                compute=args.compute_dtype, dtypes_from=args.twin)
+    refs = None
+    if rule.ratio is not None and low:
+        refs = ratio_refs(names, trace, twin=args.twin)
+    elif rule.ratio is not None and dtype != "fp32":  # the fp32 evaluation of each layer on the recorded inputs
         ref32 = DerivedInputs(trace, checkpoint=args.checkpoint, widen=True, device=args.device)
-        local = {n: t for n, t, _ in replay_direct(trace, args.layer, derived=ref32)}
+        refs = ratio_refs(names, trace, local={n: t for n, t, _ in replay_direct(trace, args.layer, derived=ref32)})
     if comfy_root:
         if whole:
             ran = replay_comfy_step(trace, comfy_root=comfy_root, checkpoint=args.checkpoint)
@@ -379,19 +208,19 @@ def _run_dit(args, trace, comfy_root: str | None, rule: Rule) -> tuple[dict[str,
                   f"({names[0].rsplit('.', 1)[0]}) to re-run it in ComfyUI")
             out = None
         else:
-            got = _as_list(replay_comfy(trace, module, comfy_root=comfy_root, checkpoint=args.checkpoint,
+            got = as_list(replay_comfy(trace, module, comfy_root=comfy_root, checkpoint=args.checkpoint,
                                         derived=derived))
             names_c = names if len(got) == len(names) else [n for n, _ in recorded_outputs(trace, module)]
             out = list(zip(names_c, got, strict=False))
         if out is not None:
-            ok, lines = report("comfy", out, trace, rule, local)
+            ok, lines = report("comfy", out, trace, rule, refs)
             print("\n".join(lines))
             results["comfy"] = ok
     else:
-        print("[comfy] not run: no --comfy-root (or $H3_COMFY_ROOT) given")
+        print(comfy_not_run(args))
     if args.direct:
         direct = replay_direct(trace, args.layer, derived=derived)
-        ok, lines = report("h3direct", [(n, t) for n, t, _ in direct], trace, rule, local)
+        ok, lines = report("h3direct", [(n, t) for n, t, _ in direct], trace, rule, refs)
         print("\n".join(lines + _kernel_lines(derived, names, args.attention, args.device)))
         results["h3direct"] = ok
-    return results, dtype
+    return results, f"teacher-forced, {args.compute_dtype or dtype}" + (f" vs {dtype} trace" if low else "")

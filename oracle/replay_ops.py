@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from h3direct.errors import H3Error
-from oracle.replay_report import find_checkpoint, report
+from oracle.replay_report import comfy_not_run, find_checkpoint, ratio_refs, report
 
 
 def _names(trace, layer: str) -> list[str]:
@@ -69,9 +69,12 @@ def _generation_ours(trace, device: str, attention) -> dict:
 
 
 def _generation_inputs(trace) -> Path:
-    p = trace.path.parent / str(trace.manifest.get("inputs"))
-    if not p.is_file():
-        raise H3Error(f"inputs file {p.name} of the manifest not found beside the trace", path=trace.path)
+    from h3direct.traces.pairing import missing_file, recorded_file
+
+    p = recorded_file(trace.path, trace.manifest, "inputs")
+    if p is None or not p.is_file():
+        raise H3Error(missing_file("the inputs file of the manifest", p or trace.path.parent / "?", trace.path,
+                                   trace.manifest, "inputs"))
     return p
 
 
@@ -108,7 +111,7 @@ def run(kind: str, args, trace, comfy_root: str | None, rule) -> tuple[dict[str,
         runs.append(("comfy", lambda: _vae_comfy(trace, files, comfy_root) if kind == "vae"
                      else _generation_comfy(trace, comfy_root)))
     else:
-        print("[comfy] not run: no --comfy-root (or $H3_COMFY_ROOT) given")
+        print(comfy_not_run(args))
     if args.direct:
         runs.append(("h3direct", lambda: _vae_ours(trace, files) if kind == "vae"
                      else _generation_ours(trace, args.device, args.attention)))
@@ -119,7 +122,8 @@ def run(kind: str, args, trace, comfy_root: str | None, rule) -> tuple[dict[str,
             print(f"[{side}] did not produce {', '.join(missing[:3])}")
             results[side] = False
             continue
-        ok, lines = report(side, [(n, got[n].detach().float().cpu()) for n in names], trace, rule)
+        refs = ratio_refs(names, trace, twin=args.twin) if rule.ratio is not None else None
+        ok, lines = report(side, [(n, got[n].detach().float().cpu()) for n in names], trace, rule, refs)
         print("\n".join(lines))
         results[side] = ok
     return results, label

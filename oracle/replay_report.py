@@ -34,54 +34,90 @@ class Rule:
         return None
 
 
+def comfy_not_run(args) -> str:
+    """The line that says why this process re-ran nothing in ComfyUI."""
+    if getattr(args, "comfy_elsewhere", False):
+        return "[comfy] ran in ComfyUI's own environment (--comfy-python): its lines are above"
+    if getattr(args, "no_comfy", False):
+        return "[comfy] not run: --no-comfy"
+    return "[comfy] not run: no --comfy-root (or $H3_COMFY_ROOT) given"
+
+
 def find_checkpoint(trace, explicit: str | None) -> Path:
     if explicit:
         p = Path(explicit)
         if not p.is_file():
             raise H3Error("checkpoint not found", path=p)
         return p
+    from h3direct.traces.pairing import recorded_file
+
     name = trace.manifest.get("checkpoint")
     if not name:
         raise H3Error("manifest names no checkpoint: pass --checkpoint", path=trace.path)
-    dirs = [trace.path.parent] + ([Path(os.environ["H3_ORACLE_DIR"])] if os.environ.get("H3_ORACLE_DIR") else [])
-    for d in dirs:
-        if (d / name).is_file():
-            return d / name
-    raise H3Error(
-        f"checkpoint {name!r} of the manifest not found beside the trace or in $H3_ORACLE_DIR: pass --checkpoint",
-        path=trace.path,
-    )
+    found = recorded_file(trace.path, trace.manifest, "checkpoint")
+    if found.is_file():
+        return found
+    oracle_dir = os.environ.get("H3_ORACLE_DIR")
+    if oracle_dir and (Path(oracle_dir) / Path(name).name).is_file():
+        return Path(oracle_dir) / Path(name).name
+    recorded = trace.manifest.get("checkpoint_path")
+    raise H3Error(f"checkpoint {name!r} of the manifest not found beside the trace"
+                  + (f", at {recorded} (where it was recorded from)" if recorded else "")
+                  + " or in $H3_ORACLE_DIR: pass --checkpoint", path=trace.path)
 
 
-def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
-           local: dict[str, Any] | None = None) -> tuple[bool | None, list[str]]:
-    """outputs: [(recorded name, tensor)]; local: {name: fp32 evaluation on the same inputs} for the ratio rule.
-    One line per output; the verdict: False when one output fails (or has another shape), None when one is not
-    judged (no rule given, not bitwise equal), else True (bitwise equal passes with or without a rule)."""
+def ratio_refs(names: list[str], trace, *, twin=None, against=None, local: dict | None = None) -> dict:
+    """{name: (fp32 reference, ComfyUI's tensor)}: what the ratio rule measures h3direct and ComfyUI against.
+
+    Teacher-forced on a low-precision trace (`local`: h3direct's fp32 evaluation of each layer on the same recorded
+    inputs): (that evaluation, the trace's tensor). Otherwise the fp32 reference is the fp32 one of `trace` and `twin`
+    (ComfyUI's other recording of the case) and ComfyUI's tensor is the other one, or `against`'s (the recording
+    whose own error scales the limit: ComfyUI --use-sage-attention for the class rule)."""
+    from h3direct.traces.pairing import compute_of
+
+    if local is not None:
+        return {n: (local[n], trace.get(n)) for n in names if n in local}
+    low = twin if compute_of(trace.manifest) == "fp32" else trace
+    fp32 = trace if low is twin else twin
+    comfy = against or low
+    if fp32 is None or comfy is None:
+        return {}
+    return {n: (fp32.get(n), comfy.get(n)) for n in names if n in fp32 and n in comfy}
+
+
+def judge(label: str, name: str, got, trace, rule: Rule, refs: dict | None = None) -> tuple[bool | None, str]:
+    """One re-run tensor against the recording: (verdict, its line). Bitwise equal passes with or without a rule;
+    None: not judged (no rule given)."""
     import torch
 
     from h3direct.traces.metrics import compare, rel_l2
 
-    verdicts: list[bool | None] = []
-    lines = []
+    ref = trace.get(name)
+    if tuple(got.shape) != tuple(ref.shape):
+        return False, f"[{label}] {name}: shape {tuple(got.shape)} vs recorded {tuple(ref.shape)}"
+    got = got.detach().float().cpu()
+    c = compare(name, got, ref)
+    errs = None
+    if refs and name in refs:
+        fp32, comfy = refs[name]
+        errs = (rel_l2(got, fp32), rel_l2(comfy, fp32))
+    passed = True if torch.equal(got, ref.float()) else rule.judge(c.rel_l2, errs)
+    extra = f"  vs fp32: ours {errs[0]:.3e}, ComfyUI {errs[1]:.3e}" if errs else ""
+    if passed is None:
+        return None, f"[{label}] {c.line()}{extra}"
+    return passed, f"[{label}] {c.line()}{extra}  {'ok' if passed else 'OVER BUDGET'} ({rule.describe()})"
+
+
+def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
+           refs: dict | None = None) -> tuple[bool | None, list[str]]:
+    """outputs: [(recorded name, tensor)]; refs: `ratio_refs` for the ratio rule. One line per output; the verdict:
+    False when one output fails (or has another shape), None when one is not judged (no rule given, not bitwise
+    equal), else True."""
+    verdicts, lines = [], []
     for name, g in outputs:
-        ref = trace.get(name)
-        if tuple(g.shape) != tuple(ref.shape):
-            verdicts.append(False)
-            lines.append(f"[{label}] {name}: shape {tuple(g.shape)} vs recorded {tuple(ref.shape)}")
-            continue
-        c = compare(name, g, ref)
-        errs = None
-        if local and name in local:
-            errs = (rel_l2(g, local[name]), rel_l2(ref, local[name]))
-        identical = torch.equal(g.float().cpu(), ref.float())
-        passed = True if identical else rule.judge(c.rel_l2, errs)
-        extra = f"  vs fp32: ours {errs[0]:.3e}, ComfyUI {errs[1]:.3e}" if errs else ""
-        verdicts.append(passed)
-        if passed is None:
-            lines.append(f"[{label}] {c.line()}{extra}")
-            continue
-        lines.append(f"[{label}] {c.line()}{extra}  {'ok' if passed else 'OVER BUDGET'} ({rule.describe()})")
+        ok, line = judge(label, name, g, trace, rule, refs)
+        verdicts.append(ok)
+        lines.append(line)
     if False in verdicts:
         return False, lines
     if None in verdicts or not verdicts and rule.budget is None and rule.ratio is None:

@@ -16,16 +16,13 @@ the terminal summary lists how many cases of each kind ran.
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
+import shutil
 
 import pytest
 
-from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases
-from parity_tests.plugin import gate_attention, gate_fp8, given_trace_dirs, report_dir, trace_roots
-from parity_tests.report import ReportCollector
-
-_collector = ReportCollector()
+from parity_tests import session
+from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases, unused_files
+from parity_tests.plugin import gate_attention, gate_fp8, given_trace_dirs, trace_roots
 
 # What fixtures/ holds (checked when the gate runs on its default roots): deleting a fixture trace, or a discovery
 # change that stops pairing one, fails the run instead of shrinking it. Raise these when adding fixture traces.
@@ -37,6 +34,7 @@ NO_CASE = "no-case"
 class Cases:
     def __init__(self, dit, vae, gen, problems, roots):
         self.dit, self.vae, self.gen, self.problems, self.roots = dit, vae, gen, problems, roots
+        self.unused = unused_files(roots, dit, vae, gen, problems)
 
     def of(self, kind: str) -> list:
         return {"dit": self.dit, "vae": self.vae, "generate": self.gen}[kind]
@@ -45,8 +43,10 @@ class Cases:
         """One line when the roots hold no case at all, or fewer than the committed fixtures (default roots)."""
         where = ", ".join(map(str, self.roots)) or "(no root)"
         if not (self.dit or self.vae or self.gen):
-            return (f"parity gate: no DiT, VAE or generation trace case found in {where} "
-                    f"(searched for trace_*.json manifests with their checkpoints and inputs)")
+            why = "".join(f"\n  not gated: {line}" for line in self.problems + self.unused)
+            return (f"parity gate: no DiT, VAE or generation trace case found in {where} (a case is a trace's "
+                    f"manifest, `<name>.json` beside `<name>.safetensors`, with the files it names beside it or "
+                    f"where it was recorded from){why}")
         if given_trace_dirs(config) is None and not config.getoption("--comfy-root"):
             short = []
             for kind, want in FIXTURE_CASES.items():
@@ -89,10 +89,18 @@ def _cases(config) -> Cases:
             from parity_tests.live import record_live
 
             roots = [record_live(roots, comfy, config)]
+            if not config.getoption("--keep-traces"):
+                config.add_cleanup(lambda: shutil.rmtree(roots[0], ignore_errors=True))
+                session.of(config).notes.append(f"live traces in {roots[0]} removed at the end of the run "
+                                                f"(--keep-traces keeps them for the report's replay commands)")
         dit, dit_problems = find_dit_cases(roots)
         vae, vae_problems = find_vae_cases(roots)
         gen, gen_problems = find_generate_cases(roots)
         config._h3_cases = Cases(dit, vae, gen, dit_problems + vae_problems + gen_problems, roots)
+        run = session.of(config)
+        run.found = ({k: len(config._h3_cases.of(k)) for k in session.KINDS}, [str(r) for r in roots])
+        run.problems = list(config._h3_cases.problems)
+        run.unused = list(config._h3_cases.unused)
     return config._h3_cases
 
 
@@ -138,53 +146,18 @@ def _param(item, name):
     return cs.params.get(name) if cs is not None else None
 
 
-_ran: dict[str, set[str]] = defaultdict(set)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    gated = next((v for p, v in params.items() if p in (*KIND_OF_PARAM, "e2e_path") and v is not None), None)
+    if gated is not None and session.CASE_PROPERTY not in dict(item.user_properties):  # the summary counts these
+        item.user_properties.append((session.CASE_PROPERTY, getattr(gated, "id", str(gated))))
     rep = yield
-    cs = getattr(item, "callspec", None)
-    if cs is not None and rep.when == "call" and not rep.skipped:
+    if rep.when == "call" and not rep.skipped:
         for param, kind in KIND_OF_PARAM.items():
-            if cs.params.get(param) is not None:
-                _ran[kind].add(cs.params[param].id)
+            if params.get(param) is not None:
+                session.of(item.config).ran[kind].add(params[param].id)
     return rep
-
-
-def _found(config) -> tuple[dict[str, int], list[str]] | None:
-    """({kind: cases found}, roots) of this process's collection, or what an xdist worker reported."""
-    if hasattr(config, "_h3_cases"):
-        cases = config._h3_cases
-        return {k: len(cases.of(k)) for k in ("dit", "vae", "generate")}, [str(r) for r in cases.roots]
-    return getattr(config, "_h3_found", None)
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    found = _found(config)
-    if found is None:
-        return
-    found, roots = found
-    ran = ", ".join(f"{k} {len(_ran[k])}/{found[k]}" for k in ("dit", "vae", "generate"))
-    terminalreporter.write_line(f"parity cases run (of found): {ran}; roots: {', '.join(roots)}")
-    if getattr(config, "_h3_nothing_compared", None):
-        terminalreporter.write_line(f"FAILED: {config._h3_nothing_compared}", red=True, bold=True)
-    if getattr(config, "_h3_live_warning", None):
-        terminalreporter.write_line(f"WARNING: {config._h3_live_warning}", yellow=True)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """xdist's controller, as each worker ends: its report rows, the cases it ran and found (`pytest_sessionfinish`
-    then writes one report and judges the whole run, as without workers)."""
-    part = getattr(node, "workeroutput", {}).get("h3_parity")
-    if not part:
-        return
-    _collector.merge(part["rows"], part["cases"])
-    for kind, ids in part["ran"].items():
-        _ran[kind].update(ids)
-    if part["found"] is not None:
-        node.config._h3_found = part["found"]
 
 
 @pytest.fixture(scope="session")
@@ -205,52 +178,34 @@ def gate_options(request):
 
 
 @pytest.fixture(scope="session")
-def report():
-    return _collector
+def report(request):
+    """The run's report collector: a case test adds its result, gated or not (`session.py`)."""
+    return session.of(request.config).collector
 
 
-def kernel_compared_nowhere(config, cases: list[dict]) -> str | None:
-    """One line when the run's approximate kernels never ran where the gate compared them: every call of the
-    attention backend asked for ran its documented fallback, or (on a GPU) every FP8 linear was emulated."""
-    import torch
+@pytest.fixture
+def conclude(request):
+    """`conclude(result, history=None)`, how a case test ends: an approximate mode's new baseline written (`history`,
+    `drift.History`), the result into the run's report whatever it is, then a pass, or a failure that shows the
+    case's own report (the cause line, the rule, the worst element, the replay command) without pytest's traceback.
+    A baseline this run created is one line, "baseline created: PATH", and the case is pending, not passed: nothing
+    held it to a baseline yet."""
 
-    from h3direct.dit.options import BACKEND_OPTIONS, describe
-    from parity_tests.results import attention_key
+    def end(result, history=None) -> None:
+        run = session.of(request.config)
+        created = None
+        if history is not None and result.first_failure is None and not result.pending:
+            created = history.record(result, request.getfixturevalue("ndarrays_regression"))
+        if created:
+            result.pending = created
+            run.baselines.append(created)
+        run.collector.add_case(result)
+        if result.passed:
+            return
+        if created:
+            pytest.fail(f"{created}; the next run is held to it", pytrace=False)
+        if not result.layers and not result.notes:
+            pytest.fail(f"{result.case.id}: nothing compared", pytrace=False)
+        pytest.fail(result.report(), pytrace=False)
 
-    attention = gate_attention(config)
-    name = attention_key(attention)
-    calls: dict[str, int] = defaultdict(int)
-    for c in cases:
-        for what, n in ((c.get("attention_calls") or {}).get(name) or {}).items():
-            calls[what] += n
-    fallback = {w: n for w, n in calls.items() if w.startswith("fallback to ")}
-    if fallback and not calls.get("kernel"):
-        ways = ", ".join(f"{w} ×{n}" for w, n in fallback.items())
-        cls = BACKEND_OPTIONS.get(name)
-        strict = (f"; --option {cls.PREFIX}_strict=on makes a fallback an error"
-                  if cls is not None and "strict" in {f.name for f in dataclasses.fields(cls)} else "")
-        return (f"parity gate: --attention {describe(attention)} ran its fallback in every call ({ways}): its kernel "
-                f"was compared nowhere (cases must fit the kernel, e.g. sol_attn: head_dim 128, at least "
-                f"sol_min_tokens tokens){strict}")
-    fp8: dict[str, int] = defaultdict(int)
-    for c in cases:
-        for what, n in (c.get("fp8_linear_calls") or {}).items():
-            fp8[what] += n
-    if fp8 and not fp8.get("scaled_mm") and torch.device(config.getoption("--device")).type == "cuda":
-        ways = ", ".join(f"{w} ×{n}" for w, n in fp8.items())
-        return f"parity gate: --fp8-linear: every FP8 linear was emulated on the GPU ({ways}): no FP8 GEMM compared"
-    return None
-
-
-def pytest_sessionfinish(session, exitstatus):
-    config = session.config
-    if hasattr(config, "workeroutput"):  # an xdist worker: the controller merges every worker's part, then judges
-        config.workeroutput["h3_parity"] = {"rows": _collector.rows, "cases": _collector.cases,
-                                            "ran": {k: sorted(v) for k, v in _ran.items()}, "found": _found(config)}
-        return
-    if _collector.rows:
-        _collector.write(report_dir(session.config))
-    line = kernel_compared_nowhere(session.config, _collector.cases) if _collector.cases else None
-    if line:
-        session.config._h3_nothing_compared = line
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return end

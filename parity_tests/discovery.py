@@ -1,5 +1,6 @@
 """The gate's cases: ComfyUI traces and what they need (checkpoint, inputs, fp32 twin) in folders laid out like
-../shared/oracle (`trace_*.safetensors` + `.json` manifests beside the checkpoints and inputs files), or in a folder
+../shared/oracle (`<name>.safetensors` + `<name>.json` manifests, under any name, beside the checkpoints and inputs
+files or naming where those were recorded from), or in a folder
 of such folders. Which inputs file and checkpoint a trace belongs to is the trace vocabulary's
 (`h3direct.traces.pairing`); this module finds the cases and their twins.
 """
@@ -15,7 +16,9 @@ from h3direct.traces.pairing import (
     compute_of,
     digest_problem,
     file_sha256,
+    missing_file,
     pair_inputs,
+    recorded_file,
     vae_files,
     vae_weights_in,
     weights_of,
@@ -74,7 +77,7 @@ def trace_dirs(roots: list[Path]) -> list[Path]:
     """Each root, or its subfolders holding traces (a folder of such directories)."""
     out = []
     for root in roots:
-        if any(root.glob("trace_*.json")) or any(root.glob("*.json")) and any(root.glob("*.safetensors")):
+        if any(root.glob("*.json")) and any(root.glob("*.safetensors")):
             out.append(root)
         out.extend(sorted(d for d in root.iterdir() if d.is_dir() and any(d.glob("*.json"))))
     seen, uniq = set(), []
@@ -106,7 +109,9 @@ def _traces(folder: Path, accept) -> dict[Path, dict]:
 
 def _same_case(m: dict, om: dict, inputs: Path, other_inputs: Path | None) -> bool:
     """Two DiT recordings of the same checkpoint, task and inputs file (a twin, a fast mode's reference)."""
-    return (om.get("checkpoint") == m.get("checkpoint") and om.get("set") == m.get("set")
+    same_sha = not (m.get("checkpoint_sha256") and om.get("checkpoint_sha256")) or \
+        m["checkpoint_sha256"] == om["checkpoint_sha256"]
+    return (om.get("checkpoint") == m.get("checkpoint") and same_sha and om.get("set") == m.get("set")
             and (om.get("variant") or om.get("task")) == (m.get("variant") or m.get("task")) and other_inputs == inputs)
 
 
@@ -117,7 +122,7 @@ def find_dit_cases(roots: list[Path]) -> tuple[list[DitCase], list[str]]:
         metas = _traces(folder, lambda m: "unet_config_detected" in m and "checkpoint" in m)
         paired = {}
         for st, m in metas.items():
-            ckpt = folder / Path(m["checkpoint"]).name
+            ckpt = recorded_file(st, m, "checkpoint")
             problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
             if problem is None:
                 inputs, problem = pair_inputs(folder, m, st, ckpt)
@@ -208,10 +213,12 @@ def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str
     cases, problems = [], []
     for folder in trace_dirs(roots):
         for st, m in _traces(folder, lambda m: m.get("kind") == "generate").items():
-            ckpt, inputs = folder / str(m.get("checkpoint")), folder / str(m.get("inputs"))
-            missing = [p.name for p in (ckpt, inputs) if not p.is_file()]
+            ckpt = recorded_file(st, m, "checkpoint") or folder / "(no checkpoint named)"
+            inputs = recorded_file(st, m, "inputs") or folder / "(no inputs named)"
+            missing = [missing_file(what, p, st, m, key) for what, p, key in
+                       (("checkpoint", ckpt, "checkpoint"), ("inputs file", inputs, "inputs")) if not p.is_file()]
             if missing:
-                problems.append(f"{st}: {', '.join(missing)} not found beside the trace")
+                problems.append("; ".join(missing))
                 continue
             problem = digest_problem(st) or checkpoint_problem(st, m, ckpt)
             if problem is None and m.get("inputs_sha256") and file_sha256(inputs) != m["inputs_sha256"]:
@@ -221,3 +228,71 @@ def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str
                 continue
             cases.append(GenerateCase(st, ckpt, inputs, m))
     return cases, problems
+
+
+def unused_files(roots: list[Path], dit: list[DitCase], vae: list[VaeCase], gen: list[GenerateCase],
+                 problems: list[str]) -> list[str]:
+    """One line for each `.json` / `.safetensors` file of the trace folders that no case uses and no problem line
+    names already: what it looks like, and why the gate does not use it."""
+    used: set[Path] = set()
+    for c in dit:
+        used |= {c.trace, c.checkpoint, c.inputs, *(p for p in (c.twin_fp32, c.sage_twin) if p is not None)}
+    for c in vae:
+        used |= {c.trace, c.weights, c.config, c.inputs, *(p for p in (c.twin_fp32,) if p is not None)}
+    for c in gen:
+        used |= {c.trace, c.checkpoint, c.inputs}
+    used = {p.resolve() for p in used} | {p.resolve().with_suffix(".json") for p in used}
+    named = {line.split(": ", 1)[0] for line in problems}
+    same = {file_sha256(p) for p in used if p.suffix == ".safetensors" and p.is_file()}
+    out = []
+    for folder in trace_dirs(roots):
+        for p in sorted(folder.iterdir()):
+            if p.suffix not in (".json", ".safetensors") or p.resolve() in used or str(p) in named \
+                    or str(p.with_suffix(".safetensors")) in named:
+                continue
+            why = _why_unused(p)
+            if why in RESOURCE_REASONS and file_sha256(p) in same:  # a copy of a checkpoint or inputs file in use
+                continue
+            if why:
+                out.append(f"{p}: {why}")
+    return out
+
+
+INPUTS_UNUSED, CHECKPOINT_UNUSED, VAE_UNUSED = ("an inputs file that no trace here pairs with",
+                                               "a DiT checkpoint that no trace here names",
+                                               "VAE weights that no VAE trace here uses")
+RESOURCE_REASONS = (INPUTS_UNUSED, CHECKPOINT_UNUSED, VAE_UNUSED)
+
+
+def _why_unused(p: Path) -> str | None:
+    from safetensors import safe_open
+
+    if p.suffix == ".json":
+        m = _manifest(p)
+        if m is None:
+            return "not a JSON object"
+        if "unet_config_detected" in m or m.get("kind") in (*VAE_KINDS, "generate"):
+            if not p.with_suffix(".safetensors").is_file():
+                return f"a trace manifest without its tensors ({p.with_suffix('.safetensors').name})"
+            if m.get("attention") in FAST_MODES:
+                return ("ComfyUI --use-sage-attention's recording, with no recording of the same case in ComfyUI's "
+                        "own attention beside it (it is the class rule's reference, not a case)")
+            return "a trace manifest the gate paired with no case"
+        if "constructor_args" in m:
+            return "a VAE config that no VAE trace here uses"
+        return "not a trace manifest (no `kind`, no detected DiT config)"
+    if p.with_suffix(".json").is_file():
+        return None  # a trace: its manifest's line says it
+    try:
+        with safe_open(str(p), "pt") as f:
+            keys, meta = list(f.keys()), f.metadata() or {}
+    except Exception:  # noqa: BLE001 (whatever it is, it is not readable as safetensors)
+        return "not a readable safetensors file"
+    if "h3_inputs" in meta:
+        return INPUTS_UNUSED
+    weights = [k for k in keys if k.endswith(".weight")]  # (a trace's tensors are named .out, .in.N, ...)
+    if any(k.startswith("blocks.") for k in weights):
+        return CHECKPOINT_UNUSED
+    if any(k.startswith(("decoder.", "encoder.", "dec_in_proj")) for k in weights):
+        return VAE_UNUSED
+    return f"no manifest beside it ({p.with_suffix('.json').name}): not a trace the gate can read"

@@ -11,10 +11,12 @@ drift rule needs:
   the exact path's own error against its fp32 run).
 
 A baseline is one `.npz` per (device, case, mode): `<trace folder>/baselines/<cpu|cuda>/<case>/<mode>.npz`, or
-with `--baselines DIR`, `DIR/<cpu|cuda>/<trace folder>/<case>/<mode>.npz`; written by pytest-regressions'
-`ndarrays_regression` the first time the mode runs there (that test fails once, "created"), and again under
-`--force-regen` after an intended change. A later run compares with it under the drift rule; the report shows
-baseline and now side by side. Baselines are the machine's own, like the traces beside them.
+with `--baselines DIR`, `DIR/<cpu|cuda>/<trace folder>/<case>/<mode>.npz`; traces inside the checkout (its
+fixtures) keep theirs in h3direct's cache folder, laid out as under `--baselines` (`default_root()`: never in the
+checkout). It is written by pytest-regressions' `ndarrays_regression` the first time the mode runs there (that test
+fails once, "baseline created: PATH"), and again under `--force-regen` after an intended change. A later run
+compares with it under the drift rule; the report shows baseline and now side by side. Baselines are the machine's
+own, like the traces beside them.
 """
 
 from __future__ import annotations
@@ -72,12 +74,24 @@ class Store:
         return out
 
 
+def default_root() -> Path:
+    """Where baselines go for traces inside the checkout (its fixtures): h3direct's cache folder, never the checkout."""
+    from h3direct.app.paths import cache_root
+
+    return cache_root() / FOLDER
+
+
 def store_for(case_dir: Path, case_stem: str, device: str, root: str | Path | None = None) -> Store:
+    """The baselines of one case: under `root` (--baselines) when given, else beside the case's traces, or, for
+    traces inside the checkout, under `default_root()`."""
     import torch
 
+    from parity_tests.discovery import ROOT
+
     kind = torch.device(device).type
-    if root:
-        return Store(Path(root), kind, f"{case_dir.name}/{case_stem}")
+    inside = Path(case_dir).resolve().is_relative_to(ROOT.resolve())
+    if root or inside:
+        return Store(Path(root) if root else default_root(), kind, f"{case_dir.name}/{case_stem}")
     return Store(case_dir / FOLDER, kind, case_stem)
 
 
@@ -124,14 +138,27 @@ def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool
                                          (q.err, before), v.error, v.limit, "drift", info))
 
 
-def record(result: CaseResult, store: Store, ndarrays_regression, *, regen: bool = False) -> None:
-    """Write the mode's baseline where none is (or under --force-regen): pytest-regressions fails the test once,
-    naming the file it created."""
+def record(result: CaseResult, store: Store, ndarrays_regression, *, regen: bool = False) -> str | None:
+    """Write the mode's baseline where none is (or rewrite it under --force-regen) with pytest-regressions; returns
+    one line saying so ("baseline created: PATH"), None when nothing was written. pytest-regressions' own failure on
+    a file it wrote is that line's news, not an error."""
+    import pytest
+
     if not result.measured:
-        return
+        return None
     path = store.path(result.approx)
-    if regen or not path.is_file():
+    existed = path.is_file()
+    if existed and not regen:
+        return None
+    try:
         ndarrays_regression.check(data(result.approx, result.measured), fullpath=path)
+    except pytest.fail.Exception:
+        if not path.is_file():
+            raise
+    else:
+        if existed:
+            return None  # regenerated to the same values
+    return f"baseline {'rewritten' if existed else 'created'}: {path} ({result.approx}, {result.case.id})"
 
 
 class History:
@@ -160,8 +187,8 @@ class History:
             x = {n: values[f"out.{n}.err"] / r for n, r in comfy.items() if f"out.{n}.err" in values and r > 0}
             result.ladder["rows"].append({"mode": f"{label} (its baseline)", "x": x})
 
-    def record(self, result: CaseResult, ndarrays_regression) -> None:
-        record(result, self.store, ndarrays_regression, regen=self.regen)
+    def record(self, result: CaseResult, ndarrays_regression) -> str | None:
+        return record(result, self.store, ndarrays_regression, regen=self.regen)
 
 
 def _db(err: float) -> float:

@@ -17,7 +17,7 @@ from h3direct.traces import metrics
 from parity_tests.budgets import Measured, verdict
 from parity_tests.discovery import GenerateCase
 from parity_tests.models import model, nvfp4_mode
-from parity_tests.results import CaseResult, LayerResult, attention_flags, attention_key, rule_flags
+from parity_tests.results import CaseResult, LayerResult, Replay, attention_key
 
 
 def twin_of(case: GenerateCase) -> GenerateCase | None:
@@ -55,12 +55,12 @@ def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu",
     for name in trace.names_in_order():
         ref = trace.get(name)
         mine = ours.get(name)
-        redo = f"python -m oracle replay --trace {case.trace} --layer {name} --direct{attention_flags(attention)}"
+        redo = Replay(case.trace, attention=attention, device=device, twin=twin_case.trace if twin_case else None)
         if mine is None or tuple(mine.shape) != tuple(ref.shape):
             nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
             why = "not produced by h3direct" if mine is None else f"shape {tuple(mine.shape)} != {tuple(ref.shape)}"
-            result.layers.append(LayerResult(name, "step", "e2e", math.inf, -math.inf, nan, False, why, "", redo,
-                                             error=math.inf, limit=0.0))
+            result.layers.append(LayerResult(name, "step", "e2e", math.inf, -math.inf, nan, False, why, "",
+                                             redo.command(name), error=math.inf, limit=0.0))
             continue
         mine = mine.detach().float().cpu()
         rel = metrics.rel_l2(mine, ref)
@@ -70,5 +70,5 @@ def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu",
         v = verdict(b, Measured(rel, identical=torch.equal(mine, ref.float()), twin=vs))
         result.layers.append(LayerResult(name, "step", "e2e", rel, metrics.sqnr_db(mine, ref),
                                          metrics.max_abs(mine, ref), v.passed, v.text, b.provenance,
-                                         redo + rule_flags(b, v.limit), vs, v.error, v.limit))
+                                         redo.command(name, b, v.limit), vs, v.error, v.limit))
     return result

@@ -37,7 +37,7 @@ from h3direct.traces.format import Trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import compute_name, fp8_parts, model, nvfp4_mode, trace
-from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
+from parity_tests.results import CaseResult, LayerResult, Replay
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
 EXACT_REFERENCE = "sdpa"  # the exact backend that runs what an approximate mode does not compute
@@ -82,11 +82,13 @@ class Gate:
     """One case's comparisons under one budgets table: the keys every lookup shares, and the rows it appends."""
 
     def __init__(self, case: DitCase, result: CaseResult, budgets: BudgetTable, trace: Trace, twin: Trace | None,
-                 compute_key: str, comfy_root: str | None, no_twin: bool):
+                 compute_key: str, comfy_root: str | None, no_twin: bool, *, exact_backend="sdpa",
+                 device: str = "cpu"):
         from h3direct.counts import CallCounts
 
         self.case, self.result, self.budgets, self.trace, self.twin = case, result, budgets, trace, twin
         self.compute_key, self.comfy_root, self.no_twin = compute_key, comfy_root, no_twin
+        self.exact_backend, self.device = exact_backend, device
         self.site_calls = CallCounts()  # the attention calls of the kernel sites (each counted on its own)
         self.sage_class = False  # run_dit_case(sage_class=True): the mode claims ComfyUI+sage's class
 
@@ -94,16 +96,23 @@ class Gate:
         return {"mode": mode, "kind": kind, "compute": self.compute_key, "weights": self.case.weights,
                 "attention": "exact", "twin": "yes" if self.twin is not None else "no", **over}
 
+    def replay(self, mode: str) -> Replay:
+        """How `oracle replay` re-runs this case's exact-path comparisons of `mode` (teacher | free)."""
+        low = self.compute_key != self.case.compute  # h3direct in another dtype than the trace: "bf16@fp32"
+        twin = self.twin.path if self.twin is not None and (mode == "free" or low) else None
+        return Replay(self.case.trace, self.comfy_root, mode, self.exact_backend, self.device,
+                      self.compute_key.split("@")[0] if low else None, twin=twin)
+
     def exact(self, name: str, kind: str, mode: str, ours: torch.Tensor, local: torch.Tensor | None = None) -> None:
         """Compare h3direct's exact-path tensor with ComfyUI's recorded one (part a); `local`: see `_measure`."""
         ref = self.trace.get(name)
         ours = ours.detach().cpu()
-        replay = replay_command(self.case.trace, name, self.comfy_root)
+        replay = self.replay(mode)
         if ours.shape != ref.shape:
             nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
             self.result.layers.append(LayerResult(name, kind, mode, math.inf, -math.inf, nan, False,
                                                   f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}", "",
-                                                  replay, error=math.inf, limit=0.0))
+                                                  replay.command(name), error=math.inf, limit=0.0))
             return
         # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
         b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
@@ -112,9 +121,9 @@ class Gate:
                      None if local is None else local.detach().cpu())
         n = self.budgets.roundings(kind) if b_mode == "teacher" else None
         v = verdict(b, m, roundings=n)
-        replay += rule_flags(b, v.limit if b.rule != "fp32" else b.floor)
         self.result.layers.append(LayerResult(name, kind, mode, m.err, metrics.sqnr_db(ours, ref),
-                                              metrics.max_abs(ours, ref), v.passed, v.text, b.provenance, replay,
+                                              metrics.max_abs(ours, ref), v.passed, v.text, b.provenance,
+                                              replay.command(name, b, v.limit),
                                               m.twin, v.error, v.limit, "exact"))
 
 
@@ -168,7 +177,8 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
                         weights=weights_key if fp8_linear != "off" else None,
                         approx=(label + (f" + fp8_linear ({fp8_linear})" if fp8_linear != "off" else ""))
                         if approx else "")
-    gate = Gate(case, result, budgets, given_trace, twin, compute_key, comfy_root, no_twin)
+    gate = Gate(case, result, budgets, given_trace, twin, compute_key, comfy_root, no_twin,
+                exact_backend=exact_backend, device=device)
     gate.sage_class = sage_class and approx
     if twin is None and compute_key != "fp32":
         result.notes.append("no fp32 twin (--no-twin): teacher sites by rounding bounds; free runs and whole blocks "
@@ -252,7 +262,8 @@ def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Tra
     ref = reference or trace(str(case.trace))
     twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "free", attention, title=title)
-    gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, comfy_root, False)
+    gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, comfy_root, False,
+                exact_backend=attention)
     for name in ref.names_in_order():
         if name not in ours:
             result.skipped.append(name)
@@ -272,7 +283,8 @@ def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: s
     sp.attach(dit)
     twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
-    gate = Gate(case, result, budgets, recorded, twin, case.compute, None, False)
+    gate = Gate(case, result, budgets, recorded, twin, case.compute, None, False, exact_backend=attention,
+                device=device)
     with torch.no_grad():
         for s in available_sharded_sites(dit, recorded, cond, sp, backend=attention, device=device):
             gate.exact(s.name, s.kind, "teacher", s.run())

@@ -26,7 +26,7 @@ from h3direct.traces import metrics
 from parity_tests import ladder, models
 from parity_tests.budgets import Measured
 from parity_tests.drift import Quantity
-from parity_tests.results import LayerResult, attention_key, replay_command, rule_flags
+from parity_tests.results import LayerResult, Replay, attention_key, replay_command, rule_flags
 
 HEAD_CHUNK_BYTES = 1 << 30  # the eager Sol-Attn reference materialises scores: bound its memory per call
 
@@ -234,7 +234,10 @@ def free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_li
                             f"(`python -m oracle record --sage-twin`), so {result.approx} is held to its own "
                             f"baseline only")
     elif b is not None:
-        ladder.class_rows(gate, points, ours, b)
+        twin = refs.fp32.path if refs.fp32 is not None and refs.fp32.path != case.trace else None
+        replay = Replay(case.trace, gate.comfy_root, "free", attention, str(device),
+                        approx_compute if approx_compute != case.compute else None, fp8_linear, twin, refs.sage.path)
+        ladder.class_rows(gate, points, ours, b, replay)
 
     for name in ladder.LADDER:
         p = points.get(name)

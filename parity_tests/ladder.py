@@ -21,7 +21,7 @@ from h3direct.traces.format import Trace
 from parity_tests.budgets import Measured, verdict
 from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import trace
-from parity_tests.results import LayerResult
+from parity_tests.results import LayerResult, Replay
 
 OUTPUTS = ("dit_inner.out.", "dit_forward.out.", "sampler.denoised.", "sample_out.")  # what the class rule gates
 LADDER = ("sampler.denoised.video", "sampler.denoised.audio")  # the columns of the ladder: the step's x0
@@ -84,9 +84,9 @@ def measure(tensors: dict[str, torch.Tensor], refs: References) -> dict[str, Poi
     return out
 
 
-def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], budget) -> None:
+def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], budget, replay: Replay) -> None:
     """Part "class": each output held to the ratio rule against ComfyUI+sage (both against the fp32 twin); every
-    other tensor reported with its ratio."""
+    other tensor reported with its ratio. `replay`: how `oracle replay` re-runs the mode's free step."""
     for name, p in points.items():
         if math.isnan(p.sage):
             continue
@@ -98,7 +98,7 @@ def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], bu
             passed, text, error, limit = True, "reported (the class rule gates the outputs)", p.err, math.inf
         gate.result.layers.append(LayerResult(
             name, "output" if name.startswith(OUTPUTS) else "*", "free", p.err, metrics.sqnr_db(a, ref),
-            metrics.max_abs(a, ref), passed, text, budget.provenance, "against ComfyUI's fp32 twin",
+            metrics.max_abs(a, ref), passed, text, budget.provenance, replay.command(name, budget, limit),
             (p.err, p.sage), error, limit, "class",
             _times(p.err, p.sage, "ComfyUI+sage") + _times(p.err, p.comfy, f"ComfyUI {gate.refs.low_dtype}", ", ")))
 

@@ -30,9 +30,10 @@ def _place(src: Path, folder: Path) -> Path:
     return dst
 
 
-def _oracle(args: list[str], comfy_root: str, log: Path) -> None:
+def _oracle(args: list[str], comfy_root: str, log: Path, comfy_python: str | None = None) -> None:
     env = {**os.environ, "H3_COMFY_ROOT": str(comfy_root)}
-    cmd = [sys.executable, "-m", "oracle", *args, "--comfy-root", str(comfy_root)]
+    python = ["--comfy-python", comfy_python] if comfy_python else []
+    cmd = [sys.executable, "-m", "oracle", *args, "--comfy-root", str(comfy_root), *python]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}\n")
@@ -56,7 +57,7 @@ def source_drift(roots: list[Path], comfy_root: str) -> str | None:
     ours = source_digest(resolve_root(comfy_root))
     recorded: dict[str, list[str]] = {}
     for root in roots:
-        for j in sorted(Path(root).glob("trace_*.json")):
+        for j in sorted(Path(root).glob("*.json")):
             digest = (_manifest(j.with_suffix(".safetensors")).get("environment") or {}).get("h3_sources_sha256")
             if digest and digest != ours:
                 recorded.setdefault(digest, []).append(j.stem)
@@ -81,6 +82,7 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
             config._h3_live_warning = drift
 
     device = config.getoption("--device") if config is not None else "cpu"
+    python = config.getoption("--comfy-python") if config is not None else None
     device = "cuda" if str(device).startswith("cuda") else "cpu"
     out = Path(tempfile.mkdtemp(prefix="h3_live_traces_"))
     log = out / "record.log"
@@ -102,7 +104,7 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
         detail = str(_manifest(c.trace).get("trace_detail", "full"))
         _oracle(["record", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--compute-dtype", c.compute,
                  "--detail", detail, "--device", device, "--no-twin", "--out", str(d / c.trace.name)], comfy_root,
-                log)
+                log, python)
     for c in vae:
         d = folder_for(c.trace)
         weights, cfg, inputs = _place(c.weights, d), _place(c.config, d), _place(c.inputs, d)
@@ -110,7 +112,7 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
         calls = ["--calls", m["calls_recorded"]] if m.get("calls_recorded") else []
         _oracle(["record-vae", "--weights", str(weights), "--config", str(cfg), "--inputs", str(inputs),
                  "--dtype", c.dtype, "--op", c.kind.split("_")[1], *calls, "--out", str(d / c.trace.name)],
-                comfy_root, log)
+                comfy_root, log, python)
     for c in gen:
         d = folder_for(c.trace)
         ckpt, inputs = _place(c.checkpoint, d), _place(c.inputs, d)
@@ -119,7 +121,7 @@ def record_live(roots: list[Path], comfy_root: str, config=None) -> Path:
         _oracle(["record-generate", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--steps", str(m["steps"]),
                  "--sampler", str(m.get("sampler", "euler")), "--scheduler", str(m.get("scheduler", "simple")),
                  "--shift-video", str(shift.get("shift", 12.0)), "--shift-audio", str(shift.get("audio_shift", 3.0)),
-                 "--compute-dtype", c.compute, "--out", str(d / c.trace.name)], comfy_root, log)
+                 "--compute-dtype", c.compute, "--out", str(d / c.trace.name)], comfy_root, log, python)
     if not folders:
         raise H3Error(f"live mode: no pairable trace in {', '.join(map(str, roots))} to re-record")
     return out

@@ -11,6 +11,8 @@ Parity options (the merge gate, `pytest -m parity`):
                       committed fixtures/ and, when it sits beside the checkout, ../shared/oracle. A DIR may also be
                       a folder of such directories.
   --comfy-root R      live mode: record fresh ComfyUI traces first (into a temporary folder) and gate on them
+  --comfy-python P    live mode: record with the Python of ComfyUI's own environment (`oracle --comfy-python`)
+  --keep-traces       live mode: keep the recorded traces (removed at the end of the run by default)
   --attention NAME    h3direct attention backend to gate (default sdpa)
   --option NAME=VALUE an option of the attention backends, by its flat name (repeatable; e.g. sol_tau=2.0,
                       fp8_attn_smooth_v=off, head_slice_backend=fa3): the backend runs with it, its kernel
@@ -57,6 +59,12 @@ def pytest_addoption(parser):
     g.addoption("--trace-dir", action="append", default=None, metavar="DIR", help="trace directory (repeatable)")
     g.addoption("--comfy-root", default=None,
                 help="ComfyUI checkout: live mode (record fresh traces, then gate); also used by comfy tests")
+    g.addoption("--comfy-python", default=None, metavar="PYTHON",
+                help="live mode: the Python of ComfyUI's own environment, which records (`oracle record "
+                     "--comfy-python`); default: this one, or $H3_COMFY_PYTHON")
+    g.addoption("--keep-traces", action="store_true",
+                help="live mode: keep the traces it recorded (default: removed at the end of the run; the report's "
+                     "replay commands point at them)")
     g.addoption("--attention", default="sdpa", help="h3direct attention backend to gate")
     g.addoption("--option", action="append", default=[], metavar="NAME=VALUE",
                 help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
@@ -132,14 +140,17 @@ def pytest_configure(config):
 
 def gate_attention(config):
     """--attention and its --option values as AttentionOptions; a bad one is pytest's one-line usage error."""
-    from h3direct.dit.options import Options, parse_assignments
+    from h3direct.dit.options import Options, check_in_effect, parse_assignments
     from h3direct.errors import H3Error
 
     try:
         given = parse_assignments(config.getoption("--option") or [], only="attention")
-        return Options.from_flat({"attention": config.getoption("--attention"), **given}).attention
+        options = Options.from_flat({"attention": config.getoption("--attention"), **given})
+        check_in_effect(options, given, spell=lambda n: f"--option {n}")
+        return options.attention
     except H3Error as exc:
-        raise pytest.UsageError(f"--option {exc}") from None
+        text = str(exc)
+        raise pytest.UsageError(text if text.startswith("--option") else f"--option {text}") from None
 
 
 def gate_fp8(config) -> str:
@@ -214,21 +225,35 @@ DESELECTED = ("_h3_gpu_deselected", "_h3_comfy_deselected", "_h3_shared_deselect
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from parity_tests import session as run
+
     config = session.config
-    if hasattr(config, "workeroutput"):  # an xdist worker: its deselections, for the controller's summary
+    if hasattr(config, "workeroutput"):  # an xdist worker: its part, for the controller's report and summary
         config.workeroutput["h3_deselected"] = {  # plain values: they travel through execnet
             k: ([x if isinstance(x, int) else str(x) for x in v] if isinstance(v, tuple) else v)
             for k in DESELECTED if (v := getattr(config, k, None)) is not None}
+        if run.active(config):
+            config.workeroutput["h3_parity"] = run.worker_part(config)
+    elif run.active(config):  # the process that ends the run: one report, the run's judgement
+        run.finish(session, report_dir(config), gate_attention(config))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """xdist's controller: every worker collects the same items, so any worker's deselections are the run's."""
-    for k, v in getattr(node, "workeroutput", {}).get("h3_deselected", {}).items():
+    """xdist's controller, as each worker ends: every worker collects the same items, so any worker's deselections
+    are the run's; its gate part is merged into the run's (`session.py`)."""
+    from parity_tests import session as run
+
+    output = getattr(node, "workeroutput", {})
+    for k, v in output.get("h3_deselected", {}).items():
         setattr(node.config, k, tuple(v) if isinstance(v, list) else v)
+    if output.get("h3_parity"):
+        run.merge(node.config, output["h3_parity"])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from parity_tests import session as run
+
     dropped, gpus = getattr(config, "_h3_gpu_deselected", (0, 0))
     if dropped:
         where = "no CUDA device here" if gpus == 0 else f"{gpus} CUDA device here, these need 2"
@@ -244,6 +269,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"{n} shared-data test(s) deselected: no {where} (../shared/oracle, the project's shared data beside the "
             f"checkout, not part of the repository)")
+    if run.active(config):  # last: where the report is
+        for text, markup in run.summary(config, terminalreporter):
+            terminalreporter.write_line(text, **markup)
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,7 @@ class ReportCollector:
                            "first_failure": first.name if first else None,
                            "first_replay": first.replay if first else None,
                            "first_rule": first.rule if first else None, "margins": margins,
+                           "pending": getattr(result, "pending", ""),
                            "notes": list(getattr(result, "notes", [])),
                            "attention_calls": getattr(result, "attention_calls", None),
                            "fp8_linear_calls": getattr(result, "fp8_linear_calls", None),
@@ -85,7 +86,7 @@ class ReportCollector:
         lines = ["# Parity report", "", "| case | mode | compute | weights | attention | compared | result | "
                  "margin a / b / c / d |", "|---|---|---|---|---|---|---|---|"]
         for c in self.cases:
-            res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`"
+            res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`" if c["first_failure"] else _not_passed(c)
             lines.append(f"| {c['case']} | {c['mode']} | {c['compute']} | {c['weights']} | {c['attention']} | "
                          f"{c['layers']} | {res} | {_margins(c)} |")
         laddered = [c for c in self.cases if c.get("ladder")]
@@ -134,7 +135,8 @@ class ReportCollector:
         body = []
         for i, c in enumerate(self.cases):
             res = ("<span class=ok>pass</span>" if c["passed"] else
-                   f"<span class=bad>FAIL</span> at <code>{_e(c['first_failure'])}</code>")
+                   f"<span class=bad>FAIL</span> at <code>{_e(c['first_failure'])}</code>" if c["first_failure"] else
+                   f"<span class=bad>{_e(_not_passed(c))}</span>")
             cells = []
             for p in MARGIN_PARTS:
                 m = c["margins"].get(p)
@@ -196,6 +198,11 @@ def ladder_html(ladder: dict) -> str:
     body = [f"<tr{' class=this' if row.get('this') else ''}><td>{_e(row['mode'])}</td>"
             + "".join(f"<td>{_e(c)}</td>" for c in _ladder_cells(ladder, row)) + "</tr>" for row in ladder["rows"]]
     return head + "".join(body) + "</table>"
+
+
+def _not_passed(c: dict) -> str:
+    """Why a case with no failing comparison did not pass: what is pending, or that nothing was compared."""
+    return c.get("pending") or "FAIL: nothing compared"
 
 
 def _margins(c: dict) -> str:

@@ -14,6 +14,7 @@ Every part of the gate appends `LayerResult` rows to a `CaseResult`, tagged with
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class CaseResult:
     approx: str = ""  # the approximate mode's label (attention and its options, + fp8_linear); "" on an exact path
     measured: dict = field(default_factory=dict)  # the approximate mode's quality: drift.py's quantities
     ladder: dict = field(default_factory=dict)  # ladder.py: {"comfy": {output: r}, "rows": [every mode's × r]}
+    pending: str = ""  # why the case cannot pass yet though nothing failed (its baseline was created by this run)
 
     @property
     def first_failure(self) -> LayerResult | None:
@@ -74,7 +76,8 @@ class CaseResult:
 
     @property
     def passed(self) -> bool:
-        return self.first_failure is None and bool(self.layers)
+        """Nothing failed, something was compared or a note says what was not gated and why, nothing pending."""
+        return self.first_failure is None and bool(self.layers or self.notes) and not self.pending
 
     def worst(self, part: str) -> LayerResult | None:
         """The comparison of `part` closest to (or furthest past) its limit."""
@@ -87,6 +90,8 @@ class CaseResult:
         head = self.title or (f"{c.id} [{self.mode}, {getattr(c, 'compute', '?')}, {getattr(c, 'weights', '?')}, "
                               f"{self.attention}]")
         notes = "".join(f"\n  note: {n}" for n in self.notes)
+        if f is None and self.pending:
+            return f"{head}: {self.pending}{notes}"
         if f is None:
             return f"{head}: {len(self.layers)} {self.unit}s within their rules{notes}"
         return (f"{head}: first failing {self.unit} in execution order: {f.name} ({f.kind}, {f.part})\n"
@@ -97,10 +102,43 @@ class CaseResult:
                 f"  {self.action}: {f.replay}{notes}")
 
 
+@dataclass(frozen=True)
+class Replay:
+    """How `python -m oracle replay` re-runs a comparison as the gate ran it: the trace, the mode (teacher: the one
+    layer from its recorded inputs; free: the whole step from the inputs file, every recorded tensor up to the layer),
+    h3direct's options (attention and its options, the 8-bit linears, its dtype where it differs from the trace's),
+    the device, and the recordings the ratio rule reads (`twin`: ComfyUI's other recording of the case, its fp32 twin
+    or its low-precision trace; `against`: the recording whose own error scales the limit, ComfyUI+sage for the class
+    rule)."""
+
+    trace: Path
+    comfy_root: str | None = None
+    mode: str = "teacher"
+    attention: object = None  # a backend's name or AttentionOptions; None: sdpa
+    device: str = "cpu"
+    compute: str | None = None  # h3direct's dtype where it differs from the trace's (budget key "bf16@fp32")
+    fp8_linear: str = "off"  # `models.fp8_spec`'s value
+    twin: Path | None = None
+    against: Path | None = None
+
+    def command(self, layer: str, b=None, limit: float = math.inf) -> str:
+        """The command for `layer` (a recorded tensor name), with the rule of entry `b` at `limit` when given."""
+        q = shlex.quote
+        cmd = f"python -m oracle replay --trace {q(str(self.trace))} --layer {q(layer)}"
+        cmd += f" --comfy-root {q(self.comfy_root)}" if self.comfy_root else ""
+        cmd += " --direct" + (f" --mode {self.mode}" if self.mode != "teacher" else "")
+        cmd += attention_flags(self.attention) if self.attention is not None else ""
+        cmd += f" --compute-dtype {self.compute}" if self.compute else ""
+        cmd += fp8_flags(self.fp8_linear)
+        cmd += f" --device {self.device}" if self.device != "cpu" else ""
+        cmd += f" --twin {q(str(self.twin))}" if self.twin is not None and b is not None and b.rule == "ratio" else ""
+        cmd += f" --against {q(str(self.against))}" if self.against is not None else ""
+        return cmd + (rule_flags(b, limit) if b is not None else "")
+
+
 def replay_command(trace: Path, layer: str, comfy_root: str | None = None, rule: str = "") -> str:
-    """The command that re-runs one compared tensor (`python -m oracle replay`), with the rule it was judged by."""
-    root = f" --comfy-root {comfy_root}" if comfy_root else ""
-    return f"python -m oracle replay --trace {trace} --layer {layer}{root} --direct{rule}"
+    """The teacher-forced replay of one compared tensor on the CPU with sdpa, with `rule`'s flags (`rule_flags`)."""
+    return Replay(trace, comfy_root).command(layer) + rule
 
 
 def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
@@ -110,9 +148,22 @@ def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
     flags += f" --device {device}" if device != "cpu" else ""
     if b.rule == "ratio":
         return flags + f" --ratio {b.k:g} --floor {b.floor:g}"
+    if b.rule == "fp32":
+        return flags + f" --budget {b.floor:g}"
     if math.isfinite(limit) and limit > 0:
         return flags + f" --budget {limit:.3g}"
     return flags
+
+
+def fp8_flags(spec: str) -> str:
+    """`oracle replay`'s flags for the gate's 8-bit linears (`models.fp8_spec`'s value; "off": none)."""
+    from parity_tests.models import fp8_parts
+
+    if spec == "off":
+        return ""
+    mode, layers, fmt = fp8_parts(spec)
+    return (f" --fp8-linear {mode}" + (f" --fp8-linear-layers {layers}" if layers else "")
+            + (f" --fp8-linear-format {fmt}" if fmt != "e4m3" else ""))
 
 
 def attention_flags(attention) -> str:

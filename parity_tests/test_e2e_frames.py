@@ -53,7 +53,7 @@ def baseline_root(model: E.E2EModel) -> Path:
     return model.root if model.root is not None else FIXTURES
 
 
-def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report, request, ndarrays_regression):
+def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, conclude, request):
     device = gate_options["device"]
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
@@ -68,10 +68,9 @@ def test_e2e_frames_vs_exact(e2e_path, e2e_model, gate_options, report, request,
     result = E.compare_paths(e2e_model, e2e_path, device=device, options=changed_options(gate_options["attention"]))
     history = History(request.config, baseline_root(e2e_model), e2e_model.id, device, gate_options["budgets"])
     history.judge(result)
-    report.add_case(result)
     if E.split_path(e2e_path)[0] == "sol_attn":  # (also over FP8 linears) its budget is about the sparse kernel
         calls = result.attention_calls.get("sol_attn", {})
-        assert calls.get("kernel", 0) > 0, (f"sol_attn ran only its fallback on {e2e_model.about} ({calls}): use "
-                                            f"--e2e-model with a head_dim-128 model at >= H3_SOL_MIN_TOKENS tokens")
-    assert result.passed, result.report()
-    history.record(result, ndarrays_regression)
+        if not calls.get("kernel", 0):
+            result.pending = (f"sol_attn ran only its fallback on {e2e_model.about} ({calls}): use --e2e-model with "
+                              f"a head_dim-128 model at >= H3_SOL_MIN_TOKENS tokens")
+    conclude(result, history)

@@ -26,7 +26,7 @@ from h3direct.traces import metrics
 from h3direct.traces.format import Trace, load_trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import VaeCase
-from parity_tests.results import CaseResult, LayerResult, replay_command, rule_flags
+from parity_tests.results import CaseResult, LayerResult, Replay
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
 
@@ -80,12 +80,13 @@ def _info(case: VaeCase, name: str, ours: torch.Tensor, ref: torch.Tensor) -> st
 
 def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
     kind = "output" if name.endswith(FINAL_SUFFIXES) else "module"
-    replay = replay_command(case.trace, name)
+    replay = Replay(case.trace, twin=case.twin_fp32)
     if ours is None or ours.shape != ref.shape:
         what = ("not produced by h3direct" if ours is None
                 else f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}")
         nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
-        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay, error=math.inf,
+        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay.command(name),
+                           error=math.inf,
                            limit=0.0)
     b = budgets.lookup(mode="vae", kind=kind, compute=case.dtype, weights="vae", attention="exact",
                        twin="yes" if twin is not None else "no")
@@ -96,7 +97,7 @@ def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
         vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
     v = verdict(b, Measured(rel, identical=torch.equal(ours, ref), twin=vs))
     return LayerResult(name, kind, "vae", rel, metrics.sqnr_db(ours, ref), metrics.max_abs(ours, ref), v.passed,
-                       v.text, b.provenance, replay + rule_flags(b, v.limit), vs, v.error, v.limit, "exact",
+                       v.text, b.provenance, replay.command(name, b, v.limit), vs, v.error, v.limit, "exact",
                        _info(case, name, ours, ref))
 
 

@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from h3direct.app import cli, cli_generate, models
+from h3direct.errors import RequestError
 
 PY = os.environ.get("H3_PYTHON", sys.executable)
 
@@ -22,6 +24,8 @@ def files(tmp_path):
     (tmp_path / "garbage.png").write_bytes(b"\x00garbage" * 16)
     (tmp_path / "adir.mp4").mkdir()
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.mp4").write_bytes(b"an earlier clip")
+    (tmp_path / "out" / "kept.safetensors").write_bytes(b"earlier latents")
     return tmp_path
 
 
@@ -42,6 +46,7 @@ def no_models(monkeypatch):
 
 
 O = "out/x.mp4"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BAD = [  # (argv, words the one line must contain); paths relative to the `files` folder
     (["generate", "-o", "/proc/x.mp4"], "cannot write"),
     (["generate", "-o", "file.png/x.mp4"], "not a folder"),
@@ -80,6 +85,14 @@ BAD = [  # (argv, words the one line must contain); paths relative to the `files
     (["generate", "--vae-dtype", "bf8", "-o", O], "bf8"),
     (["generate", "--attention", "warp_drive", "-o", O], "warp_drive"),
     (["generate", "--max-steps", "0", "-o", O], "--max-steps 0"),
+    (["generate", "--no-overwrite", "-o", "out/kept.mp4"], "--output 'out/kept.mp4' exists already"),
+    (["generate", "--sol-tau", "2", "-o", O], "--sol-tau: an option of sol_attn, which attention sdpa does not run"),
+    (["generate", "--fp8-linear-layers", "fc1", "-o", O], "--fp8-linear-layers: an option of the 8-bit block linears"),
+    (["trace", "--checkpoint", str(FIXTURES / "h3_fx_bf16.safetensors"), "--inputs",
+      str(FIXTURES / "inputs_fx_t2va.safetensors"), "--out", "t.safetensors", "--head-slice-size", "4"],
+     "--head-slice-size: an option of kj_head_sliced"),
+    (["generate", "--no-overwrite", "--save-latent", "out/kept.safetensors", "-o", O],
+     "--save-latent 'out/kept.safetensors' exists already"),
     (["decode-latent", "garbage.png", "--vae", "garbage.png", "--out", O], "not a readable safetensors"),
     (["decode-latent", "missing.safetensors", "--vae", "garbage.png", "-o", O], "not found"),
     (["decode-latent", "garbage.png", "--vae", "garbage.png", "--ffmpeg-loglevel", "loud", "-o", O], "'loud'"),
@@ -152,6 +165,20 @@ def test_help_shows_choices_and_defaults(capsys):
         assert flag in text
     assert "(default: 0)" in text and "(default: 100)" in text and "(default: clip.mp4)" in text
     assert "(default: None)" not in text and "(default: [])" not in text
+
+
+def test_generate_replaces_its_own_output_unless_no_overwrite(cache_env, files, capsys):
+    """The command line replaces an existing --output / --save-latent as it always has (its user names the path on
+    their own machine); --no-overwrite refuses one before anything loads (the service's default: `overwrite`)."""
+    argv = ["generate", "-o", str(files / "out" / "kept.mp4"), "--save-latent", str(files / "out" / "kept.safetensors")]
+    parse = cli.build_parser("generate").parse_args
+    assert cli_generate.parse(parse(argv)).request.overwrite is True
+    assert cli_generate.parse(parse([*argv, "--overwrite"])).request.overwrite is True
+    with pytest.raises(RequestError) as e:
+        cli_generate.parse(parse([*argv, "--no-overwrite"]))
+    assert (e.value.field, e.value.kind) == ("output", "conflict"), e.value
+    assert cli.main(["generate", "--help"]) == 0
+    assert "--overwrite, --no-overwrite" in " ".join(capsys.readouterr().out.split())
 
 
 def test_choices_match_the_runtime():

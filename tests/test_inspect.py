@@ -284,13 +284,20 @@ def test_validate_is_reusable_on_a_parsed_header(tmp_path):
 
 
 # ------------------------------------------------------------------ other layouts ----
-def test_default_report_folder(tmp_path, capsys, monkeypatch):
+def test_the_report_file_is_written_only_with_out(tmp_path, capsys, monkeypatch):
+    """Without --out, inspect writes nothing (the summary says `report: null`); with it, DIR/<stem>.json."""
     path = write(tmp_path / "plain.safetensors", h3_tensors(SYNTH))
     monkeypatch.chdir(tmp_path)
     assert main(["inspect", str(path)]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert (tmp_path / "artifacts" / "checkpoints" / "plain.json").is_file()
-    assert Path(summary["report"]) == Path("artifacts/checkpoints/plain.json")
+    assert summary["report"] is None and summary["tensors"] > 0
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["plain.safetensors"]
+    assert main(["inspect", str(path), "--out", "reports"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert Path(summary["report"]) == Path("reports/plain.json")
+    assert json.loads((tmp_path / "reports" / "plain.json").read_text())["file"] == str(path.resolve())
+    assert main(["inspect", "--help"]) == 0
+    assert "only with --out" in " ".join(capsys.readouterr().out.split())
 
 
 def test_prefix_and_quantization_metadata(tmp_path, capsys):

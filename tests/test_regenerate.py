@@ -10,6 +10,7 @@ round fp32 otherwise, so a generation there is the same math, not the same bits,
 rule ([rules].fp32_limit of `parity_tests/budgets.toml`, rel-L2). `python tests/test_regenerate.py OUT.npz` writes
 a golden's latents (the golden's layout), as the pinned runs below do."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -149,10 +150,16 @@ def _same_media(a, b) -> bool:
 def test_every_option_spelled_out_at_its_default_is_the_same_clip(cache_env, tmp_path, capsys, monkeypatch):
     from h3direct.dit.options import Options
 
+    from h3direct.dit.options import not_in_effect
+
     plain = _generate(tmp_path, capsys, "plain.mp4")
     defaults = Options().flat()
     flags = []
+    idle = set(not_in_effect(Options(), defaults))  # the options of backends sdpa never calls: refused as flags
+    assert {"sol_tau", "fp8_attn_rotate", "head_slice_size", "fp8_linear_layers"} <= idle
     for name, value in defaults.items():
+        if name in idle:
+            continue
         flag = "--" + name.replace("_", "-")
         flags += [flag if value else f"--no-{name.replace('_', '-')}"] if isinstance(value, bool) else [flag, str(value)]
     env = {"H3_SOL_TAU": "1.3", "H3_FUSED": "yes", "H3_FP8_ATTN_SMOOTH_V": "on", "H3_HEAD_SLICE_SIZE": "8"}
@@ -200,8 +207,12 @@ def test_from_provenance_remakes_the_clip_bitwise_options_included(cache_env, tm
     assert _same_media(tmp_path / "again13.mp4", tmp_path / "tau13.mp4")
 
 
-def test_from_provenance_finds_its_references_and_refuses_what_it_cannot_remake(cache_env, tmp_path, capsys):
+def test_from_provenance_finds_its_references_and_refuses_what_it_cannot_remake(cache_env, tmp_path, capsys,
+                                                                              monkeypatch):
     from PIL import Image
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # "here", the other folder a reference is looked for in
 
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "r.png")
     rc = cli.main(["generate", "--width", "32", "--height", "32", "--frames", "5", "--steps", "1", "--prompt",
@@ -211,13 +222,20 @@ def test_from_provenance_finds_its_references_and_refuses_what_it_cannot_remake(
                    "--quiet"])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "ref2.mp4").read_bytes() == (tmp_path / "ref.mp4").read_bytes()
-    for change, output, needle in ((False, "ref.mp4", "the clip being made again"),
-                                   (True, "x.mp4", "--ref-images: the clip was made with 'r.png'")):
-        if change:
+    recorded, other = (hashlib.sha256(b).hexdigest()[:12] for b in ((tmp_path / "r.png").read_bytes(), b"changed"))
+    made_with = f"--ref-images: the clip was made with 'r.png' (sha256 {recorded}...)"
+    changed = f"{made_with}, found at {tmp_path / 'r.png'} but its sha256 differs ({other}...)"
+    for change, output, needle in ((None, "ref.mp4", "the clip being made again"),
+                                   ("changed", "x.mp4", changed),
+                                   ("removed", "x.mp4", made_with)):
+        if change == "changed":
             (tmp_path / "r.png").write_bytes(b"changed")  # the reference is not the recorded one any more
+        if change == "removed":
+            (tmp_path / "r.png").unlink()
         rc = cli.main(["generate", "--from-provenance", str(tmp_path / "ref.mp4"), "-o", str(tmp_path / output)])
         err = capsys.readouterr().err
         assert rc == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+        assert ("found neither beside ref.mp4 nor here" in err) == (change == "removed"), err
     (tmp_path / "plain.mp4").write_bytes((tmp_path / "ref.mp4").read_bytes()[:100])
     rc = cli.main(["generate", "--from-provenance", str(tmp_path / "plain.mp4"), "-o", str(tmp_path / "y.mp4")])
     err = capsys.readouterr().err

@@ -61,6 +61,22 @@ def test_a_valid_request_fills_its_defaults_and_resolves_its_files(tmp_path):
         GenerateRequest(output="/etc/x.mp4", roots=Roots(tmp_path, tmp_path))
 
 
+@pytest.mark.parametrize("name,suffix", [("output", ".mp4"), ("save_latent", ".safetensors")])
+@pytest.mark.parametrize("where", ["output_root", "path"])
+def test_an_existing_output_is_refused_unless_overwrite(tmp_path, name, suffix, where):
+    """`overwrite` off (the field's default): an output field that names an existing file is a 'conflict' (HTTP
+    409) naming the field and the file, under the service's output folder and as a path alike."""
+    (tmp_path / f"kept{suffix}").write_bytes(b"an earlier result")
+    roots, given = (Roots(tmp_path, tmp_path), f"kept{suffix}") if where == "output_root" else \
+        (Roots(), str(tmp_path / f"kept{suffix}"))
+    with pytest.raises(RequestError) as e:
+        GenerateRequest(**{name: given}, roots=roots)
+    assert (e.value.field, e.value.kind) == (name, "conflict") and f"{name} {given!r} exists already" in str(e.value)
+    req = GenerateRequest(**{name: given}, overwrite=True, roots=roots)
+    assert getattr(req.resolved, name).resolve() == (tmp_path / f"kept{suffix}").resolve()
+    assert (tmp_path / f"kept{suffix}").read_bytes() == b"an earlier result"  # nothing written by the checks
+
+
 def test_options_round_trip_by_their_flat_names_and_check_their_rules():
     opts = Options(AttentionOptions("sol_attn", sol_attn=SolOptions(tau=2.0, exact_rows=False),
                                     fa3_fp8=FP8AttentionOptions(smooth_v=False),
@@ -87,10 +103,15 @@ def test_name_value_assignments_by_the_variables_rule():
     assert got == {"sol_tau": 2.0, "sol_exact_rows": False, "head_slice_backend": "fa3"}
     assert parse_assignments(["mlp_chunks=3"]) == {"mlp_chunks": 3}
     opts = Options.from_flat({"attention": "sol_attn", **got}).attention
-    assert changed_options(opts) == got
-    assert describe(opts) == "sol_attn (sol_tau=2, sol_exact_rows=off, head_slice_backend=fa3)"
+    # labels and replay flags name the options in effect: sol_attn never hands a call to kj_head_sliced
+    in_effect = {"sol_tau": 2.0, "sol_exact_rows": False}
+    assert changed_options(opts) == in_effect
+    assert describe(opts) == "sol_attn (sol_tau=2, sol_exact_rows=off)"
+    sliced = Options.from_flat({"attention": "kj_head_sliced", **got, "head_slice_backend": "sol_attn"}).attention
+    assert describe(sliced) == "kj_head_sliced (sol_tau=2, sol_exact_rows=off, head_slice_backend=sol_attn)"
     # the spelling the labels and replay commands print reads back to the same values
     assert parse_assignments(assignments(got), only="attention") == got
+    assert changed_options(Options.from_flat({"attention": "sdpa", **got}).attention) == {}
     assert assignments({"sol_tau": 1.25, "fused": True}) == ["sol_tau=1.25", "fused=on"]
     assert describe(AttentionOptions("sage2")) == "sage2"
     for bad, words in ((["sol_tau"], "'sol_tau': must be NAME=VALUE"),
@@ -141,11 +162,16 @@ def test_a_bad_variable_is_one_line_at_startup(env, words, tmp_path, monkeypatch
 def test_a_flag_wins_over_the_environment(tmp_path):
     from h3direct.app import cli_generate
 
-    args = cli.build_parser("generate").parse_args(["generate", "--sol-tau", "1.5", "--fused", "-o",
+    args = cli.build_parser("generate").parse_args(["generate", "--nvfp4-dequant", "torch", "--fused", "-o",
                                                    str(tmp_path / "x.mp4")])
-    job = cli_generate.parse(args, env={"H3_SOL_TAU": "2.0", "H3_FUSED": "0", "H3_SOL_TAIL": "off"})
-    sol = job.options.attention.sol_attn
-    assert (sol.tau, sol.tail, job.options.kernels.fused) == (1.5, False, True)
+    job = cli_generate.parse(args, env={"H3_NVFP4_DEQUANT": "kitchen", "H3_FUSED": "0", "H3_SOL_TAIL": "off"})
+    k = job.options.kernels
+    assert (k.nvfp4_dequant, k.fused, job.options.attention.sol_attn.tail) == ("torch", True, False)
+    # a backend's option from the environment is a default for when that backend runs (compose passes them all);
+    # given as a flag beside a backend that never reads it, it is one line
+    args = cli.build_parser("generate").parse_args(["generate", "--sol-tau", "1.5", "-o", str(tmp_path / "x.mp4")])
+    with pytest.raises(ConfigError, match="--sol-tau: an option of sol_attn, which attention sdpa does not run"):
+        cli_generate.parse(args, env={})
 
 
 @pytest.fixture

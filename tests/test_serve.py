@@ -1,7 +1,8 @@
 """`h3direct serve` over a real socket on 127.0.0.1 with the bundled tiny models: readiness, generations checked
 against the CLI and PyAV, provenance, every bad-request class answered 4xx at the door within a second, jobs with
 progress events and cancel, a full queue, a dropped client, a timeout, a failing job, attention switches without
-reloads, 200+ mixed requests from 8 threads, and SIGTERM on the real command."""
+reloads, outputs never replaced unasked (409), /docs without a CDN, 200+ mixed requests from 8 threads, and SIGTERM on
+the real command."""
 
 import base64
 import hashlib
@@ -364,6 +365,37 @@ def test_http_statuses(server, service):
     _assert_ready(server)
 
 
+# ---- the interactive docs, offline --------------------------------------------------------------
+
+# what each Swagger UI file the docs page loads must be: its content type, and bytes that only such a file holds
+# (the global the page calls, the stylesheet's root class, the PNG signature)
+DOCS_ASSETS = {".js": ("javascript", b"SwaggerUIBundle"), ".css": ("text/css", b".swagger-ui"),
+               ".png": ("image/png", b"\x89PNG\r\n\x1a\n")}
+
+
+def _docs_assets(html: bytes) -> list[str]:
+    """The URLs of the files a docs page loads (its scripts, stylesheets, icon)."""
+    return re.findall(r'(?:src|href)="([^"]+)"', html.decode())
+
+
+def test_docs_work_offline(server):
+    """/docs loads Swagger UI from this server, not from a CDN: the page names no http(s) URL, and each file it
+    loads answers 200 with its type and content; ReDoc (CDN-only in FastAPI) is off."""
+    code, headers, html = _call(server, "GET", "/docs")
+    assert code == 200 and headers["content-type"].startswith("text/html"), html
+    assert not re.findall(rb"https?://", html), html
+    assets = _docs_assets(html)
+    assert sorted(Path(a).suffix for a in assets) == sorted(DOCS_ASSETS), assets
+    for url in assets:
+        code, headers, blob = _call(server, "GET", url)
+        ctype, marker = DOCS_ASSETS[Path(url).suffix]
+        assert code == 200 and ctype in headers["content-type"], (url, code, headers)
+        assert (blob.startswith(marker) if ctype.startswith("image/") else marker in blob), url
+    assert "url: '/openapi.json'" in html.decode() and _call(server, "GET", "/openapi.json")[0] == 200
+    _assert_error(_call(server, "GET", "/redoc"), 404, "/redoc")
+    _assert_error(_call(server, "GET", "/docs/assets/nope.js"), 404, "nope.js")
+
+
 # ---- failures, attention, jobs, cancel, queue ----------------------------------------------------
 
 def test_failing_job_answers_its_error_and_the_service_stays_ready(server, service, monkeypatch, capsys):
@@ -523,6 +555,78 @@ def test_job_timeout_is_504_and_the_service_stays_ready(server, service, monkeyp
     assert not (service.output_root / "late.mp4").exists()
     monkeypatch.undo()
     _assert_ready(server)
+
+
+# ---- outputs: never replaced unasked ------------------------------------------------------------
+
+@pytest.mark.parametrize("field,name", [("output", "kept.mp4"), ("save_latent", "kept.safetensors")])
+def test_an_existing_output_is_409_at_the_door_unless_overwrite(server, service, monkeypatch, field, name):
+    earlier = b"an earlier result"
+    target = service.output_root / name
+    target.write_bytes(earlier)
+    held = _Held(service.pipe.generate)
+    held.gate.set()  # counts the generations, holds none
+    monkeypatch.setattr(service.pipe, "generate", held)
+    jobs = set(service.queue.jobs)
+    for route in ("/generate", "/jobs"):
+        msg = _assert_error(_call(server, "POST", route, {**TINY, field: name}), 409, f"{field} {name!r}")
+        assert "overwrite" in msg and str(service.output_root) not in msg, msg
+    assert held.calls == 0 and set(service.queue.jobs) == jobs  # refused before the queue, before any compute
+    assert target.read_bytes() == earlier
+    code, _, s = _call(server, "POST", "/generate", {**TINY, field: name, "overwrite": True})
+    assert code == 200 and held.calls == 1, s
+    assert target.read_bytes() != earlier
+    assert not [p for p in service.output_root.rglob(".*")]
+    _assert_ready(server)
+
+
+def test_two_jobs_never_write_one_file(server, service, monkeypatch):
+    """A queued or running job's output and latents are its own until it is over (the second request gets 409,
+    overwrite or not); once it is done the file exists, and the same name needs overwrite."""
+    held = _Held(service.pipe.generate)
+    monkeypatch.setattr(service.pipe, "generate", held)
+    code, _, running = _call(server, "POST", "/jobs", {**TINY, "output": "one.mp4", "save_latent": "one.safetensors"})
+    assert code == 202 and held.entered.wait(TIMEOUT)
+    code, _, queued = _call(server, "POST", "/jobs", {**TINY, "output": "two.mp4"})
+    assert code == 202 and queued["state"] == "queued", queued
+    clashes = [({"output": "one.mp4"}, "output 'one.mp4'", running),
+               ({"output": "other.mp4", "save_latent": "one.safetensors"}, "save_latent 'one.safetensors'", running),
+               ({"output": "two.mp4"}, "output 'two.mp4'", queued)]
+    for clash, needle, owner in clashes:
+        for extra in ({}, {"overwrite": True}):
+            for route in ("/jobs", "/generate"):
+                msg = _assert_error(_call(server, "POST", route, {**TINY, **clash, **extra}), 409, needle)
+                assert owner["id"] in msg, msg
+    assert _call(server, "GET", "/ready")[2]["queue"]["depth"] == 1  # none of them was queued
+    held.gate.set()
+    for job in (running, queued):
+        _wait_for(lambda job=job: _call(server, "GET", f"/jobs/{job['id']}")[2]["state"] == "done", "the jobs")
+    assert held.calls == 2
+    _assert_error(_call(server, "POST", "/jobs", {**TINY, "output": "one.mp4"}), 409, "output 'one.mp4'")
+    code, _, s = _call(server, "POST", "/generate", {**TINY, "output": "one.mp4", "overwrite": True})
+    assert code == 200, s
+    _assert_ready(server)
+
+
+def test_a_failed_job_leaves_nothing_that_blocks_its_retry(server, service, monkeypatch):
+    """The mp4 fails after the latents were written: neither file stays under its name, so the same request
+    succeeds when tried again."""
+    from h3direct.errors import H3Error
+    from h3direct.vae import mp4
+
+    def broken(self, audio=None):
+        raise H3Error("the mp4 encoder failed: OSError: no space left on device", path=self.path.name)
+
+    monkeypatch.setattr(mp4.Mp4Stream, "finish", broken)
+    body = {**TINY, "output": "retry.mp4", "save_latent": "retry.safetensors"}
+    _assert_error(_call(server, "POST", "/generate", body), 400, "no space left")
+    assert not (service.output_root / "retry.mp4").exists()
+    assert not (service.output_root / "retry.safetensors").exists()
+    assert not [p for p in service.output_root.rglob(".*")]
+    monkeypatch.undo()
+    code, _, s = _call(server, "POST", "/generate", body)
+    assert code == 200, s
+    assert (service.output_root / "retry.mp4").is_file() and (service.output_root / "retry.safetensors").is_file()
 
 
 # ---- many clients at once -----------------------------------------------------------------------
@@ -750,6 +854,12 @@ def test_token_over_a_real_socket(cache_env, tmp_path):
                 _assert_error((code, hdrs, payload), 401, "Bearer")
         code, _, r = _call(remote, "GET", "/ready", headers=good)
         assert code == 200 and r["auth"] == "bearer"
+        # the docs page and the Swagger UI files it loads are routes like the others: the token, or 401
+        code, _, html = _call(remote, "GET", "/docs", headers=good)
+        assert code == 200 and _docs_assets(html), html
+        for url in ["/docs", *_docs_assets(html)]:
+            _assert_error(_call(remote, "GET", url), 401, "Bearer")
+            assert _call(remote, "GET", url, headers=good)[0] == 200, url
         code, _, s = _call(remote, "POST", "/generate", TINY, headers={"Content-Type": "application/json", **good})
         assert code == 200 and s["frames"] == 5
         proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,8 @@ This module is the command line's edge: its flags (made from the fields of `Gene
 `ModelSpec`), the `H3_*` environment (read once, `app/env.py`) and `--from-provenance` become those three objects,
 each validated when built: every check runs, and every given file's header is read, before any model is built or
 loaded. Then the models load once and `app.generate.clip` makes the clip. Stdout: one JSON line (unless --quiet);
-progress bars on stderr when it is a terminal (or --progress); errors: one stderr line, exit 2.
+progress bars on stderr when it is a terminal (or --progress); errors: one stderr line, exit 2. An existing --output
+(or --save-latent) file is replaced, as it always was on the command line; --no-overwrite refuses it instead.
 
 `--from-provenance clip.mp4` makes a clip again from the provenance in its `comment` tag: the request, every option
 and the settings the models were loaded with; its reference files are found by name beside the clip or in the current
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fields(g, GenerateRequest, REQUEST_FLAGS, aliases=ALIASES)
     g.add_argument("--output", "-o", "--out", dest="output", default=None, metavar="FILE.mp4",
                    help="mp4 to write (--out is an old spelling) (default: clip.mp4)")
+    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=True,
+                   help="replace an existing --output / --save-latent file; --no-overwrite refuses one before anything "
+                        "loads (the request field `overwrite`, off by default in the service)")
     g.add_argument("--from-provenance", metavar="CLIP.mp4", help="make this clip again from the provenance in its "
                    "comment tag (request, options, settings; flags given as well win)")
     g = parser.add_argument_group("runtime")
@@ -100,12 +104,13 @@ def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
     from h3direct.app.models import ModelSpec
     from h3direct.app.pipeline import check_text
     from h3direct.app.request import GenerateRequest
-    from h3direct.dit.options import Options
+    from h3direct.dit.options import Options, check_in_effect
 
     base = _provenance(args) if args.from_provenance else None
     limits = Limits(**given(args, field_names(Limits)))
     opts = Options.from_flat({**environment.read_options(env), **(base["options"] if base else {}),
                               **given(args, option_names())})
+    check_in_effect(opts, given(args, option_names()))  # a flag that this run's backend never reads: one line
     spec = ModelSpec(**{**environment.read_settings(env), **(base["settings"] if base else {}),
                         **given(args, field_names(ModelSpec))})
     fields = {**(base["request"] if base else {}), **given(args, REQUEST_FLAGS + CACHE_FLAGS),
@@ -113,6 +118,7 @@ def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
     if "prompt_file" in fields and base is not None and "prompt_file" in given(args, ("prompt_file",)):
         fields.pop("prompt", None)  # a prompt file given with --from-provenance replaces the recorded prompt
     fields["output"] = (args.output or "clip.mp4") if output else None
+    fields["overwrite"] = getattr(args, "overwrite", True)  # the command line's own default: its user names the path
     if base is not None and output and Path(fields["output"]).resolve() == Path(args.from_provenance).resolve():
         raise RequestError("output", " is the clip being made again; give another --output")
     request = GenerateRequest(**fields, limits=limits)
@@ -169,15 +175,26 @@ def _provenance(args: argparse.Namespace) -> dict:
 
 
 def _find(ref: dict, clip: Path) -> str:
-    """A recorded reference file, beside the clip or in the current folder, with the recorded sha256."""
+    """A recorded reference file, beside the clip or in the current folder, with the recorded sha256; a file of that
+    name with another sha256 is named in the error."""
     from h3direct.app.provenance import sha256_file
 
+    made_with = f": the clip was made with {ref['name']!r} (sha256 {ref['sha256'][:12]}...)"
+    flag = "--" + ref["field"].replace("_", "-")
+    other = None  # (path, sha256) of the first file of that name whose bytes are not the recorded ones
     for folder in (clip.parent, Path.cwd()):
         p = folder / ref["name"]
-        if p.is_file() and sha256_file(p) == ref["sha256"]:
+        if not p.is_file():
+            continue
+        sha = sha256_file(p)
+        if sha == ref["sha256"]:
             return str(p)
-    raise RequestError(ref["field"], f": the clip was made with {ref['name']!r} (sha256 {ref['sha256'][:12]}...), "
-                       f"found neither beside {clip.name} nor here; pass it with --{ref['field'].replace('_', '-')}",
+        other = other or (p, sha)
+    if other is not None:
+        path, sha = other
+        raise RequestError(ref["field"], f"{made_with}, found at {path} but its sha256 differs ({sha[:12]}...); put "
+                           f"the recorded file there, or pass a file with {flag} (the clip will differ)", path=clip)
+    raise RequestError(ref["field"], f"{made_with}, found neither beside {clip.name} nor here; pass it with {flag}",
                        path=clip)
 
 

@@ -26,10 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from h3direct.app import env
-    from h3direct.dit.options import Options
+    from h3direct.dit.options import Options, check_in_effect
     from h3direct.traces.trace_dit import trace
 
     options = Options.from_flat({**env.read_options(), **given(args, option_names())})
+    check_in_effect(options, given(args, option_names()))  # a flag that this run's backend never reads: one line
     return trace(checkpoint=args.checkpoint, inputs=args.inputs, out=args.out, options=options,
                  compute_dtype=args.compute_dtype, nvfp4_mode=args.nvfp4_mode, device=args.device,
                  sequence_parallel=args.sequence_parallel)

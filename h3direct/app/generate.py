@@ -1,6 +1,7 @@
 """One clip on a loaded pipeline, for the command line and the service alike: generate it, write the mp4 (H.264,
 24 fps, AAC stereo; encoded while the video decodes) atomically with its provenance in the container's `comment`
-tag, write its latents when asked, and make the one-line JSON summary.
+tag, write its latents when asked (removed again if the mp4 then fails: a failed clip leaves no file under either
+name), and make the one-line JSON summary.
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ def clip(pipe, request, options, *, callback=None, on_stage=None, ffmpeg_logleve
         if on_stage is not None:
             on_stage("write")
         t = time.perf_counter()
-        if writer and request.resolved.save_latent is not None:
-            save_latents(request.resolved.save_latent, res, tag)
+        latents = request.resolved.save_latent if writer else None
+        if latents is not None:
+            save_latents(latents, res, tag)
         if stream is not None:
-            out = stream.finish(res.audio)
+            try:
+                out = stream.finish(res.audio)
+            except BaseException:  # all or nothing: no latents under their name beside an mp4 that failed
+                if latents is not None:
+                    latents.unlink(missing_ok=True)
+                raise
             res.timings["write_busy"] = round(stream.busy_s, 4)
     if on_stage is not None:
         on_stage("done")

@@ -6,7 +6,8 @@ Everything that can be checked without a model is checked in its constructor, an
 choices and ranges (declared with each field), the task (first/last frame and references are separate tasks), the
 reference caps, the step cache settings, the request limits (`app/limits.py`), and the files: every input file
 exists under the input root (or is an upload of this request) and is what it claims to be (image, video, audio,
-text embeddings, UTF-8 prompt), the output can be written. A problem is one `RequestError` naming the field.
+text embeddings, UTF-8 prompt), the output can be written and, unless `overwrite` is on, names no existing file
+(a 'conflict': HTTP 409). A problem is one `RequestError` naming the field.
 
 Where files are is the request's `roots` (not a field of the API): on the command line names are paths; in the
 service they are names under `--input-root` (uploads: `upload:NN-name`) and `output` is a name under `--output-root`.
@@ -117,6 +118,8 @@ class GenerateRequest:
     output: str | None = field(None, "mp4 to write", kind=str)
     save_latent: str | None = field(None, "also write the clip's latents (video_latent, audio_latent) to this "
                                     ".safetensors file, which `h3direct decode-latent` decodes", kind=str)
+    overwrite: bool = field(False, "replace an existing output or save_latent file (off: a request that names an "
+                            "existing one is refused)")
     progress: bool = field(False, "progress bars on stderr even when it is not a terminal; per-step seconds in the "
                            "summary")
     profile_memory: bool = field(False, "memory checkpoints per stage in the summary")
@@ -143,6 +146,7 @@ class GenerateRequest:
             self.cache_settings()  # the step cache's own rules (its window and threshold)
         self._check_limits()
         object.__setattr__(self, "resolved", _resolve(self, defaulted))
+        self.check_outputs_free()
 
     # ---- the checks -------------------------------------------------------------------------
     def _fill_defaults(self) -> tuple[str, ...]:
@@ -204,6 +208,19 @@ class GenerateRequest:
     def inputs(self, name: str) -> tuple[InputFile, ...]:
         """The resolved input files of a file field (empty when it names none)."""
         return self.resolved.files.get(name, ())
+
+    def check_outputs_free(self) -> None:
+        """A 'conflict' RequestError when an output file (`output`, `save_latent`) exists and `overwrite` is off.
+        Run when the request is built; the service runs it again as it queues the job (a file may have appeared)."""
+        if self.overwrite:
+            return
+        for name in ("output", "save_latent"):
+            path = getattr(self.resolved, name)
+            if path is not None and (path.exists() or path.is_symlink()):
+                where = " in the output folder" if self.roots.output_root is not None else ""
+                hint = '"overwrite": true' if self.roots.output_root is not None else "overwrite on (--overwrite)"
+                raise RequestError(name, f" {getattr(self, name)!r} exists already{where}; choose another name, or "
+                                   f"set {hint} to replace it", kind="conflict")
 
     def fields(self) -> dict:
         """{field: value} of every field of the API (what the provenance records, with the prompt's text)."""

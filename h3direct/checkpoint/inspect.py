@@ -2,7 +2,7 @@
 
 Reads the 8-byte length and the JSON header only (plus bounded reads of tiny companions: `.comfy_quant`
 markers and small scale tensors checked for NaN/Inf), never a weight payload. Prints a compact JSON summary
-on stdout and writes the full report to `DIR/<stem>.json` (default `artifacts/checkpoints`).
+on stdout; writes the full report to `DIR/<stem>.json` only when `--out DIR` is given (else nothing is written).
 
 Errors (one stderr line, exit 2): a structurally broken safetensors file, a quantized layer ComfyUI cannot
 load (unknown format, missing / misshapen / non-finite scale), or a file that is not an H3 DiT at all.
@@ -36,7 +36,6 @@ from h3direct.checkpoint.quant import FORMATS, MARKER, parse_marker, quant_confi
 from h3direct.config import H3Config, shape_fields
 from h3direct.errors import CheckpointError, ConfigError, H3Error
 
-DEFAULT_OUT = Path("artifacts/checkpoints")
 REPORT_SCHEMA = "h3direct-inspect/2"
 MARKER_LIMIT = 4096           # bytes: a comfy_quant marker is a short JSON string
 SCALE_CHECK_LIMIT = 64 * 1024  # bytes: scale tensors up to this size are read and checked for NaN/Inf
@@ -446,11 +445,12 @@ def write_report(report: dict, out_dir: Path) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a .safetensors DiT checkpoint (only its header is read)")
     parser.add_argument("--out", metavar="DIR", default=None,
-                        help=f"folder for the full report <stem>.json (default {DEFAULT_OUT})")
+                        help="write the full report to DIR/<stem>.json (made if missing); the report file is written "
+                             "only with --out (without it: the summary on stdout, no file)")
 
 
 def run(*, checkpoint: str, out: str | None = None) -> int:
     report = inspect_checkpoint(checkpoint)
-    target = write_report(report, Path(out) if out else DEFAULT_OUT)
+    target = write_report(report, Path(out)) if out else None
     print(json.dumps(summary(report, target)))
     return 0

@@ -253,10 +253,67 @@ def parse_assignments(items, *, only: str | None = None) -> dict:
     return out
 
 
+def backends_in_effect(opts: AttentionOptions) -> tuple[str, ...]:
+    """The backends a run with these options can call: its backend and those its options hand calls to
+    (kj_head_sliced's slices, sol_attn's exact rows and fallback, fa3_fp8's fallback), in the order they are met."""
+    seen: list[str] = []
+    todo = [opts.backend]
+    while todo:
+        b = todo.pop(0)
+        if b in seen:
+            continue
+        seen.append(b)
+        if b == "sol_attn":
+            todo += [r for r in (opts.sol_attn.rows_elsewhere,) if r is not None] + [opts.sol_attn.fallback]
+        elif b == "fa3_fp8":
+            todo.append(opts.fa3_fp8.fallback)
+        elif b == "kj_head_sliced":
+            todo.append(opts.kj_head_sliced.backend)
+    return tuple(seen)
+
+
+FP8_LINEAR_COMPANIONS = ("fp8_accum", "fp8_linear_layers", "fp8_linear_format", "fp8_strict")  # need fp8_linear
+
+
+def not_in_effect(options: Options, names) -> list[str]:
+    """The flat names among `names` whose option these options never use: a backend's option while that backend is
+    not in effect, an 8-bit linears' companion while fp8_linear is off."""
+    used = backends_in_effect(options.attention)
+    owner = {f"{cls.PREFIX}_": backend for backend, cls in BACKEND_OPTIONS.items()}
+    out = []
+    for name in names:
+        backend = next((b for prefix, b in owner.items() if name.startswith(prefix)), None)
+        if backend is not None and backend not in used:
+            out.append(name)
+        elif name in FP8_LINEAR_COMPANIONS and options.kernels.fp8_linear == "off":
+            out.append(name)
+    return out
+
+
+def check_in_effect(options: Options, names, spell=lambda n: f"--{n.replace('_', '-')}") -> None:
+    """One line (ConfigError) when an option given explicitly (`names`) is one these options never use."""
+    from h3direct.errors import ConfigError
+
+    idle = not_in_effect(options, names)
+    if not idle:
+        return
+    name = idle[0]
+    if name in FP8_LINEAR_COMPANIONS:
+        raise ConfigError(f"{spell(name)}: an option of the 8-bit block linears, which are off (fp8_linear off)")
+    used = backends_in_effect(options.attention)
+    raise ConfigError(f"{spell(name)}: an option of {_owner(name)}, which attention {options.attention.backend} "
+                      f"does not run (it runs {', '.join(used)})")
+
+
+def _owner(name: str) -> str:
+    return next(b for b, cls in BACKEND_OPTIONS.items() if name.startswith(f"{cls.PREFIX}_"))
+
+
 def changed_options(opts: AttentionOptions) -> dict:
-    """{flat name: value} of the backends' options that differ from their defaults."""
+    """{flat name: value} of the options in effect (`backends_in_effect`) that differ from their defaults."""
     flat, default = Options(opts).flat(), Options.with_backend(opts.backend).flat()
-    return {k: v for k, v in flat.items() if v != default[k] and k != "attention"}
+    idle = set(not_in_effect(Options(opts), flat))
+    return {k: v for k, v in flat.items() if v != default[k] and k != "attention" and k not in idle}
 
 
 def assignments(values: dict) -> list[str]:

@@ -203,9 +203,9 @@ def pair_inputs(folder: Path, m: dict, trace_path: Path, checkpoint: Path | None
 
     trace = load_trace(trace_path)
     if m.get("inputs"):
-        p = folder / Path(str(m["inputs"])).name
+        p = recorded_file(trace_path, m, "inputs")
         if not p.is_file():
-            return None, f"{trace_path}: inputs file {p.name} named by the manifest not found beside the trace"
+            return None, missing_file(f"inputs file {p.name} named by the manifest", p, trace_path, m, "inputs")
         want = m.get("inputs_sha256")
         if want and file_sha256(p) != want:
             return None, f"{trace_path}: {p.name} does not match the manifest's inputs_sha256 (edited or replaced)"
@@ -242,6 +242,35 @@ def pair_inputs(folder: Path, m: dict, trace_path: Path, checkpoint: Path | None
     return distinct[0], None
 
 
+def recorded_file(trace_path: Path, m: dict, key: str) -> Path | None:
+    """The file a trace's manifest names under `key` (checkpoint, inputs, weights, config): beside the trace by its
+    name (a folder laid out like ../shared/oracle, or a copy that travelled with it), else where it was recorded from
+    (`<key>_path`, absolute: `oracle record` writes it, so a trace is gated where it was written, nothing copied).
+    The first candidate whose sha256 matches the manifest's `<key>_sha256` wins; with none matching, the first that
+    exists (the caller names the mismatch), else the name beside the trace (the caller names it missing). None: the
+    manifest names no such file."""
+    name = m.get(key)
+    if not name:
+        return None
+    folder = Path(trace_path).parent
+    beside = folder / Path(str(name)).name
+    candidates = [beside] + ([Path(str(m[f"{key}_path"]))] if m.get(f"{key}_path") else [])
+    present = [p for p in candidates if p.is_file()]
+    want = m.get(f"{key}_sha256")
+    for p in present:
+        if not want or file_sha256(p) == want:
+            return p
+    return present[0] if present else beside
+
+
+def missing_file(what: str, path: Path, trace_path: Path, m: dict, key: str) -> str:
+    """One line for a recorded file that is nowhere: where it was looked for."""
+    where = f"beside the trace ({path.name})"
+    if m.get(f"{key}_path"):
+        where += f" nor at {m[f'{key}_path']}, where it was recorded from"
+    return f"{trace_path}: {what} not found {where}"
+
+
 def digest_problem(trace_path: Path) -> str | None:
     """One line when the trace's tensors do not match its manifest's digests (`format.verify_trace`)."""
     st, js = Path(trace_path).stat(), Path(trace_path).with_suffix(".json").stat()
@@ -264,7 +293,7 @@ def _digest_problem(path: str, *version) -> str | None:
 
 def checkpoint_problem(trace_path: Path, m: dict, ckpt: Path) -> str | None:
     if not ckpt.is_file():
-        return f"{trace_path}: checkpoint {ckpt.name} not found beside the trace"
+        return missing_file(f"checkpoint {ckpt.name}", ckpt, trace_path, m, "checkpoint")
     want = m.get("checkpoint_sha256")
     if want and file_sha256(ckpt) != want:
         return f"{trace_path}: {ckpt.name} does not match the manifest's checkpoint_sha256 (another file of that name)"
@@ -297,10 +326,10 @@ def vae_files(trace_path: Path, m: dict, weights: dict[str, Path] | None = None)
     folder = Path(trace_path).parent
     modality = str(m["kind"]).split("_")[0]
     s = m.get("set", "public")
-    config = folder / (m.get("config") or f"vae_config_{s}.json")
-    inputs = folder / (m.get("inputs") or f"vae_inputs_{s}.safetensors")
+    config = recorded_file(trace_path, m, "config") or folder / f"vae_config_{s}.json"
+    inputs = recorded_file(trace_path, m, "inputs") or folder / f"vae_inputs_{s}.safetensors"
     if m.get("weights"):
-        w = folder / m["weights"]
+        w = recorded_file(trace_path, m, "weights")
     else:
         w = (weights if weights is not None else vae_weights_in(folder)).get(modality)
     missing = [str(p) for p in (w, config, inputs) if p is None or not Path(p).is_file()]

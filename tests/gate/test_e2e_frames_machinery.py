@@ -204,10 +204,18 @@ def test_a_paths_backend_options_become_generates_own_flags():
 
     flags = E.path_flags("sol_attn", "sdpa", {"sol_tau": 2.0, "sol_exact_rows": False})
     assert flags == ["--attention", "sol_attn", "--sol-tau", "2.0", "--no-sol-exact-rows"]
-    here = ["--attention", "sdpa"] + flags[2:]  # sol_attn needs a GPU: its options parse the same beside sdpa
-    job = parse(E.generate_parser().parse_args(E.E2EModel.load(None).argv() + here), output=False)
-    sol = job.options.attention.sol_attn
+    from h3direct.app.cli_flags import given, option_names
+    from h3direct.dit.options import Options
+
+    args = E.generate_parser().parse_args(E.E2EModel.load(None).argv() + flags)
+    sol = Options.from_flat(given(args, option_names())).attention.sol_attn  # (sol_attn itself needs a GPU to run)
     assert sol.tau == 2.0 and sol.exact_rows is False
+    # beside a backend that never reads them they are one line, not a silent no-op
+    from h3direct.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="an option of sol_attn, which attention sdpa does not run"):
+        parse(E.generate_parser().parse_args(E.E2EModel.load(None).argv() + ["--attention", "sdpa"] + flags[2:]),
+              output=False)
 
 
 def test_a_combined_path_runs_both_and_takes_only_its_own_fp8_entry():

@@ -172,8 +172,11 @@ def test_a_mode_records_its_baseline_then_holds_to_it_and_a_planted_growth_fails
             "-p", "no:randomly", str(REPO / "parity_tests")]
     first = _pytest(args, tmp_path)
     baseline = root / "baselines" / "cpu" / CASE / "sdpa_+_fp8_linear_stream.npz"
-    assert first.returncode == 1 and "File not found in data directory, created" in first.stdout, first.stdout[-3000:]
+    assert first.returncode == 1 and f"baseline created: {baseline} " in first.stdout, first.stdout[-3000:]
     assert baseline.is_file()
+    # the first run says so in one line per mode and case, with no traceback, and its report counts it as pytest does
+    assert first.stdout.count("baseline created: ") == 1 and "Traceback" not in first.stdout, first.stdout[-3000:]
+    assert "(1 gated case runs: 0 passed, 1 failed, as pytest counts them)" in first.stdout, first.stdout[-3000:]
     again = _pytest(args, tmp_path)
     assert again.returncode == 0 and "1 passed" in again.stdout, again.stdout[-3000:]
     planted = _pytest(args, tmp_path, plugins={"coarse_fp8_scales": PLANT})

@@ -91,15 +91,13 @@ def test_a_backend_that_ran_only_its_fallback_fails_the_run(tmp_path):
 
 def test_the_fallback_check_counts_kernel_calls():
     """The same check over the report's cases: a run where the kernel ran at least once is not flagged."""
-    from types import SimpleNamespace
+    from h3direct.dit.options import AttentionOptions
+    from parity_tests.session import kernel_compared_nowhere
 
-    from parity_tests.conftest import kernel_compared_nowhere
-
-    config = SimpleNamespace(getoption=lambda name: {"--attention": "sol_attn", "--option": [],
-                                                      "--device": "cpu"}[name])
+    sol = AttentionOptions("sol_attn")
     only = [{"attention_calls": {"sol_attn": {"fallback to sage2: short": 4}}}]
     both = [{"attention_calls": {"sol_attn": {"fallback to sage2: short": 4}}},
             {"attention_calls": {"sol_attn": {"kernel": 2}}}]
-    assert "ran its fallback in every call" in kernel_compared_nowhere(config, only)
-    assert kernel_compared_nowhere(config, both) is None
-    assert kernel_compared_nowhere(config, [{"attention_calls": None}]) is None
+    assert "ran its fallback in every call" in kernel_compared_nowhere(sol, "cpu", only)
+    assert kernel_compared_nowhere(sol, "cpu", both) is None
+    assert kernel_compared_nowhere(sol, "cpu", [{"attention_calls": None}]) is None

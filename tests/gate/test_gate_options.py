@@ -95,6 +95,14 @@ def test_a_bad_backend_option_is_a_usage_error(tmp_path, option, words):
     assert words in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
 
 
+def test_an_option_the_backend_never_reads_is_a_usage_error(tmp_path):
+    """`--option sol_tau=2.0` beside sdpa used to run sdpa and label the report "sdpa (sol_tau=2)"."""
+    r = _pytest(["-m", "parity", "--option", "sol_tau=2.0", str(REPO / "parity_tests")], tmp_path)
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--option sol_tau: an option of sol_attn, which attention sdpa does not run" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr + r.stdout
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--fp8-linear-layers", "fc1"], "--fp8-linear-layers: needs --fp8-linear"),
     (["--fp8-linear-format", "int8"], "--fp8-linear-format: needs --fp8-linear"),

@@ -18,19 +18,24 @@ bearer-token check. Everything behind a route is the `Service` (`service.py`).
     GET    /jobs/{id}/output   the mp4 (video/mp4) of a finished job
     GET    /jobs/{id}/events   progress as server-sent events (`event: progress` ... then `event: done|failed|
                                cancelled`), each `data:` the job as GET /jobs/{id} shows it
+    GET    /docs               Swagger UI, its files served from the fastapi-swagger package under /docs/assets/ (no
+                               CDN: it works offline); like every route but /health it needs the token, when there is
+                               one. ReDoc (CDN-only in FastAPI) is off
 
 Statuses: 422 a field of the wrong type, an unknown field, a value outside its choices, non-UTF-8 text (the error
 names the field); 400 a value out of range or beyond a limit, an input file that is not under --input-root or does
 not exist (one answer for both), a reference that is not a readable image/video/audio, an `output` that is not a
-relative `.mp4` path inside --output-root; 401 a missing or wrong bearer token (when the server has one); 413 a body
-over --max-body-mb; 429 + Retry-After the queue is full; 503 + Retry-After loading or stopping. A job that fails once
-running answers its error: 400 (its input turned out bad), 504 (over --job-timeout), 409 (cancelled), 503
-(shutdown), 507 (out of memory), 500 (a bug; traceback on the server's stderr only). Errors are {"error": "<one
-line>"}.
+relative `.mp4` path inside --output-root; 409 an `output` or `save_latent` file that exists (unless the request sets
+`overwrite`) or that a queued or running job will write; 401 a missing or wrong bearer token (when the server has
+one); 413 a body over --max-body-mb; 429 + Retry-After the queue is full; 503 + Retry-After loading or stopping. A
+job that fails once running answers its error: 400 (its input turned out bad), 504 (over --job-timeout), 409
+(cancelled), 503 (shutdown), 507 (out of memory), 500 (a bug; traceback on the server's stderr only). Errors are
+{"error": "<one line>"}.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, some of them local classes
 import asyncio
+import functools
 import hmac
 import json
 import sys
@@ -42,6 +47,12 @@ from h3direct.errors import H3Error, RequestError
 
 POLL_S = 0.02  # how often a waiting /generate looks at its job and its client
 OPEN_PATHS = ("/health",)  # the routes that never need the token
+DOCS_ASSETS_URL = "/docs/assets"
+# the Swagger UI files /docs loads: name in the fastapi-swagger package -> content type
+DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
+               "favicon-32x32.png": "image/png"}
+DOCS_PACKAGE = "fastapi_swagger.resources"
+STATUS_OF_KIND = {"type": 422, "choice": 422, "conflict": 409}  # a RequestError's kind -> HTTP status (else 400)
 
 
 def _error(status: int, message: str, headers: dict | None = None):
@@ -116,10 +127,12 @@ def create_app(service: Service):
 
     from h3direct.app.provenance import version
 
-    app = FastAPI(title="h3direct", version=version(), description=__doc__.split("\n\n")[0])
+    app = FastAPI(title="h3direct", version=version(), description=__doc__.split("\n\n")[0], docs_url=None,
+                  redoc_url=None)
     _error_handlers(app)
     _generation_routes(app, service)
     _job_routes(app, service)
+    _docs_routes(app)
     return _BearerToken(_BodyLimit(app, service.max_body_bytes), service.token), app
 
 
@@ -163,7 +176,7 @@ async def _admitted(service: Service, req):
     try:
         return await run_in_threadpool(service.admit, req.model_dump(exclude_unset=True)), None
     except RequestError as e:
-        return None, _error(422 if e.kind in ("type", "choice") else 400, str(e))
+        return None, _error(STATUS_OF_KIND.get(e.kind, 400), str(e))
     except H3Error as e:
         return None, _error(400, str(e))
     except Full as e:
@@ -273,6 +286,38 @@ def _job_routes(app, service: Service) -> None:
                 await run_in_threadpool(service.queue.wait_changed, job, seen, 0.5)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _docs_routes(app) -> None:
+    """/docs: FastAPI's Swagger UI page, loading its files from this server (`DOCS_ASSETS`), not from a CDN."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import Response
+    from starlette.exceptions import HTTPException
+
+    @app.get("/docs", include_in_schema=False)
+    def docs():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS_URL}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS_URL}/favicon-32x32.png",
+                                   swagger_ui_parameters={"validatorUrl": None})  # (its default is an online one)
+
+    @app.get(DOCS_ASSETS_URL + "/{name}", include_in_schema=False)
+    def docs_asset(name: str):
+        if name not in DOCS_ASSETS:
+            raise HTTPException(404, f"no docs file {name!r}; /docs loads {', '.join(DOCS_ASSETS)}")
+        try:
+            return Response(_docs_file(name), media_type=DOCS_ASSETS[name])
+        except ModuleNotFoundError:
+            return _error(500, "the docs' Swagger UI files come with the serve extra (the fastapi-swagger package): "
+                          "pip install 'h3direct[serve]'")
+
+
+@functools.cache
+def _docs_file(name: str) -> bytes:
+    from importlib import resources
+
+    return resources.files(DOCS_PACKAGE).joinpath(name).read_bytes()
 
 
 def _links(job: Job) -> dict:

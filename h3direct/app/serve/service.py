@@ -5,6 +5,10 @@ A request body (already type-checked by the schema) becomes a `GenerateRequest` 
 `Options` with the request's per-request options over them; both validate themselves, and the attention backend
 must be able to run on the resident models. Only then is a job queued. Each job runs `app.generate.clip` with its
 own request and options (nothing of the pipeline changes per request), and its summary counts its own calls.
+
+Outputs are never replaced unasked: a request whose `output` or `save_latent` exists is refused unless it sets
+`overwrite` (checked when the request is built, and again as its job is queued), and a file that a queued or running
+job will write is that job's until it is over (a second request naming it is refused, overwrite or not): 409.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class Work:
     request: object
     options: object
     uploads: Path | None
+    job_id: str | None = None  # once queued
 
 
 class Service:
@@ -123,6 +128,10 @@ class Service:
         self._uploads: Path | None = None  # a private temporary folder, made on the first upload
         self._lock = threading.Lock()
         self._counter = 0
+        # the files the queued and running jobs will write -> their Work; its own lock, never held while the queue's
+        # is taken (the queue releases a finished job's files under its lock, `_forget`)
+        self._writing: dict[Path, Work] = {}
+        self._writing_lock = threading.Lock()
 
     # ---- startup ----
     def prepare(self) -> None:
@@ -174,10 +183,39 @@ class Service:
         work = Work(None, None, None)
         try:
             work.request, work.options = self.build(body, work)
-            return self.queue.submit(work, work.request.resolved.output, work.request.steps)
+            self._claim_outputs(work)
+            try:
+                job = self.queue.submit(work, work.request.resolved.output, work.request.steps)
+            except BaseException:
+                self._release_outputs(work)
+                raise
+            work.job_id = job.id
+            return job
         except BaseException:
             self._remove_uploads(work)
             raise
+
+    def _claim_outputs(self, work: Work) -> None:
+        """The request's output files become this work's, or a 'conflict' RequestError: a queued or running job
+        will write one, or one has appeared since the request was built (and it does not ask to overwrite)."""
+        req = work.request
+        files = {name: getattr(req.resolved, name) for name in ("output", "save_latent")}
+        with self._writing_lock:
+            for name, path in files.items():
+                owner = self._writing.get(path)
+                if path is not None and owner is not None:
+                    job = f"job {owner.job_id}" if owner.job_id else "another request being queued"
+                    raise RequestError(name, f" {getattr(req, name)!r} will be written by {job}, which is not over "
+                                       "yet; choose another name, or wait for it", kind="conflict")
+            req.check_outputs_free()
+            for path in files.values():
+                if path is not None:
+                    self._writing[path] = work
+
+    def _release_outputs(self, work) -> None:
+        with self._writing_lock:
+            for path in [p for p, w in self._writing.items() if w is work]:
+                del self._writing[path]
 
     def build(self, body: dict, work: Work | None = None):
         """(GenerateRequest, Options) of a request body; uploads are written under `work.uploads` (the caller
@@ -245,8 +283,10 @@ class Service:
             return f"h3-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{self._counter:05d}.mp4"
 
     def _forget(self, job: Job) -> None:
-        """A job is over (done, failed, cancelled): its uploads go."""
+        """A job is over (done, failed, cancelled; its mp4 is in place or gone): its uploads go, its output files are
+        no longer reserved."""
         self._remove_uploads(job.work)
+        self._release_outputs(job.work)
 
     @staticmethod
     def _remove_uploads(work) -> None:
