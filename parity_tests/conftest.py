@@ -22,7 +22,7 @@ import pytest
 
 from parity_tests import session
 from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases, unused_files
-from parity_tests.plugin import gate_attention, gate_fp8, given_trace_dirs, trace_roots
+from parity_tests.plugin import gate_attention, gate_fp8, gate_sage_class, given_trace_dirs, trace_roots
 
 # What fixtures/ holds (checked when the gate runs on its default roots): deleting a fixture trace, or a discovery
 # change that stops pairing one, fails the run instead of shrinking it. Raise these when adding fixture traces.
@@ -174,7 +174,7 @@ def gate_options(request):
     attention = gate_attention(c)
     return {"attention": attention, "attention_label": describe(attention), "device": c.getoption("--device"),
             "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
-            "fp8_linear": gate_fp8(c), "no_twin": c.getoption("--no-twin"), "sage_class": c.getoption("--sage-class")}
+            "fp8_linear": gate_fp8(c), "no_twin": c.getoption("--no-twin"), "sage_class": gate_sage_class(c)}
 
 
 @pytest.fixture(scope="session")

@@ -79,6 +79,11 @@ def pytest_addoption(parser):
     g.addoption("--fp8-linear-format", default="e4m3", choices=["e4m3", "int8"],
                 help="with --fp8-linear: the 8-bit number format (budgets keyed weights = int8_w8a8 for int8), the "
                      "runtime's option fp8_linear_format")
+    g.addoption("--tier", default=None, metavar="NAME",
+                help="gate a tier of the tiers file (its options, under its rule: exact, the class rule against "
+                     "ComfyUI+sage, or its own baselines); not with --attention, --option or --fp8-linear")
+    g.addoption("--tiers", default=None, metavar="FILE",
+                help="the tiers file --tier reads (default: $H3_TIERS, else <cache>/tiers.json)")
     g.addoption("--sage-class", action="store_true",
                 help="hold the approximate mode (any backend, options and linears) to the class rule against ComfyUI's "
                      "--use-sage-attention, as for sage2: what a mode that claims ComfyUI+sage's quality must meet")
@@ -132,17 +137,61 @@ def pytest_configure(config):
     baselines = baselines_dir(config)
     if baselines is not None and baselines.exists() and not baselines.is_dir():
         raise pytest.UsageError(f"--baselines: not a directory: {baselines}")
+    gate_tier(config)
     gate_attention(config)
     gate_fp8(config)
     if getattr(config.option, "numprocesses", None) and config.getoption("--comfy-root"):
         raise pytest.UsageError("--comfy-root (the live gate records ComfyUI once): run it without -n")
 
 
+def gate_tier(config):
+    """--tier's `app.tiers.Tier` (read once, for the --device of the run), or None; a bad one, or one given with the
+    options it sets, is pytest's one-line usage error."""
+    if not hasattr(config, "_h3_tier"):
+        config._h3_tier = _read_tier(config)
+    return config._h3_tier
+
+
+def _read_tier(config):
+    import os
+
+    from h3direct.app import tiers
+    from h3direct.errors import H3Error
+
+    name, path = config.getoption("--tier"), config.getoption("--tiers")
+    if name is None:
+        if path is not None:
+            raise pytest.UsageError("--tiers FILE: give --tier NAME too")
+        return None
+    mixed = [f for f, given in (("--attention", config.getoption("--attention") != "sdpa"),
+                                ("--option", bool(config.getoption("--option"))),
+                                ("--fp8-linear", config.getoption("--fp8-linear") != "off"),
+                                ("--sage-class", config.getoption("--sage-class"))) if given]
+    if mixed:
+        raise pytest.UsageError(f"--tier {name}: the tier sets the options and the rule; not with {mixed[0]}")
+    try:
+        tier, found = tiers.resolve(name, path or os.environ.get(tiers.ENV) or None, config.getoption("--device"))
+    except H3Error as exc:
+        raise pytest.UsageError(f"--tier {name}: {exc}") from None
+    return tier
+
+
+def gate_sage_class(config) -> bool:
+    """Whether the run's approximate mode is held to the class rule against ComfyUI+sage: --sage-class, or a tier
+    whose rule is the class rule."""
+    tier = gate_tier(config)
+    return bool(config.getoption("--sage-class") or (tier is not None and tier.rule == "class"))
+
+
 def gate_attention(config):
-    """--attention and its --option values as AttentionOptions; a bad one is pytest's one-line usage error."""
+    """--attention and its --option values (or --tier's options) as AttentionOptions; a bad one is pytest's one-line
+    usage error."""
     from h3direct.dit.options import Options, check_in_effect, parse_assignments
     from h3direct.errors import H3Error
 
+    tier = gate_tier(config)
+    if tier is not None:
+        return Options.from_flat(tier.options).attention
     try:
         given = parse_assignments(config.getoption("--option") or [], only="attention")
         options = Options.from_flat({"attention": config.getoption("--attention"), **given})
@@ -158,6 +207,12 @@ def gate_fp8(config) -> str:
     list is pytest's one-line usage error, and so are layers or a format without --fp8-linear."""
     from parity_tests.models import fp8_spec
 
+    tier = gate_tier(config)
+    if tier is not None:
+        from h3direct.dit.options import Options
+
+        k = Options.from_flat(tier.options).kernels
+        return fp8_spec(k.fp8_linear, k.fp8_linear_layers, k.fp8_linear_format)
     mode, layers = config.getoption("--fp8-linear"), config.getoption("--fp8-linear-layers")
     fmt = config.getoption("--fp8-linear-format")
     if mode == "off" and (layers is not None or fmt != "e4m3"):

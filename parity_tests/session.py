@@ -112,7 +112,7 @@ def kernel_compared_nowhere(attention, device: str, cases: list[dict]) -> str | 
     for c in cases:
         for what, n in (c.get("fp8_linear_calls") or {}).items():
             fp8[what] += n
-    if fp8 and not fp8.get("scaled_mm") and torch.device(device).type == "cuda":
+    if fp8 and all(w.startswith("emulated") for w in fp8) and torch.device(device).type == "cuda":
         ways = ", ".join(f"{w} ×{n}" for w, n in fp8.items())
         return f"parity gate: --fp8-linear: every FP8 linear was emulated on the GPU ({ways}): no FP8 GEMM compared"
     return None

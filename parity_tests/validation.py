@@ -43,6 +43,14 @@ class Case:
     audio_t: int
     text_len: int
     ref: tuple[int, int] | None = None  # image reference latent H, W (ref2va)
+    sigma: float = 0.8  # where in a schedule the step is (early: near 1, late: near 0)
+    sizes: tuple[tuple[str, int], ...] = ()  # the preset's sizes changed (heads, text_dim, ...), as H3Config fields
+
+    @property
+    def structured(self) -> bool:
+        """Local attention at a length where the approximate modes engage (sol_attn's kernel from 4,096 tokens):
+        the cases the frontier and the tiers are judged on."""
+        return self.structure == "local" and seq_len(self) >= STRUCTURED_MIN_TOKENS
 
     @property
     def checkpoint(self) -> str:
@@ -56,6 +64,8 @@ class Case:
         return "reduced" if self.preset.startswith("full") else "full"
 
 
+STRUCTURED_MIN_TOKENS = 5000
+
 CASES = [
     Case("v1_random_bf16_s260", "small", "curve", "none", "random", 101, "t2va", (4, 8, 16), 50, 32),
     Case("v2_random_nvfp4_s1144", "small", "full", "nvfp4", "random", 102, "ref2va", (6, 16, 32), 100, 48, (16, 32)),
@@ -65,7 +75,20 @@ CASES = [
     Case("v6_random_bf16_s2044", "small", "full", "none", "random", 106, "ref2va", (6, 24, 40), 150, 64, (24, 40)),
     Case("v7_local_nvfp4_s260", "small", "curve", "nvfp4", "local", 107, "t2va", (4, 8, 16), 50, 32),
     Case("v8_full_random_nvfp4_s360", "full", "curve", "nvfp4", "random", 108, "ref2va", (3, 12, 16), 40, 112, (8, 12)),
+    # structured, S >= 5,000, other heads, text widths, adaLN forms, weights and places in a schedule
+    Case("v9_local_bf16_h4_s6224_late", "small", "curve", "none", "local", 109, "t2va", (10, 32, 72), 200, 64,
+         sigma=0.2, sizes=(("num_attention_heads", 4), ("hidden_size", 512), ("ffn_hidden_size", 1024))),
+    Case("v10_local_nvfp4_td192_s6768_mid", "small", "full", "nvfp4", "local", 110, "ref2va", (12, 32, 60), 200, 96,
+         (32, 64), sigma=0.5, sizes=(("text_dim", 192),)),
+    Case("v11_local_bf16_s8656_early", "small", "curve", "none", "local", 111, "t2va", (16, 32, 64), 200, 64,
+         sigma=0.95),
+    Case("v12_local_nvfp4_h3_s5664_late", "small", "full", "nvfp4", "local", 112, "ref2va", (10, 32, 64), 120, 64,
+         (24, 40), sigma=0.35, sizes=(("num_attention_heads", 3), ("hidden_size", 384), ("ffn_hidden_size", 768))),
 ]
+
+
+def structured() -> list[Case]:
+    return [c for c in CASES if c.structured]
 
 
 def seq_len(case: Case) -> int:
@@ -83,11 +106,12 @@ def write_inputs(case: Case, path: Path, text_dim: int) -> None:
 
     g = torch.Generator().manual_seed(case.seed)
     video, audio = (1, 24, *case.video), (1, 32, 2, case.audio_t)
+    sigma = torch.tensor([case.sigma], dtype=torch.float32)
     t = {"video_noise": torch.randn(video, generator=g), "audio_noise": torch.randn(audio, generator=g),
          "video_latent": torch.randn(video, generator=g), "audio_latent": torch.randn(audio, generator=g),
-         "text_states": torch.randn(1, case.text_len, text_dim, generator=g), "sigma": torch.tensor([0.8])}
+         "text_states": torch.randn(1, case.text_len, text_dim, generator=g), "sigma": sigma}
     tags = torch.ones(case.text_len, dtype=torch.int64)
-    desc = {"schema": "h3-oracle-inputs/1", "sigma": 0.800000011920929, "sampler_seed": case.seed, "task": case.task,
+    desc = {"schema": "h3-oracle-inputs/1", "sigma": float(sigma), "sampler_seed": case.seed, "task": case.task,
             "variant": case.name, "text_states": "text_states", "token_tags": "token_tags"}
     if case.ref:
         t["ref_image_latent"] = torch.randn(1, 24, 1, *case.ref, generator=g)
@@ -96,6 +120,17 @@ def write_inputs(case: Case, path: Path, text_dim: int) -> None:
                          "latent_w": case.ref[1]}]
     t["token_tags"] = tags
     save_file(t, str(path), metadata={"h3_inputs": json.dumps(desc, sort_keys=True)})
+
+
+def sizes_of(case: Case) -> dict:
+    """The case's whole DiT config (its preset's, in the case's adaLN form, with its sizes changed) as
+    `make-checkpoint --config` takes it."""
+    import dataclasses
+
+    from h3direct.checkpoint.synthetic import resolve_config
+
+    cfg = dataclasses.replace(resolve_config(case.preset, None, case.adaln), **dict(case.sizes))
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 def build(out: Path, *, device: str = "cpu", only: list[str] | None = None) -> list[Case]:
@@ -109,13 +144,14 @@ def build(out: Path, *, device: str = "cpu", only: list[str] | None = None) -> l
         if not ckpt.is_file():
             cmd = [sys.executable, "-m", "h3direct", "make-checkpoint", "--preset", c.preset, "--adaln", c.adaln,
                    "--quant", c.quant, "--seed", str(c.seed), "--attention-structure", c.structure, "--device",
-                   device, "--output", str(ckpt)]
+                   device, "--output", str(ckpt)] + (["--config", json.dumps(sizes_of(c))] if c.sizes else [])
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise SystemExit(f"validation build {c.name}: {(r.stderr or r.stdout).strip()[-400:]}")
-        cfg = resolve_config(c.preset, None, c.adaln)
+        cfg = resolve_config(c.preset, json.dumps(sizes_of(c)) if c.sizes else None, c.adaln)
         write_inputs(c, folder / c.inputs, cfg.text_dim)
-        print(f"{c.name}: S = {seq_len(c)}, {c.preset}/{c.adaln}, {c.quant}, {c.structure}, seed {c.seed}")
+        print(f"{c.name}: S = {seq_len(c)}, {c.preset}/{c.adaln}{' ' + str(dict(c.sizes)) if c.sizes else ''}, "
+              f"{c.quant}, {c.structure}, seed {c.seed}, sigma {c.sigma}")
     return cases
 
 
@@ -167,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "list":
         for c in CASES:
-            print(f"{c.name}: S = {seq_len(c)}")
+            print(f"{c.name}: S = {seq_len(c)}" + (", structured" if c.structured else ""))
         return 0
     if args.cmd == "build":
         build(args.out, device=args.device, only=args.only)

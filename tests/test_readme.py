@@ -670,6 +670,7 @@ def test_recording_commands_fit_together():
     assert (REPO / flag(record, "--checkpoint")).is_file() and (REPO / flag(record, "--inputs")).is_file()
     assert gate[:4] == ["python", "-m", "pytest", "-m"] and Path(flag(gate, "--trace-dir")) == out.parent
     assert replay[:4] == ["python", "-m", "oracle", "replay"] and Path(flag(replay, "--trace")) == out
+    assert flag(replay, "--comfy-python") == f"{venv}/bin/python"  # ComfyUI's side runs in its own environment
 
 
 @pytest.mark.comfy
@@ -682,11 +683,9 @@ def test_recording_commands_run_as_written_on_a_fresh_clone(tmp_path, comfy_root
     kitchen = version("comfy-kitchen")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    (bin_ / "python").symlink_to(sys.executable)
-    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "H3_COMFY_ROOT": comfy_root,
-           "OMP_NUM_THREADS": "2"}
+    # the runtime's environment active, as README says: its bin folder first on PATH (`python` is its Python)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "H3_COMFY_ROOT": comfy_root, "OMP_NUM_THREADS": "2"}
     env.pop("H3_COMFY_PYTHON", None)
     for line in recording_commands():
         r = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=1800)

@@ -148,9 +148,7 @@ def _same_media(a, b) -> bool:
 
 
 def test_every_option_spelled_out_at_its_default_is_the_same_clip(cache_env, tmp_path, capsys, monkeypatch):
-    from h3direct.dit.options import Options
-
-    from h3direct.dit.options import not_in_effect
+    from h3direct.dit.options import Options, not_in_effect
 
     plain = _generate(tmp_path, capsys, "plain.mp4")
     defaults = Options().flat()

@@ -38,7 +38,7 @@ from h3direct.app.cli_flags import (
     given,
     option_names,
 )
-from h3direct.errors import RequestError
+from h3direct.errors import ConfigError, RequestError
 
 MODEL_FILES = ("checkpoint", "vae", "audio_vae", "vae_config", "audio_vae_config", "text_encoder", "tokenizer")
 MODEL_RUNTIME = ("compute_dtype", "nvfp4_mode", "device", "threads", "vae_dtype", "vae_tile_size",
@@ -75,8 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
                    help="Ulysses sequence parallelism of the DiT over N processes (default under torchrun: its "
                         "whole world): torchrun --nproc-per-node N -m h3direct generate ...; rank 0 writes")
-    add_options(parser.add_argument_group("options (attention backend and its options, kernels; env H3_<NAME> "
-                                          "read once at startup; a flag wins)"))
+    g = parser.add_argument_group("options (attention backend and its options, kernels; env H3_<NAME> read once at "
+                                  "startup; a flag wins, over a tier's too)")
+    g.add_argument("--tier", metavar="NAME", help="the options of a tier chosen on this machine (exact, sage_class, "
+                   "fastest, ...: `python -m benchmarks.frontier` writes them); options given as flags win")
+    g.add_argument("--tiers", metavar="FILE", help="the tiers file --tier reads (env H3_TIERS; default: "
+                   "<cache>/tiers.json)")
+    add_options(g)
     add_fields(parser.add_argument_group("step cache (opt-in, approximate)"), GenerateRequest, CACHE_FLAGS)
     add_fields(parser.add_argument_group("limits (requests beyond them are refused before any compute)"), Limits)
     g = parser.add_argument_group("output")
@@ -108,11 +113,13 @@ def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
 
     base = _provenance(args) if args.from_provenance else None
     limits = Limits(**given(args, field_names(Limits)))
-    opts = Options.from_flat({**environment.read_options(env), **(base["options"] if base else {}),
-                              **given(args, option_names())})
-    check_in_effect(opts, given(args, option_names()))  # a flag that this run's backend never reads: one line
     spec = ModelSpec(**{**environment.read_settings(env), **(base["settings"] if base else {}),
                         **given(args, field_names(ModelSpec))})
+    tier = _tier(args, spec, env)
+    opts = Options.from_flat({**environment.read_options(env), **(base["options"] if base else {}),
+                              **(tier["options"] if tier else {}), **given(args, option_names())})
+    check_in_effect(opts, given(args, option_names()))  # a flag that this run's backend never reads: one line
+    opts = dataclasses.replace(opts, tier=tier)
     fields = {**(base["request"] if base else {}), **given(args, REQUEST_FLAGS + CACHE_FLAGS),
               **given(args, ("progress", "profile_memory"))}
     if "prompt_file" in fields and base is not None and "prompt_file" in given(args, ("prompt_file",)):
@@ -126,6 +133,22 @@ def parse(args: argparse.Namespace, *, env=None, output: bool = True) -> Job:
         check_text(spec.dit_config(), request.resolved.text_embeds)  # from the header: before anything loads
     check_backend(opts, spec)
     return Job(request, opts, spec, _notes(request, spec), base["weights"] if base else None)
+
+
+def _tier(args: argparse.Namespace, spec, env) -> dict | None:
+    """--tier's provenance (its name, file and options: `app.tiers`), read for the device the models will use; None
+    without --tier. A tiers file without --tier is one line."""
+    from h3direct.app import env as environment
+    from h3direct.app import tiers
+    from h3direct.app.pipeline import resolve_device
+
+    path = getattr(args, "tiers", None)
+    if not getattr(args, "tier", None):
+        if path:
+            raise ConfigError("--tiers FILE: give --tier NAME too")
+        return None
+    tier, found = tiers.resolve(args.tier, path or environment.read_tiers(env), resolve_device(spec.device))
+    return tier.provenance(found)
 
 
 def check_backend(options, spec) -> None:

@@ -30,8 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fields(parser.add_argument_group("limits (requests beyond them are refused before any compute)"), Limits)
     add_fields(parser.add_argument_group("models (as `h3direct generate`; each omitted model: bundled tiny)"),
                ModelSpec, env=True)
-    add_options(parser.add_argument_group("options: every request's defaults (a request may set those that need no "
-                                          "reload; env H3_<NAME> read once at startup; a flag wins)"))
+    g = parser.add_argument_group("options: every request's defaults (a request may set those that need no reload; "
+                                  "env H3_<NAME> read once at startup; a flag wins)")
+    g.add_argument("--tiers", metavar="FILE", help="the tiers file a request's `tier` reads, checked at startup (env "
+                   "H3_TIERS; default: <cache>/tiers.json where it exists and was chosen on this device)")
+    add_options(g)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,4 +58,28 @@ def service_of(args: argparse.Namespace, *, env=None):
     limits = Limits(**given(args, field_names(Limits)))
     spec = ModelSpec(**{**environment.read_settings(env), **given(args, field_names(ModelSpec))})
     options = Options.from_flat({**environment.read_options(env), **given(args, option_names())})
-    return Service(settings, spec, options, limits)
+    tiers, note = tiers_of(getattr(args, "tiers", None) or environment.read_tiers(env), spec)
+    return Service(settings, spec, options, limits, tiers=tiers, tiers_note=note)
+
+
+def tiers_of(path, spec):
+    """(the tiers a request may name, a note on why there are none): a file given (--tiers, H3_TIERS) is read and
+    checked for this device now (a problem stops the start, one line); the default one only where it exists, and
+    set aside with its reason when it cannot serve here."""
+    from h3direct.app import tiers
+    from h3direct.app.pipeline import resolve_device
+    from h3direct.errors import H3Error
+
+    device = tiers.device_name(resolve_device(spec.device))
+    if path is not None:
+        found = tiers.load(path)
+        found.check_device(device)
+        return found, None
+    if not tiers.default_path().is_file():
+        return None, f"no tiers file ({tiers.default_path()}): {tiers.MAKE_IT}"
+    try:
+        found = tiers.load(tiers.default_path())
+        found.check_device(device)
+    except H3Error as exc:
+        return None, str(exc)
+    return found, None

@@ -2,9 +2,10 @@
 
 Each `H3_*` variable that sets an option is the option's flat name in capitals (`H3_SOL_TAU` -> `sol_tau`,
 `H3_FUSED` -> `fused`: `dit/options.py`); the settings of the models are `H3_VAE_DTYPE`, `H3_VAE_TILE_SIZE`,
-`H3_TOKENIZER` and `H3_TEXT_ENCODER_POLICY`. A value is parsed by its field's type and checked by its field's rule,
-with one rule for every switch (1/0, true/false, yes/no, on/off); a bad one is a one-line `ConfigError` naming the
-variable (exit 2 at startup). A flag given on the command line, or a request field, wins over the variable.
+`H3_TOKENIZER` and `H3_TEXT_ENCODER_POLICY`; `H3_TIERS` names the tiers file (`app/tiers.py`). A value is parsed by
+its field's type and checked by its field's rule, with one rule for every switch (1/0, true/false, yes/no, on/off);
+a bad one is a one-line `ConfigError` naming the variable (exit 2 at startup). A flag given on the command line, or
+a request field, wins over the variable.
 `H3_CACHE_DIR` (where rebuildable files are kept) is read where that folder is needed (`app/paths.py`);
 `H3_COMFY_ROOT` belongs to the oracle and is not read by the runtime.
 """
@@ -62,6 +63,13 @@ def read_settings(env: Mapping[str, str] | None = None) -> dict:
     return out
 
 
+def read_tiers(env: Mapping[str, str] | None = None) -> str | None:
+    """$H3_TIERS: the tiers file `--tier` reads (`app/tiers.py`), or None."""
+    from h3direct.app.tiers import ENV
+
+    return _set(os.environ if env is None else env, ENV)
+
+
 def variables() -> list[str]:
     """Every H3_* variable the runtime reads at startup (options, model settings, the refused ones)."""
     import dataclasses
@@ -71,4 +79,4 @@ def variables() -> list[str]:
 
     names = [o.env for o in flat_options() if o.env is not None]
     names += ["H3_" + f.name.upper() for f in dataclasses.fields(ModelSpec) if spec_of(f).env]
-    return sorted({*names, *REFUSED})
+    return sorted({*names, *REFUSED, "H3_TIERS"})

@@ -94,6 +94,8 @@ def provenance_of(request, options, pipe) -> dict:
     out["references"] = references([(name, f.path) for name in FILE_FIELDS for f in request.inputs(name)
                                     if f.path is not None])
     out["options"] = options.flat()
+    if options.tier is not None:  # where the options came from: the tier's name, its file and what it set
+        out["tier"] = options.tier
     out["settings"] = settings_of(pipe)
     out["weights"] = weights(pipe.files)
     return out

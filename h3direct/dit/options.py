@@ -177,6 +177,8 @@ class Options:
 
     attention: AttentionOptions = AttentionOptions()
     kernels: KernelOptions = KernelOptions()
+    # the tier these options were taken from (`app.tiers.Tier.provenance`): recorded, not an option of its own
+    tier: dict | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def with_backend(cls, backend: str) -> Options:

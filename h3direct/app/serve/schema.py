@@ -50,6 +50,8 @@ def request_model():
         if o.spec.per_request:
             spec = dataclasses.replace(o.spec, choices=BACKENDS) if o.flat == "attention" else o.spec
             fields[o.flat] = one(o.kind, o.default, spec)
+    fields["tier"] = (StrictStr | None, Field(None, description="the options of a tier of the server's tiers file "
+                                              "(GET /ready lists them); options given in the request win"))
     config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model = create_model("GenerateRequest", __config__=config, **fields)
     model.__doc__ = ("One generation: the fields of `h3direct generate` and the per-request options; omitted ones "

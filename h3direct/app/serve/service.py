@@ -13,6 +13,7 @@ job will write is that job's until it is over (a second request naming it is ref
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import threading
@@ -23,7 +24,7 @@ from pathlib import Path
 from h3direct.app.cli_flags import FFMPEG_LOGLEVELS
 from h3direct.app.jobs import Job, JobQueue
 from h3direct.counts import CallCounts
-from h3direct.errors import RequestError
+from h3direct.errors import H3Error, RequestError
 from h3direct.fields import check, field
 
 DEFAULT_PORT = 8188
@@ -107,9 +108,13 @@ class Work:
     job_id: str | None = None  # once queued
 
 
+TIER_FIGURES = ("s_per_step", "x_comfyui_sage", "error_x_comfyui_sage", "error_x_comfyui_bf16", "margin")
+
+
 class Service:
-    def __init__(self, settings: ServerSettings, spec, options, limits):
+    def __init__(self, settings: ServerSettings, spec, options, limits, *, tiers=None, tiers_note: str | None = None):
         self.settings, self.spec, self.options, self.limits = settings, spec, options, limits
+        self.tiers, self.tiers_note = tiers, tiers_note  # `app.tiers.Tiers` a request's `tier` names, or why none
         self.output_root = Path(settings.output_root).resolve()
         self.input_root = Path(settings.input_root).resolve() if settings.input_root else None
         self.token = settings.token()
@@ -235,11 +240,42 @@ class Service:
         fields["output"] = fields.get("output") or self._auto_name()
         request = GenerateRequest(**fields, roots=Roots(self.input_root, self.output_root, uploads),
                                   limits=self.limits)
-        options = self.pipe.check_options(Options.from_flat({k: v for k, v in body.items() if k not in names},
-                                                            base=self.options))
+        given = {k: v for k, v in body.items() if k not in names and k != "tier"}
+        tier = self._tier(body["tier"]) if body.get("tier") is not None else None
+        options = Options.from_flat({**(tier.options if tier else {}), **given}, base=self.options)
+        options = self.pipe.check_options(dataclasses.replace(
+            options, tier=tier.provenance(self.tiers) if tier else None))
         if request.resolved.text_embeds is not None:
             self.pipe.check_text(request.resolved.text_embeds)  # the pipeline's own check, here before queueing
         return request, options
+
+    def _tier(self, name: str):
+        """The tier a request names, if this server can run it: its options that are fixed when the models load
+        (the 8-bit linears) must be the server's."""
+        if self.tiers is None:
+            raise RequestError("tier", f" {name!r}: this server has no tiers ({self.tiers_note})")
+        try:
+            tier = self.tiers.get(name)
+        except H3Error as exc:
+            raise RequestError("tier", f" {name!r}: {str(exc).split(': ', 1)[1]}") from None
+        why = self._unservable(tier)
+        if why:
+            raise RequestError("tier", f" {name!r}: {why}")
+        return tier
+
+    def _unservable(self, tier) -> str | None:
+        """Why this server cannot run `tier` (None: it can): a load-time option of the tier differs from the
+        server's."""
+        from h3direct.dit.options import Options
+
+        loaded = self.options.kernels.load_time()
+        wanted = Options.from_flat(tier.options).kernels.load_time()
+        differ = {k: v for k, v in wanted.items() if v != loaded[k] and k in tier.options}
+        if differ:
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in differ.items())
+            return f"it needs the models loaded with {flags} (a server flag; this server runs " \
+                   f"{', '.join(f'{k}={loaded[k]}' for k in differ)})"
+        return None
 
     def _names(self, name: str, value, work: Work, uploads: dict):
         """A file field's names under --input-root, with each upload written to this request's folder and named
@@ -350,6 +386,7 @@ class Service:
                 "text_encoder_residency": pipe.text.view() if pipe.text.present else None,
                 "attention": {**self._attention(), "calls": calls["attention"]},
                 "options": self._options(),
+                "tiers": self._tiers(),
                 "limits": {**self.limits.as_dict(), "max_body_bytes": self.max_body_bytes,
                            "job_timeout_s": self.queue.timeout_s},
                 "queue": {"depth": self.queue.depth(), "size": self.queue.size,
@@ -374,6 +411,19 @@ class Service:
         return {"default": self.options.attention.backend,
                 "available": [b for b, r in reasons.items() if r is None],
                 "unavailable": {b: r for b, r in reasons.items() if r is not None}}
+
+    def _tiers(self) -> dict:
+        """The tiers a request may name, with what they measured where they were chosen, and whether this server
+        runs each (its load-time options)."""
+        if self.tiers is None:
+            return {"file": None, "note": self.tiers_note, "tiers": {}}
+        out = {}
+        for name, t in self.tiers.tiers.items():
+            why = self._unservable(t)
+            out[name] = {"options": t.options, "rule": t.rule, "bound": t.bound,
+                         **{k: t.figures[k] for k in TIER_FIGURES if k in t.figures},
+                         "servable": why is None, **({"why": why} if why else {})}
+        return {"file": str(self.tiers.path), "device_name": self.tiers.machine.get("device_name"), "tiers": out}
 
     def _options(self) -> dict:
         """Which options a request may set (its fields), their server defaults, and those fixed at load."""

@@ -40,8 +40,11 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
   accumulator over the whole K (cuBLAS fast accumulation, the default of FBGEMM's f8f8bf16_rowwise), "fp32" promotes the
   partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
   gate's rule for FP8 linears bounds;
-- ``int_mm``: an int8 weight on CUDA (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton importable):
-  Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
+- ``int8_gemm``: an int8 weight on a GPU of compute capability >= 9.0 (K a multiple of 16): Triton per-row int8
+  quantization, then one Triton kernel for the GEMM and its epilogue (`int8_gemm`: exact int32 accumulation on the
+  tensor cores, the scales and bias applied to the accumulator);
+- ``int_mm``: an int8 weight on other CUDA GPUs (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton
+  importable): Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs; int8: the exact product
   in float64 and the GPU's epilogue, so the same bits). On the CPU this is the path by design; on CUDA it is a
@@ -266,6 +269,13 @@ def _int8_gpu_reason(x: torch.Tensor, n: int) -> str | None:
     return None
 
 
+def gemm_reason(fmt: str, device) -> str | None:
+    """Why the 8-bit GEMM of `fmt` (e4m3 | int8) would be emulated on `device` for the DiT's linears (bf16
+    activations, K and N multiples of 16); None: it runs on the tensor cores there."""
+    x = torch.empty(32, 64, device=device, dtype=torch.bfloat16)
+    return _int8_gpu_reason(x, 64) if fmt == "int8" else _gpu_reason(x, x.dtype, 64, 64)
+
+
 def linear_int8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                 strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (int8 [N, K], fp32 [N]) and x quantized per row to int8 here
@@ -278,15 +288,28 @@ def linear_int8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: 
     reason = _int8_gpu_reason(x2, n)
     if reason is not None and x2.is_cuda and strict:
         raise ConfigError(f"int8 linear [{k} -> {n}] cannot use torch._int_mm: {reason} (fp8_strict is on)")
-    count_fp8_linear("int_mm" if reason is None else f"emulated ({reason})")
     x8, sx = quantize_activation(x2, "int8")
-    if reason is None:
+    path = "int_mm" if reason is None else f"emulated ({reason})"
+    if reason is None and _triton_gemm(x8, w8):
+        from h3direct.checkpoint.quant import int8_gemm
+
+        path = "int8_gemm"
+        y = int8_gemm.int8_linear(x8, w8, sx, w_scale, bias, x.dtype)
+    elif reason is None:
         from h3direct.checkpoint.quant import w8a8_triton
 
         y = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, w_scale, bias, x.dtype)
     else:
         y = int8_epilogue(x8.double() @ w8.double().T, sx, w_scale, bias, x.dtype)
+    count_fp8_linear(path)
     return y.reshape(*lead, n)
+
+
+def _triton_gemm(x8: torch.Tensor, w8: torch.Tensor) -> bool:
+    """Whether the fused Triton int8 GEMM (`int8_gemm`: the scales in its epilogue) takes these operands here."""
+    from h3direct.checkpoint.quant import int8_gemm
+
+    return int8_gemm.reason(x8, w8) is None
 
 
 def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,

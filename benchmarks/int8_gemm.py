@@ -1,0 +1,144 @@
+"""The block linears' GEMMs at the workload's shapes: h3direct's int8 kernel against torch's bf16, int8 (cuBLASLt,
+`torch._int_mm` + the Triton epilogue) and FP8 e4m3 (`torch._scaled_mm`, rowwise scales, fast accumulation), in one
+run on one GPU.
+
+    python3 benchmarks/int8_gemm.py [--m 20050] [--out R.json] [--iters 50]
+
+Per shape (M tokens; qkv 5,376 -> 16,128, out 5,376 -> 5,376, fc1 5,376 -> 28,672, fc2 14,336 -> 5,376, the full
+DiT's block) and per GEMM: the median ms (triton's do_bench, operands made once per shape, int8 activations already
+quantized: the GEMM and its epilogue alone) and its rate (TOPS / TFLOP/s); then the block's four GEMMs summed, as
+ratios to bf16. The int8 kernel's output is checked bitwise against cuBLASLt's int32 product through the same
+epilogue on every shape (exact integer accumulation: the same bits or a bug), and every tile shape autotuning may pick
+is timed (`--all-configs`). `--smoke`: small shapes on the CPU through Triton's interpreter (plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _common as C  # noqa: E402
+
+SHAPES = {"qkv_proj": (5376, 16128), "out_proj": (5376, 5376), "fc1": (5376, 28672), "fc2": (14336, 5376)}
+
+
+def operands(m: int, k: int, n: int, device, seed: int):
+    """bf16 activations and weights with a spread of row and channel scales, and their int8 and e4m3 codes."""
+    import torch
+
+    from h3direct.checkpoint.quant import w8a8
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 0.5, k)[None, :]).to(device, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(device, torch.bfloat16)
+    x8, sx = w8a8.quantize_activation(x, "int8")
+    w8, sw = w8a8.format_functions("int8")[0](w)
+    xe, sxe = w8a8.quantize_activation(x, "e4m3")
+    we, swe = w8a8.format_functions("e4m3")[0](w)
+    return {"x": x, "w": w, "bias": bias, "x8": x8, "sx": sx, "w8": w8, "sw": sw, "xe": xe, "sxe": sxe, "we": we,
+            "swe": swe}
+
+
+def gemms(o: dict, config=None) -> dict:
+    """name -> the call timed (its output in bf16)."""
+    import torch
+
+    from h3direct.checkpoint.quant import int8_gemm, w8a8_triton
+
+    return {
+        "bf16": lambda: torch.nn.functional.linear(o["x"], o["w"], o["bias"]),
+        "e4m3_scaled_mm": lambda: torch._scaled_mm(o["xe"], o["we"].t(), scale_a=o["sxe"][:, None],
+                                                   scale_b=o["swe"][None, :], bias=o["bias"],
+                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
+        "int8_int_mm": lambda: w8a8_triton.int8_epilogue(torch._int_mm(o["x8"], o["w8"].t()), o["sx"], o["sw"],
+                                                         o["bias"], torch.bfloat16),
+        "int8_h3direct": lambda: int8_gemm.int8_linear(o["x8"], o["w8"], o["sx"], o["sw"], o["bias"],
+                                                       torch.bfloat16, config),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 benchmarks/int8_gemm.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--m", type=int, default=20050, help="tokens (default: the contract's S)")
+    ap.add_argument("--iters", type=int, default=50, help="do_bench's repetitions in ms (default 50)")
+    ap.add_argument("--out", default=None, help="result JSON")
+    ap.add_argument("--all-configs", action="store_true", help="also time every tile shape autotuning picks from")
+    ap.add_argument("--smoke", action="store_true", help="small shapes on the CPU through Triton's interpreter")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from h3direct.checkpoint.quant import int8_gemm
+
+    dev = "cpu" if args.smoke else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        C.usage_error("no CUDA device here (--smoke runs the plumbing on the CPU)", "int8_gemm")
+    smaller = lambda d: (d // 128 + 15) // 16 * 16  # noqa: E731 (the smoke run's sizes: multiples of 16)
+    shapes = {k: (smaller(v[0]), smaller(v[1])) for k, v in SHAPES.items()} if args.smoke else SHAPES
+    m = 50 if args.smoke else args.m
+    result = {"device": C.env_info(dev).get("gpu") or dev, "env": {**C.env_info(dev), "packages":
+              C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(), "m": m,
+              "command": ["python3", "benchmarks/int8_gemm.py", *(argv if argv is not None else sys.argv[1:])],
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": {}}
+    for i, (name, (k, n)) in enumerate(shapes.items()):
+        o = operands(m, k, n, dev, seed=i)
+        calls = gemms(o)
+        ours, ref = calls["int8_h3direct"](), (calls["int8_int_mm"]() if dev == "cuda" else None)
+        if ref is None:
+            from h3direct.checkpoint.quant import w8a8
+
+            ref = w8a8.int8_epilogue(o["x8"].double() @ o["w8"].double().T, o["sx"], o["sw"], o["bias"],
+                                     torch.bfloat16)
+        row = {"m": m, "k": k, "n": n, "bitwise_int8": bool(torch.equal(ours, ref)), "ms": {}, "rate": {}}
+        ops = 2.0 * m * k * n
+        for what, fn in calls.items():
+            if dev == "cpu" and what != "int8_h3direct":
+                continue
+            ms = _time(fn, args.iters, dev)
+            row["ms"][what], row["rate"][what] = ms, ops / ms / 1e9
+        if args.all_configs and dev == "cuda":
+            row["configs"] = {}
+            for cfg in int8_gemm.CONFIGS:
+                try:
+                    row["configs"][str(cfg)] = _time(gemms(o, cfg)["int8_h3direct"], args.iters, dev)
+                except Exception as exc:  # noqa: BLE001 (a config that does not fit: its reason)
+                    row["configs"][str(cfg)] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        row["tuned"] = str(int8_gemm._TUNED.get((o["x8"].device.index, n, k, m.bit_length())))
+        result["shapes"][name] = row
+        C.log(f"{name} [{m}x{k}] x [{k}x{n}]: " + ", ".join(f"{w} {t:.3f} ms ({row['rate'][w]:.0f} T/s)"
+                                                             for w, t in row["ms"].items())
+              + f"; bitwise {row['bitwise_int8']}")
+        del o, calls
+    block = {w: sum(r["ms"][w] for r in result["shapes"].values() if w in r["ms"])
+             for w in next(iter(result["shapes"].values()))["ms"]}
+    result["block_ms"] = block
+    if "bf16" in block:
+        result["x_bf16"] = {w: block["bf16"] / t for w, t in block.items()}
+        C.log("block: " + ", ".join(f"{w} {t:.2f} ms (x{block['bf16'] / t:.2f} bf16)" for w, t in block.items()))
+    if args.out:
+        C.write_result(args.out, result)
+    return 0 if all(r["bitwise_int8"] for r in result["shapes"].values()) else 1
+
+
+def _time(fn, iters: int, dev: str) -> float:
+    if dev == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return statistics.median([do_bench(fn, warmup=10, rep=iters) for _ in range(3)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The int8 W8A8 GEMM of the block linears in one Triton kernel: int8 codes times int8 codes on the tensor cores'
+int8 path (exact int32 accumulation), the row and column scales (and the bias) applied to the accumulator in the same
+kernel, rounded once to the output dtype.
+
+    y[m, n] = round_out((acc[m, n] · s_x[m]) · s_w[n] (+ b[n])),   acc = Σ_k x8[m, k] · w8[n, k]  (int32, exact)
+
+The epilogue is `w8a8.int8_epilogue`'s order of operations, built without floating-point contraction, so the kernel
+equals its emulation (`w8a8.int8_epilogue` of the exact integer product) bit for bit: the integer part by exactness,
+the float part by the same IEEE operations in the same order (the kernel rule of `budgets.toml`'s int8 entries:
+FBGEMM's and torchao's int8 GEMM tests hold the int32 product exact and the scaled output to the reference's own
+rounding).
+
+The kernel is persistent (one program per SM, each walking output tiles in groups of GROUP_M rows of tiles, so a
+group's weight columns stay in L2), reads its operands through tensor descriptors (the TMA engine on Hopper), and is
+autotuned per (N, K) among a few tile shapes. Launch configs live in `CONFIGS`; `benchmarks/int8_gemm.py` times it
+against torch's int8 (`torch._int_mm`, cuBLASLt), e4m3 (`torch._scaled_mm`) and bf16 GEMMs at the DiT's shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from h3direct.triton_build import OUT_CODES, build, interpreting
+
+ALIGN = 16  # tensor descriptors: row strides (K bytes of int8) in multiples of 16 bytes
+
+
+def _int8_gemm_kernel(a_ptr, b_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, K,
+                      HAS_BIAS: tl.constexpr, OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    # a [M, K] int8 (activations), b [N, K] int8 (weights), out [M, N]: 16-bit outputs written as their int16 bits
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+        group = tile // per_group
+        first = group * GROUP_M
+        rows_here = tl.minimum(tiles_m - first, GROUP_M)
+        tm = first + (tile % per_group) % rows_here
+        tn = (tile % per_group) // rows_here
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for s in range(steps):
+            a = a_desc.load([tm * BLOCK_M, s * BLOCK_K])
+            b = b_desc.load([tn * BLOCK_N, s * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = acc.to(tl.float32) * tl.load(sx_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        y = y * tl.load(sw_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if OUT == 0:
+            out = y
+        elif OUT == 1:
+            out = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+        else:  # bf16, rounded to nearest even by integer arithmetic (exact in the interpreter too)
+            bits = y.to(tl.uint32, bitcast=True)
+            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+        inside = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=inside)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the tile shapes autotuning picks from on a GPU
+CONFIGS = [(128, 256, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (256, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 4),
+           (128, 128, 64, 16, 4, 5)]
+INTERPRETED = (32, 32, 32, 2, 4, 1)  # Triton's CPU interpreter: small tiles (its cost grows with their area)
+
+
+@functools.cache
+def _allocator_set() -> bool:
+    """Tensor descriptors made inside a kernel need scratch memory from the launcher: torch's allocator."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device="cuda" if torch.cuda.is_available()
+                                                                     else "cpu"))
+    return True
+
+
+def reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these operands (None: it can)."""
+    if not (x8.is_cuda or interpreting()):
+        return "cpu"
+    if x8.dtype != torch.int8 or w8.dtype != torch.int8:
+        return f"operands {x8.dtype}, {w8.dtype} (int8 codes expected)"
+    k = x8.shape[1]
+    if k % ALIGN or w8.shape[1] != k:
+        return f"K={k} not a multiple of {ALIGN} (tensor descriptors)"
+    if x8.is_cuda and torch.cuda.get_device_capability(x8.device) < (9, 0):
+        return "compute capability < 9.0 (tensor descriptors: the TMA engine)"
+    return None
+
+
+def _launch(config, x8, w8, sx, sw, bias, out_dtype, out, dst):
+    m, k = x8.shape
+    n = w8.shape[0]
+    bm, bn, bk, group, warps, stages = config
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, _sms(x8.device)) if x8.is_cuda else min(tiles, 4)
+    b = bias.contiguous() if bias is not None else sw
+    build(_int8_gemm_kernel, do_not_specialize=["M"])[(programs,)](
+        x8, w8, sx, sw, b, dst, m, n, k, HAS_BIAS=bias is not None, OUT=OUT_CODES[out_dtype], BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
+    return out
+
+
+@functools.cache
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_TUNED: dict = {}  # (device index, N, K, M bucket) -> the fastest config
+
+
+def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, config: tuple | None = None) -> torch.Tensor:
+    """x8 [M, K] int8 (row scales sx [M] fp32) times w8 [N, K] int8 (column scales sw [N] fp32), + bias [N] -> [M, N]
+    in `out_dtype`, bitwise `w8a8.int8_epilogue(x8 @ w8ᵀ (exact), sx, sw, bias, out_dtype)`. `config`: a tile shape
+    of `CONFIGS` (default: the one autotuning found fastest for this N, K and size of M on this GPU)."""
+    _allocator_set()
+    m, n = x8.shape[0], w8.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x8.device)
+    if not m or not n:
+        return out
+    dst = out if out_dtype == torch.float32 else out.view(torch.int16)
+    args = (x8.contiguous(), w8.contiguous(), sx.contiguous(), sw.contiguous(), bias, out_dtype, out, dst)
+    if interpreting() and not x8.is_cuda:
+        return _launch(config or INTERPRETED, *args)
+    if config is not None:
+        return _launch(config, *args)
+    key = (x8.device.index, n, x8.shape[1], m.bit_length())
+    best = _TUNED.get(key)
+    if best is None:
+        best = _TUNED[key] = _autotune(args)
+    return _launch(best, *args)
+
+
+def _autotune(args) -> tuple:
+    """The fastest of `CONFIGS` on these operands (each run twice to compile, then timed by triton's do_bench); a
+    config that does not fit this GPU (shared memory) is skipped."""
+    from triton.testing import do_bench
+
+    times = {}
+    for config in CONFIGS:
+        try:
+            _launch(config, *args)
+            times[config] = do_bench(lambda config=config: _launch(config, *args), warmup=5, rep=20)
+        except (triton.runtime.errors.OutOfResources, RuntimeError):
+            continue
+    if not times:
+        raise RuntimeError("no int8 GEMM config fits this GPU")
+    return min(times, key=times.get)

@@ -1,0 +1,87 @@
+"""The int8 GEMM kernel (`h3direct/checkpoint/quant/int8_gemm.py`): its output is its emulation's bit for bit (the
+exact integer product through `w8a8.int8_epilogue`'s rounding) at shapes with partial tiles and K tails, with and
+without bias, in every output dtype, under Triton's interpreter on the CPU and, on a GPU, in every tile shape
+autotuning may pick; compiled for sm_90 it runs on the tensor cores' int8 path (wgmma s8), reads through the TMA
+engine and keeps its epilogue free of fused multiply-adds."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+SHAPES = [(50, 48, 64, True), (37, 24, 48, False), (70, 40, 96, True)]  # (M, N, K, bias): ragged on purpose
+
+_CHECK = """
+import json, torch
+from h3direct.checkpoint.quant import int8_gemm, w8a8
+out = {}
+for m, n, k, bias in %r:
+    g = torch.Generator().manual_seed(m * n + k)
+    x8, sx = w8a8.quantize_rows_int8(torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[None, :])
+    w8, sw = w8a8.quantize_rows_int8(torch.randn(n, k, generator=g))
+    b = torch.randn(n, generator=g) if bias else None
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        y = int8_gemm.int8_linear(x8, w8, sx, sw, b, dtype)
+        ref = w8a8.int8_epilogue(x8.double() @ w8.double().T, sx, sw, b, dtype)
+        out[f"{m}x{n}x{k} {dtype}"] = bool(torch.equal(y, ref))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_kernel_is_its_emulation_bit_for_bit_under_the_interpreter():
+    res = run_interpreted(_CHECK % (SHAPES,))
+    assert res and all(res.values()), res
+
+
+def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from h3direct.checkpoint.quant import int8_gemm
+    from h3direct.triton_build import build
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    sig = {"a_ptr": "*i8", "b_ptr": "*i8", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
+           "out_ptr": "*i16", "M": "i32", "N": "i32", "K": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+           "PROGRAMS": "constexpr"}
+    bm, bn, bk, group, warps, stages = int8_gemm.CONFIGS[0]
+    c = triton.compile(ASTSource(fn=build(int8_gemm._int8_gemm_kernel), signature=sig, constexprs={
+        "HAS_BIAS": True, "OUT": 2, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "PROGRAMS": 132}),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+    ptx = c.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx), "no int8 warpgroup MMA"
+    assert "cp.async.bulk.tensor" in ptx, "operands not read through the TMA engine"
+    assert "fma.rn.f32" not in ptx, "a fused multiply-add in the epilogue (its products must round as torch's)"
+
+
+GPU_SHAPES = [(300, 1152, 384, True), (4099, 640, 1536, False), (17, 384, 1152, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, *__import__("h3direct.checkpoint.quant.int8_gemm",
+                                                       fromlist=["CONFIGS"]).CONFIGS], ids=str)
+def test_every_config_is_cublas_int_mm_through_the_same_epilogue_bit_for_bit(config):
+    from h3direct.checkpoint.quant import int8_gemm, w8a8, w8a8_triton
+
+    if int8_gemm.reason(torch.empty(1, 16, dtype=torch.int8, device="cuda"),
+                        torch.empty(1, 16, dtype=torch.int8, device="cuda")) is not None:
+        pytest.fail("the GPU lane's GPU must run the int8 kernel (compute capability >= 9.0)")
+    for m, n, k, bias in GPU_SHAPES:
+        g = torch.Generator().manual_seed(m + n + k)
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[None, :]).bfloat16().cuda()
+        x8, sx = w8a8.quantize_activation(x, "int8")
+        w8, sw = w8a8.format_functions("int8")[0]((torch.randn(n, k, generator=g) * 0.02).cuda())
+        b = torch.randn(n, generator=g).bfloat16().cuda() if bias else None
+        y = int8_gemm.int8_linear(x8, w8, sx, sw, b, torch.bfloat16, config)
+        if m > 16:  # torch._int_mm needs M > 16
+            ref = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, sw, b, torch.bfloat16)
+            assert torch.equal(y, ref), (config, m, n, k)
+        cpu = w8a8.int8_epilogue(x8.cpu().double() @ w8.cpu().double().T, sx.cpu(), sw.cpu(),
+                                 None if b is None else b.cpu(), torch.bfloat16)
+        assert torch.equal(y.cpu(), cpu), (config, m, n, k)
