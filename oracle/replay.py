@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-linear-layers", help="with --fp8-linear: which linears of every block (comma list)")
     parser.add_argument("--fp8-linear-format", choices=FP8_LINEAR_FORMATS, default="e4m3",
                         help="with --fp8-linear: the 8-bit number format")
+    parser.add_argument("--fp8-linear-rotate", default="none",
+                        help="with --fp8-linear-format int8: which int8 linears rotate (none, or a comma list)")
     parser.add_argument("--no-comfy", action="store_true",
                         help="only h3direct (with --direct), even with a ComfyUI root")
     parser.add_argument("--attention", default="sdpa", help="h3direct's attention backend for --direct (default sdpa)")
@@ -164,8 +166,9 @@ def check_fp8_flags(args) -> None:
     """--fp8-linear and its companions as one line each when they do not fit together, before anything loads."""
     from h3direct.dit.options import fp8_layer_set
 
-    if args.fp8_linear == "off" and (args.fp8_linear_layers is not None or args.fp8_linear_format != "e4m3"):
-        raise H3Error("--fp8-linear-layers and --fp8-linear-format need --fp8-linear")
+    if args.fp8_linear == "off" and (args.fp8_linear_layers is not None or args.fp8_linear_format != "e4m3"
+                                     or args.fp8_linear_rotate != "none"):
+        raise H3Error("--fp8-linear-layers, --fp8-linear-format and --fp8-linear-rotate need --fp8-linear")
     if args.fp8_linear != "off" and args.mode != "free":
         raise H3Error("--fp8-linear replays a free run (--mode free): a teacher-forced layer runs the checkpoint's "
                       "own linears")

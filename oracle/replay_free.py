@@ -37,7 +37,7 @@ def free_step(trace, args, compute: str) -> dict:
     model = load_dit(find_checkpoint(trace, args.checkpoint), compute_dtype=compute,
                      nvfp4_mode=trace.manifest.get("nvfp4_mode", "w4a16"), device=args.device,
                      fp8_linear=args.fp8_linear, fp8_linear_layers=args.fp8_linear_layers,
-                     fp8_linear_format=args.fp8_linear_format)
+                     fp8_linear_format=args.fp8_linear_format, fp8_linear_rotate=args.fp8_linear_rotate)
     with torch.no_grad(), Tracer(model) as tracer:
         out = one_step(model, load_inputs(inputs), backend=args.attention, device=args.device)
     return {**tracer.tensors, **out}

@@ -16,25 +16,28 @@ from h3direct.traces.format import Trace, load_trace
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def fp8_spec(mode: str, layers: str | None = None, fmt: str = "e4m3") -> str:
+def fp8_spec(mode: str, layers: str | None = None, fmt: str = "e4m3", rotate: str = "none") -> str:
     """The gate's one value for its 8-bit block linears: the mode ("off", "stream", "resident"), then the layers of
-    `--fp8-linear-layers` after a colon when they are not all four, then the format of `--fp8-linear-format` after a
-    slash when it is not e4m3: "stream", "stream:fc1,fc2", "stream/int8". `model` and `fp8_parts` read it back."""
-    from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set
+    `--fp8-linear-layers` after a colon when they are not all four, the format of `--fp8-linear-format` after a
+    slash when it is not e4m3, and the rotated layers of `--fp8-linear-rotate` after "+rot=" when any: "stream",
+    "stream:fc1,fc2", "stream/int8", "stream/int8+rot=fc1,fc2". `model` and `fp8_parts` read it back."""
+    from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set, rotate_set
 
     if mode == "off":
         return mode
     out = mode
     if layers is not None and fp8_layer_set(layers) != FP8_LINEAR_LEAVES:
         out += ":" + ",".join(fp8_layer_set(layers))
-    return out + (f"/{fmt}" if fmt != "e4m3" else "")
+    out += f"/{fmt}" if fmt != "e4m3" else ""
+    return out + (f"+rot={','.join(rotate_set(rotate))}" if rotate_set(rotate) else "")
 
 
-def fp8_parts(spec: str) -> tuple[str, str | None, str]:
-    """`fp8_spec`'s value -> (mode, layers or None, format)."""
-    head, _, fmt = spec.partition("/")
+def fp8_parts(spec: str) -> tuple[str, str | None, str, str]:
+    """`fp8_spec`'s value -> (mode, layers or None, format, rotated layers or "none")."""
+    head, _, rotate = spec.partition("+rot=")
+    head, _, fmt = head.partition("/")
     mode, _, layers = head.partition(":")
-    return mode, layers or None, fmt or "e4m3"
+    return mode, layers or None, fmt or "e4m3", rotate or "none"
 
 
 @lru_cache(maxsize=8)
@@ -42,9 +45,9 @@ def model(checkpoint: str, compute: str, nvfp4_mode: str, device: str, fp8_linea
     """A loaded DiT; `fp8_linear` as `fp8_spec` writes it."""
     from h3direct.dit.loader import load_dit
 
-    mode, layers, fmt = fp8_parts(fp8_linear)
+    mode, layers, fmt, rotate = fp8_parts(fp8_linear)
     return load_dit(checkpoint, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, fp8_linear=mode,
-                    fp8_linear_layers=layers, fp8_linear_format=fmt)
+                    fp8_linear_layers=layers, fp8_linear_format=fmt, fp8_linear_rotate=rotate)
 
 
 @lru_cache(maxsize=32)

@@ -84,6 +84,9 @@ def pytest_addoption(parser):
                      "ComfyUI+sage, or its own baselines); not with --attention, --option or --fp8-linear")
     g.addoption("--tiers", default=None, metavar="FILE",
                 help="the tiers file --tier reads (default: $H3_TIERS, else <cache>/tiers.json)")
+    g.addoption("--fp8-linear-rotate", default="none", metavar="LIST",
+                help="with --fp8-linear-format int8: which int8 linears rotate their input and weight (none, or a "
+                     "comma list), the runtime's option fp8_linear_rotate")
     g.addoption("--sage-class", action="store_true",
                 help="hold the approximate mode (any backend, options and linears) to the class rule against ComfyUI's "
                      "--use-sage-attention, as for sage2: what a mode that claims ComfyUI+sage's quality must meet")
@@ -212,17 +215,25 @@ def gate_fp8(config) -> str:
         from h3direct.dit.options import Options
 
         k = Options.from_flat(tier.options).kernels
-        return fp8_spec(k.fp8_linear, k.fp8_linear_layers, k.fp8_linear_format)
+        return fp8_spec(k.fp8_linear, k.fp8_linear_layers, k.fp8_linear_format, k.fp8_linear_rotate)
     mode, layers = config.getoption("--fp8-linear"), config.getoption("--fp8-linear-layers")
-    fmt = config.getoption("--fp8-linear-format")
-    if mode == "off" and (layers is not None or fmt != "e4m3"):
-        raise pytest.UsageError(f"{'--fp8-linear-layers' if layers is not None else '--fp8-linear-format'}: "
-                                "needs --fp8-linear")
-    try:
-        return fp8_spec(mode, layers, fmt)
-    except ValueError:
-        raise pytest.UsageError(f"--fp8-linear-layers {layers!r}: a comma list of qkv_proj, out_proj, fc1, fc2 "
-                                "(each once)") from None
+    fmt, rotate = config.getoption("--fp8-linear-format"), config.getoption("--fp8-linear-rotate")
+    if mode == "off" and (layers is not None or fmt != "e4m3" or rotate != "none"):
+        flag = ("--fp8-linear-layers" if layers is not None else "--fp8-linear-format" if fmt != "e4m3"
+                else "--fp8-linear-rotate")
+        raise pytest.UsageError(f"{flag}: needs --fp8-linear")
+    if rotate != "none" and fmt != "int8":
+        raise pytest.UsageError("--fp8-linear-rotate: the rotation is of int8 linears (--fp8-linear-format int8)")
+    from h3direct.dit.options import fp8_layer_set, rotate_set
+
+    for flag, value, read in (("--fp8-linear-layers", layers, fp8_layer_set), ("--fp8-linear-rotate", rotate,
+                                                                               rotate_set)):
+        try:
+            None if value is None else read(value)
+        except ValueError:
+            raise pytest.UsageError(f"{flag} {value!r}: a comma list of qkv_proj, out_proj, fc1, fc2 (each once)"
+                                    + (", or none" if flag == "--fp8-linear-rotate" else "")) from None
+    return fp8_spec(mode, layers, fmt, rotate)
 
 
 def baselines_dir(config) -> Path | None:

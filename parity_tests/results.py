@@ -161,9 +161,10 @@ def fp8_flags(spec: str) -> str:
 
     if spec == "off":
         return ""
-    mode, layers, fmt = fp8_parts(spec)
+    mode, layers, fmt, rotate = fp8_parts(spec)
     return (f" --fp8-linear {mode}" + (f" --fp8-linear-layers {layers}" if layers else "")
-            + (f" --fp8-linear-format {fmt}" if fmt != "e4m3" else ""))
+            + (f" --fp8-linear-format {fmt}" if fmt != "e4m3" else "")
+            + (f" --fp8-linear-rotate {rotate}" if rotate != "none" else ""))
 
 
 def attention_flags(attention) -> str:

@@ -258,3 +258,66 @@ def test_int_mm_path_is_its_cpu_emulation_bit_for_bit(name):
     path = "int8_gemm" if torch.cuda.get_device_capability() >= (9, 0) else "int_mm"  # h3direct's kernel from Hopper
     assert calls.as_dict() == {"fp8_linear": {path: 1}}, calls.as_dict()
     assert torch.equal(y, w8a8.linear_w8a8(x, w8, s, b))
+
+
+# ---- the rotation (option fp8_linear_rotate) ---------------------------------------------------------------------
+
+def test_the_rotation_leaves_the_product_and_spreads_a_tokens_outliers():
+    """hadamard.rotate_rows: (x·R)(W·R)ᵀ = b·xWᵀ exactly (fp64), and a token with a few outlier channels comes out
+    with its energy spread over each block, so its int8 error against the exact product falls; without outliers
+    (i.i.d. entries) it changes little."""
+    from h3direct.checkpoint.quant import hadamard
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 512, generator=g, dtype=torch.float64), torch.randn(96, 512, generator=g, dtype=torch.float64)
+    b = hadamard.block(512)
+    assert torch.allclose(hadamard.rotate_rows(x) @ hadamard.rotate_rows(w).T, b * (x @ w.T), rtol=0, atol=1e-9)
+    peaky = torch.randn(256, 512, generator=g)
+    peaky[torch.arange(256), torch.randint(0, 512, (256,), generator=g)] *= 40  # one outlier channel per token
+    wf = torch.randn(128, 512, generator=g)
+
+    def int8_err(a, ww, rotate):
+        exact = a.double() @ ww.double().T
+        if rotate:
+            a, ww = hadamard.rotate_rows(a), hadamard.rotate_rows(ww)
+        a8, sa = w8a8.quantize_rows_int8(a)
+        w8_, sw_ = w8a8.quantize_rows_int8(ww)
+        y = (a8.double() * sa.double()[:, None]) @ (w8_.double() * sw_.double()[:, None]).T / (b if rotate else 1)
+        return float((y - exact).norm() / exact.norm())
+
+    assert int8_err(peaky, wf, True) < 0.5 * int8_err(peaky, wf, False)
+    flat = torch.randn(256, 512, generator=g)
+    assert 0.8 < int8_err(flat, wf, True) / int8_err(flat, wf, False) < 1.25
+
+
+def test_a_rotated_int8_linear_is_the_rotated_product_and_its_option_is_checked():
+    """FP8Linear with rotate: the weight's codes are those of W·R (W in bf16; scales carrying 1/b), the input is rotated before
+    its quantization; stream (NVFP4 kept packed) and resident give the same bits. The option: none or a layer list,
+    int8 only, and only with fp8_linear on."""
+    from h3direct.checkpoint.quant import hadamard
+    from h3direct.dit.linear import FP8Linear, NVFP4Linear
+    from h3direct.dit.options import KernelOptions, Options, not_in_effect
+    from h3direct.errors import RequestError
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 256, generator=g) * 0.02).bfloat16()
+    layer = NVFP4Linear(256, 64, bias=True, mode="w4a16")
+    packed, block_scale, global_scale = quantize_nvfp4(w)
+    layer.weight, layer.weight_scale, layer.weight_scale_2 = packed, block_scale, global_scale
+    layer.bias = torch.nn.Parameter(torch.randn(64, generator=g).bfloat16(), requires_grad=False)
+    x = torch.randn(40, 256, generator=g).bfloat16()
+    stream, resident = (FP8Linear.from_module(layer, m, "int8", rotate=True) for m in ("stream", "resident"))
+    assert torch.equal(stream(x), resident(x))
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4
+
+    rotated = hadamard.rotate_rows(dequantize_nvfp4(packed, block_scale, global_scale, torch.bfloat16)[:64, :256])
+    w8_, sw_ = w8a8.quantize_rows_int8(rotated)  # the weight in bf16, rotated, per-channel int8
+    assert torch.equal(resident.weight8, w8_) and torch.equal(resident.w_scale, sw_ / hadamard.block(256))
+    assert torch.equal(resident(x), w8a8.linear_w8a8(hadamard.rotate_rows(x), w8_, sw_ / 128, layer.bias))
+    with pytest.raises(ValueError, match="int8"):
+        FP8Linear.from_module(layer, "stream", "e4m3", rotate=True)
+    assert KernelOptions(fp8_linear_rotate="fc2,fc1").fp8_linear_rotate == "fc2,fc1"
+    for bad in ("fc3", "fc1,fc1", ""):
+        with pytest.raises(RequestError):
+            KernelOptions(fp8_linear_rotate=bad)
+    assert not_in_effect(Options(), ["fp8_linear_rotate"]) == ["fp8_linear_rotate"]

@@ -676,7 +676,7 @@ def test_ready_lists_the_options_a_request_may_set(server):
     per_request, fixed = set(r["options"]["per_request"]), set(r["options"]["fixed_at_load"])
     assert {"attention", "sol_tau", "fp8_attn_smooth_v", "head_slice_size", "fused", "mlp_chunks"} <= per_request
     assert fixed == {"nvfp4_dequant", "fp8_linear", "fp8_accum", "fp8_linear_layers", "fp8_linear_format",
-                     "fp8_strict"} and not per_request & fixed
+                     "fp8_linear_rotate", "fp8_strict"} and not per_request & fixed
     assert r["options"]["defaults"]["attention"] == r["attention"]["default"] == "sdpa"
     assert r["auth"] == "none"
     schema = _call(server, "GET", "/openapi.json")[2]["components"]["schemas"]["GenerateRequest"]["properties"]

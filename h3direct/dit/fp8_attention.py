@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3direct.checkpoint.quant import hadamard
 from h3direct.triton_build import FP_OPTIONS
 
 try:  # Triton is optional (CUDA wheels of torch ship it; the test extra installs it for TRITON_INTERPRET=1 tests)
@@ -59,9 +60,9 @@ P_OFFSET_LOG2 = 8.0
 # head dims FA3's FP8 kernels take: a multiple of 16 (16-byte rows of e4m3), at most 256
 FP8_HEAD_DIM_ALIGN = 16
 FP8_MAX_HEAD_DIM = 256
-# the rotation's Hadamard blocks: the largest power of two dividing head_dim, at most this (H3's 128: one block)
-ROTATION_MAX_BLOCK = 128
-ROTATION_SEED = 20240711  # the signs' generator seed (any fixed value: q and k must share them within a call)
+# the rotation (`checkpoint.quant.hadamard`): Hadamard blocks of the largest power of two dividing head_dim, at most
+# 128 (H3's 128: one block); q and k share its signs
+ROTATION_MAX_BLOCK = hadamard.MAX_BLOCK
 
 
 @dataclass
@@ -83,19 +84,8 @@ class Quantized:
         return x if self.mean is None else x + self.mean[:, :, None, :]
 
 
-def rotation_block(d: int) -> int:
-    """The size of the rotation's Hadamard blocks for head_dim d: its largest power-of-two divisor, at most 128."""
-    return min(d & -d, ROTATION_MAX_BLOCK)
-
-
-@functools.cache
-def _signed_hadamard(d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    b = rotation_block(d)
-    h = torch.ones(1, 1)
-    while h.shape[0] < b:  # Sylvester: H_2n = [[H, H], [H, −H]]
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = 1.0 - 2.0 * torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(ROTATION_SEED))
-    return signs, h
+rotation_block = hadamard.block  # the size of the rotation's Hadamard blocks for head_dim d
+_signed_hadamard = hadamard.signed_hadamard
 
 
 def rotation(d: int, device=None, normalized: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -122,17 +122,21 @@ class FP8Linear(nn.Module):
     ``stream`` (NVFP4 sources only): the NVFP4 tensors stay resident and the e4m3 weight is made on every call (one
     Triton pass on CUDA) under per-channel scales computed once from the fp32-decoded rows."""
 
-    def __init__(self, in_features: int, out_features: int, mode: str, source: str, fmt: str = "e4m3"):
+    def __init__(self, in_features: int, out_features: int, mode: str, source: str, fmt: str = "e4m3",
+                 rotate: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.island = in_features, out_features, False
         self.mode, self.source, self.fmt = mode, source, fmt
+        # int8 only: input and weight rotated by `hadamard.rotate_rows` before quantizing (option fp8_linear_rotate);
+        # the weight's scales carry the rotation's 1/b (the product of two rotated factors is b times the plain one)
+        self.rotate = rotate
         # the load-time options fp8_strict (an emulated GEMM on CUDA is an error) and fp8_accum (the GEMM's
         # accumulation on CUDA), set by `dit.loader.apply_load_time`
         self.strict, self.accum = False, "fast"
         self.bias = None
 
     @classmethod
-    def from_module(cls, layer: nn.Module, mode: str, fmt: str = "e4m3") -> FP8Linear:
+    def from_module(cls, layer: nn.Module, mode: str, fmt: str = "e4m3", rotate: bool = False) -> FP8Linear:
         from h3direct.checkpoint.quant import w8a8
         from h3direct.dit.options import FP8_LINEAR_FORMATS
 
@@ -140,7 +144,21 @@ class FP8Linear(nn.Module):
             raise ValueError(f"unknown fp8 linear mode {mode!r}")
         if fmt not in FP8_LINEAR_FORMATS:
             raise ValueError(f"unknown 8-bit format {fmt!r}")
-        if isinstance(layer, NVFP4Linear):
+        if rotate and fmt != "int8":
+            raise ValueError("the rotation is of int8 linears")
+        if rotate:
+            new = cls(layer.in_features, layer.out_features, mode, "nvfp4" if isinstance(layer, NVFP4Linear) else
+                      str(layer.weight.dtype).replace("torch.", ""), fmt, rotate=True)
+            q, s = new._rotated(layer)
+            if isinstance(layer, NVFP4Linear) and mode == "stream":
+                new.register_buffer("packed", layer.weight)
+                new.register_buffer("block_scale", layer.weight_scale)
+                new.register_buffer("global_scale", layer.weight_scale_2)
+            else:
+                new.mode = "resident"
+                new.register_buffer("weight8", q)
+                new.register_buffer("w_scale", s)
+        elif isinstance(layer, NVFP4Linear):
             new = cls(layer.in_features, layer.out_features, mode, "nvfp4", fmt)
             scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2, fmt)
             if mode == "stream":
@@ -164,6 +182,25 @@ class FP8Linear(nn.Module):
             new.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
         return new
 
+    def _rotated(self, layer: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated weight's int8 codes [N, K] and per-channel scales [N] (with the rotation's 1/b): the weight in
+        bf16 (an NVFP4 one dequantized: exact but for that rounding), rotated (`hadamard.rotate_rows`), its codes
+        under per-channel scales set once when the layer is made. From `layer` (when made; resident), or from this
+        layer's own NVFP4 tensors (stream: every call)."""
+        from h3direct.checkpoint.quant import hadamard, nvfp4, w8a8
+
+        src = layer if layer is not None else self
+        if isinstance(src, NVFP4Linear) or layer is None:
+            packed, block, glob = ((src.weight, src.weight_scale, src.weight_scale_2) if layer is not None else
+                                   (self.packed, self.block_scale, self.global_scale))
+            w = nvfp4.dequantize_nvfp4(packed, block, glob, torch.bfloat16)
+        else:
+            w = src.weight.detach().to(torch.bfloat16)
+        w = hadamard.rotate_rows(w[: self.out_features, : self.in_features].contiguous())
+        if layer is not None:  # the per-channel scales, once
+            self.register_buffer("row_scale", w8a8.int8_row_scales(w))
+        return w8a8.encode_rows_int8(w, self.row_scale), self.row_scale / hadamard.block(self.in_features)
+
     def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
         from h3direct.checkpoint.quant import w8a8
 
@@ -173,6 +210,8 @@ class FP8Linear(nn.Module):
         """(8-bit weight [N, K] (e4m3 or int8), fp32 per-channel scales [N]) as the GEMM takes them."""
         if self.mode == "resident":
             return self.weight8, self.w_scale
+        if self.rotate:
+            return self._rotated()
         q = self._convert(self.packed, self.block_scale, self.global_scale, self.w_scale)
         n, k = self.out_features, self.in_features
         if q.shape != (n, k):
@@ -181,15 +220,17 @@ class FP8Linear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """x: a tensor [..., K], or its rows already quantized (`w8a8.E4M3Rows`, written by a fused kernel)."""
-        from h3direct.checkpoint.quant import w8a8
+        from h3direct.checkpoint.quant import hadamard, w8a8
 
         w8, s = self.fp8_weight()
+        if self.rotate:
+            x = hadamard.rotate_rows(x)
         return w8a8.linear_w8a8(x, w8, s, self.bias, strict=self.strict, accum=self.accum)
 
     def extra_repr(self) -> str:
         accum = "exact int32" if self.fmt == "int8" else self.accum
         return (f"{self.in_features}, {self.out_features}, {self.fmt} w8a8 {self.mode} (from {self.source}), "
-                f"{accum} accumulation")
+                f"{accum} accumulation" + (", input and weight rotated" if self.rotate else ""))
 
 
 def check_fp8_linear(mode: str | None) -> str:
@@ -200,7 +241,8 @@ def check_fp8_linear(mode: str | None) -> str:
     return KernelOptions(fp8_linear=mode or "off").fp8_linear
 
 
-def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | None = None, fmt: str = "e4m3") -> int:
+def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | None = None, fmt: str = "e4m3",
+                      rotate: tuple[str, ...] = ()) -> int:
     """Replace the block linears of `model` (`block_linear_names`, those of `leaves` only when given) by
     `FP8Linear`s of format `fmt` in place; returns how many. `mode` "stream" keeps NVFP4 sources packed (bf16/fp32
     sources are always converted once: "resident"). When every new layer streams (it holds its source's own tensors)
@@ -214,11 +256,12 @@ def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | Non
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = FP8Linear.from_module(old, mode, fmt)
+        new = FP8Linear.from_module(old, mode, fmt, rotate=name.rpartition(".")[2] in rotate)
         setattr(parent, child, new)
         if new.mode == "stream":
             sources[name] = old
     model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = mode, leaves, fmt
+    model.fp8_linear_rotate = tuple(rotate)
     if len(sources) == len(names):
         # a plain dict, not a submodule: the originals stay out of the model's state dict and module walks
         model.__dict__["fp8_sources"] = sources
@@ -236,3 +279,4 @@ def restore_linears(model: nn.Module) -> None:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, module)
     model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = "off", None, "e4m3"
+    model.fp8_linear_rotate = ()

@@ -39,7 +39,7 @@ from h3direct.dit.linear import (
     restore_linears,
 )
 from h3direct.dit.model import H3DiT
-from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set
+from h3direct.dit.options import FP8_LINEAR_LEAVES, fp8_layer_set, rotate_set
 from h3direct.errors import CheckpointError, ConfigError
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,11 +128,12 @@ def _target_dtype(module: nn.Module, compute: torch.dtype, mixed: bool) -> torch
 def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvfp4_mode: str = "auto",
              device: str | torch.device = "cpu", fp8_linear: str | None = None, nvfp4_dequant: str = "auto",
              fp8_strict: bool = False, fp8_accum: str = "fast", fp8_linear_layers: str | None = None,
-             fp8_linear_format: str = "e4m3") -> H3DiT:
+             fp8_linear_format: str = "e4m3", fp8_linear_rotate: str = "none") -> H3DiT:
     """The kernel options fixed when the weights load (`KernelOptions.load_time()`): `fp8_linear` "stream"/"resident":
     the 200 (full model) block linears become FP8 W8A8 layers after loading (`linear.apply_fp8_linears`; opt-in,
     approximate; None/"off": as stored), `fp8_linear_layers` which of each block's four (None: all),
-    `fp8_linear_format` their number format (e4m3 | int8),
+    `fp8_linear_format` their number format (e4m3 | int8), `fp8_linear_rotate` which int8 ones rotate their input and
+    weight (`checkpoint.quant.hadamard`; "none" or a comma list),
     `fp8_strict` their strictness, `fp8_accum` their GEMMs' accumulation,
     `nvfp4_dequant` the NVFP4 layers' dequantization path on CUDA."""
     compute = parse_compute_dtype(compute_dtype)
@@ -141,12 +142,12 @@ def load_dit(path: str | Path, *, compute_dtype: str | torch.dtype = "fp32", nvf
     return load_state_dict(sd, compute_dtype=compute, nvfp4_mode=nvfp4_mode, device=device, source=path,
                            fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
                            fp8_accum=fp8_accum, fp8_linear_layers=fp8_linear_layers,
-                           fp8_linear_format=fp8_linear_format)
+                           fp8_linear_format=fp8_linear_format, fp8_linear_rotate=fp8_linear_rotate)
 
 
 def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str = "auto",
                     fp8_strict: bool = False, fp8_accum: str = "fast", fp8_linear_layers: str | None = None,
-                    fp8_linear_format: str = "e4m3") -> None:
+                    fp8_linear_format: str = "e4m3", fp8_linear_rotate: str = "none") -> None:
     """The kernel options fixed at load (`KernelOptions.load_time()`) on a loaded model: FP8 block linears (made in
     place; a model that has them in another mode or for other layers gets its own linears back first, which a model
     whose linears were converted (`resident`, or from bf16 weights) cannot: it is refused), their strictness and
@@ -154,15 +155,20 @@ def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str
     leaves = None if fp8_linear_layers is None else fp8_layer_set(fp8_linear_layers)
     if leaves == FP8_LINEAR_LEAVES:
         leaves = None
+    rotate = rotate_set(fp8_linear_rotate)
+    if rotate and fp8_linear_format != "int8":
+        raise ConfigError(f"fp8_linear_rotate {fp8_linear_rotate!r}: the rotation is of the int8 linears "
+                          f"(fp8_linear_format int8), not of {fp8_linear_format}")
     held = getattr(model, "fp8_linear", "off")
-    held_as = (held, getattr(model, "fp8_linear_layers", None), getattr(model, "fp8_linear_format", "e4m3"))
-    if held != "off" and held_as != (fp8_linear, leaves, fp8_linear_format):
+    held_as = (held, getattr(model, "fp8_linear_layers", None), getattr(model, "fp8_linear_format", "e4m3"),
+               getattr(model, "fp8_linear_rotate", ()))
+    if held != "off" and held_as != (fp8_linear, leaves, fp8_linear_format, rotate):
         if not restorable(model):
             raise ConfigError(f"fp8_linear {fp8_linear!r}: this model's block linears were made FP8 {held!r} when "
                               f"it loaded (converted: its own linears are gone); load it again for another mode")
         restore_linears(model)
     if fp8_linear != "off" and getattr(model, "fp8_linear", "off") == "off":
-        apply_fp8_linears(model, fp8_linear, leaves, fp8_linear_format)
+        apply_fp8_linears(model, fp8_linear, leaves, fp8_linear_format, rotate)
     for module in model.modules():
         if isinstance(module, NVFP4Linear):
             module.dequant = nvfp4_dequant
@@ -173,7 +179,8 @@ def apply_load_time(model: H3DiT, *, fp8_linear: str = "off", nvfp4_dequant: str
 def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.float32,
                     nvfp4_mode: str = "auto", device="cpu", source=None, fp8_linear: str | None = None,
                     nvfp4_dequant: str = "auto", fp8_strict: bool = False, fp8_accum: str = "fast",
-                    fp8_linear_layers: str | None = None, fp8_linear_format: str = "e4m3") -> H3DiT:
+                    fp8_linear_layers: str | None = None, fp8_linear_format: str = "e4m3",
+                    fp8_linear_rotate: str = "none") -> H3DiT:
     fp8_linear = check_fp8_linear(fp8_linear)
     formats = quant_formats(sd, source)
     nvfp4_mode = resolve_nvfp4_mode(nvfp4_mode, device)
@@ -227,10 +234,12 @@ def load_state_dict(sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype =
     model.load_state_dict(state, strict=True, assign=True)
     model.compute_dtype = compute_dtype
     model.fp8_linear, model.fp8_linear_layers, model.fp8_linear_format = "off", None, "e4m3"
+    model.fp8_linear_rotate = ()
     del state
     # after the strict load: the checkpoint's names are checked as stored
     apply_load_time(model, fp8_linear=fp8_linear, nvfp4_dequant=nvfp4_dequant, fp8_strict=fp8_strict,
-                    fp8_accum=fp8_accum, fp8_linear_layers=fp8_linear_layers, fp8_linear_format=fp8_linear_format)
+                    fp8_accum=fp8_accum, fp8_linear_layers=fp8_linear_layers, fp8_linear_format=fp8_linear_format,
+                    fp8_linear_rotate=fp8_linear_rotate)
     model.eval()
     sp = parallel.active()  # under torchrun (parallel.init_from_env): the blocks run sharded
     if sp is not None:

@@ -50,6 +50,15 @@ def _is_layer_set(value: str) -> bool:
     return True
 
 
+def rotate_set(value: str) -> tuple[str, ...]:
+    """fp8_linear_rotate's value -> the leaves it rotates: "none" -> (), else `fp8_layer_set`."""
+    return () if str(value).strip() == "none" else fp8_layer_set(value)
+
+
+def _is_rotate_set(value: str) -> bool:
+    return str(value).strip() == "none" or _is_layer_set(value)
+
+
 @dataclass(frozen=True)
 class FP8AttentionOptions:
     PREFIX = "fp8_attn"
@@ -129,6 +138,12 @@ class KernelOptions:
                                    "(torch._scaled_mm), int8 = a uniform 8-bit grid, same per-token / per-channel "
                                    "scales, exact int32 accumulation (torch._int_mm)", choices=FP8_LINEAR_FORMATS,
                                    env=True, per_request=False)
+    fp8_linear_rotate: str = field("none", "which int8 block linears rotate their input and weight by one random-sign "
+                                   "block-Hadamard matrix before quantizing (the product unchanged; a token's "
+                                   "outlier channels spread over their block): none, or a comma list of qkv_proj, "
+                                   "out_proj, fc1, fc2", rule=_is_rotate_set,
+                                   expect="none, or a comma list of qkv_proj, out_proj, fc1, fc2", env=True,
+                                   per_request=False)
     fp8_strict: bool = field(False, "an FP8 linear that cannot run torch._scaled_mm on CUDA is an error instead of "
                              "an emulation", env=True, per_request=False)
 
@@ -274,7 +289,8 @@ def backends_in_effect(opts: AttentionOptions) -> tuple[str, ...]:
     return tuple(seen)
 
 
-FP8_LINEAR_COMPANIONS = ("fp8_accum", "fp8_linear_layers", "fp8_linear_format", "fp8_strict")  # need fp8_linear
+FP8_LINEAR_COMPANIONS = ("fp8_accum", "fp8_linear_layers", "fp8_linear_format", "fp8_linear_rotate",
+                         "fp8_strict")  # they need fp8_linear
 
 
 def not_in_effect(options: Options, names) -> list[str]:
