@@ -329,6 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contract", default=CONTRACT, type=Path, help="the workload, weights and ComfyUI configurations")
     ap.add_argument("--case", action="append", default=None,
                     help="a validation case (repeatable; default: every structured case of the validation set)")
+    ap.add_argument("--candidate", action="append", default=None, metavar="NAME",
+                    help="measure only these candidates of the file (repeatable; default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate (default 3)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--install", action="store_true", help="also copy tiers.json to h3direct's cache (the default "
@@ -338,6 +340,10 @@ def main(argv=None) -> int:
     from parity_tests import validation
 
     candidates, tiers, order = load_grid(args.candidates)
+    unknown = [n for n in args.candidate or [] if n not in candidates]
+    if unknown:
+        C.usage_error(f"--candidate {unknown[0]}: not in {args.candidates} ({', '.join(candidates)})", PROG)
+    candidates = {n: c for n, c in candidates.items() if not args.candidate or n in args.candidate}
     try:
         contract = json.loads(args.contract.read_text())
     except (OSError, ValueError) as exc:
@@ -359,6 +365,12 @@ def main(argv=None) -> int:
                 "comfyui": {k: v for k, v in contract.get("comfyui", {}).items() if k in COMFY}}
     cases = args.case or [c.name for c in validation.structured()]
     names = list(paths)
+    if args.comfy_root:  # the cases not recorded yet, built and recorded at once (bf16, fp32 twin, sage)
+        known = {c.name for c in validation.CASES}
+        missing = [c for c in cases if c in known and _unrecorded(args.trace_dir, c)]
+        if missing:
+            validation.build(args.trace_dir, device=str(dev), only=missing)
+            validation.record(args.trace_dir, args.comfy_root, device=str(dev), jobs=8, only=missing, sage=True)
     quality = measure_quality(contract, names, args.trace_dir, cases, str(dev), args.comfy_root)
     missing = {c: q["status"] for c, q in quality.items() if q.get("status") != "ok"}
     for c, why in missing.items():
@@ -394,6 +406,13 @@ def main(argv=None) -> int:
     C.log(f"frontier: {args.out / 'frontier.json'}, tiers: {args.out / 'tiers.json'}, plot: {png}, "
           f"report: {args.out / 'report.html'}")
     return 0
+
+
+def _unrecorded(root: Path, name: str) -> bool:
+    import quality
+
+    case = quality.find_case(root, name)
+    return case is None or case.sage_twin is None
 
 
 def _device_name(dev) -> str:

@@ -8,7 +8,9 @@
 #   E2E_CONFIGS=nvfp4 bash benchmarks/run_gpu.sh e2e   # the end-to-end contract, one weight format
 #   bash benchmarks/run_gpu.sh tests dit          # any parts, in the order given
 #
-# Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), contract
+# Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), int8 (int8_gemm.py:
+# the block GEMMs in int8, e4m3, bf16), frontier (frontier.py: candidates, tiers), tiers (pytest -m parity --tier for
+# each chosen tier on the validation set, twice: the first run records the baselines), contract
 # (run_contract.py, then compare.py on its result), e2e (run_contract.py on the end-to-end contract, the
 # configurations of E2E_CONFIGS or all, into $OUT/e2e[-CONFIGS].json, then compare.py). Knobs (environment): OUT
 # (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, QUALITY_DIR (the contract's quality case: default
@@ -26,7 +28,7 @@ PRESET="${PRESET:-full}"
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(tests dit vae generate)
 for p in "${PARTS[@]}"; do
-  case "$p" in tests|dit|vae|generate|contract|e2e) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract e2e)" >&2; exit 2;; esac
+  case "$p" in tests|dit|vae|generate|contract|e2e|int8|frontier|tiers) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract e2e int8 frontier tiers)" >&2; exit 2;; esac
 done
 
 T0=$(date +%s)
@@ -65,6 +67,18 @@ for p in "${PARTS[@]}"; do
         --quality-dir "${QUALITY_DIR:-$OUT/validation}" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
       part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
         --result "$OUT/contract.json" ;;
+    int8) part int8_gemm "${INT8_TIMEOUT:-240}" "$PY" benchmarks/int8_gemm.py --all-configs --out "$OUT/int8-gemm.json" ;;
+    frontier) part frontier "${FRONTIER_TIMEOUT:-600}" "$PY" -m benchmarks.frontier \
+        --trace-dir "${QUALITY_DIR:-$OUT/validation}" --out "$OUT/frontier" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} \
+        ${FRONTIER_ARGS:-} ;;
+    tiers)  # each chosen tier under its rule on the validation set, twice (the first run records the baselines)
+      for t in ${TIERS:-sage_class fastest exact}; do
+        for round in 1 2; do
+          part "gate_${t}_${round}" "${GATE_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -m parity \
+            parity_tests/test_dit_parity.py --trace-dir "${QUALITY_DIR:-$OUT/validation}" --device cuda \
+            --tier "$t" --tiers "$OUT/frontier/tiers.json" --baselines "$OUT/baselines" ${GATE_ARGS:-}
+        done
+      done ;;
     e2e)
       E2E_OUT="$OUT/e2e${E2E_CONFIGS:+-${E2E_CONFIGS//,/-}}.json"
       part e2e "${E2E_TIMEOUT:-540}" "$PY" -m benchmarks.run_contract \
