@@ -159,3 +159,22 @@ def test_the_command_writes_frontier_tiers_plot_and_report(tmp_path, stand_in_ca
                                                    "-o", str(tmp_path / "x.mp4")])
     job = cli_generate.parse(args, env={})
     assert job.options.tier["name"] == "fastest" and job.options.tier["file"] == str((out / "tiers.json").resolve())
+
+
+def test_the_committed_tiers_file_is_what_the_runtime_reads():
+    """benchmarks/results/tiers-h100.json (the first frontier of one H100, LOG.md) loads as the runtime loads a tiers
+    file, for that GPU only, and its choices are its candidates' figures."""
+    from h3direct.app import tiers
+    from h3direct.errors import ConfigError
+
+    path = ROOT / "benchmarks" / "results" / "tiers-h100.json"
+    got = tiers.load(path)
+    assert got.machine["device_name"] == "NVIDIA H100 80GB HBM3" and set(got.tiers) == {"exact", "sage_class",
+                                                                                         "fastest"}
+    data = json.loads(path.read_text())
+    for name, t in got.tiers.items():
+        row = data["candidates"][t.figures["candidate"]]
+        assert t.figures["error_x_comfyui_sage"] == max(row["x_sage"].values())
+        assert t.figures["error_x_comfyui_sage"] * t.figures["margin"] <= (t.bound or math.inf)
+    with pytest.raises(ConfigError, match="chosen on NVIDIA H100 80GB HBM3, this device is cpu"):
+        got.check_device("cpu")
