@@ -177,12 +177,6 @@ def gate_options(request):
             "fp8_linear": gate_fp8(c), "no_twin": c.getoption("--no-twin"), "sage_class": gate_sage_class(c)}
 
 
-@pytest.fixture(scope="session")
-def report(request):
-    """The run's report collector: a case test adds its result, gated or not (`session.py`)."""
-    return session.of(request.config).collector
-
-
 @pytest.fixture
 def conclude(request):
     """`conclude(result, history=None)`, how a case test ends: an approximate mode's new baseline written (`history`,

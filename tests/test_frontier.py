@@ -172,7 +172,7 @@ def test_the_committed_tiers_file_is_what_the_runtime_reads():
     assert got.machine["device_name"] == "NVIDIA H100 80GB HBM3" and set(got.tiers) == {"exact", "sage_class",
                                                                                          "fastest"}
     data = json.loads(path.read_text())
-    for name, t in got.tiers.items():
+    for t in got.tiers.values():
         row = data["candidates"][t.figures["candidate"]]
         assert t.figures["error_x_comfyui_sage"] == max(row["x_sage"].values())
         assert t.figures["error_x_comfyui_sage"] * t.figures["margin"] <= (t.bound or math.inf)

@@ -49,11 +49,11 @@ def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(tmp_path, 
     sig = {"a_ptr": "*i8", "b_ptr": "*i8", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
            "out_ptr": "*i16", "M": "i32", "N": "i32", "K": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-           "PROGRAMS": "constexpr", "FLATTEN": "constexpr"}
+           "PROGRAMS": "constexpr", "FLATTEN": "constexpr", "ROUND": "constexpr"}
     bm, bn, bk, group, warps, stages, flatten = int8_gemm.CONFIGS[0]
     c = triton.compile(ASTSource(fn=build(int8_gemm._int8_gemm_kernel), signature=sig, constexprs={
         "HAS_BIAS": True, "OUT": 2, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "PROGRAMS": 132,
-        "FLATTEN": flatten}),
+        "FLATTEN": flatten, "ROUND": build(int8_gemm.round_out)}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
     ptx = c.asm["ptx"]
     assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx), "no int8 warpgroup MMA"

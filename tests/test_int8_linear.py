@@ -212,7 +212,8 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
             "total": "i32", "NB": "i32", "TILES_PER_ROW": "i32", "BLK": "constexpr", "OUT": "constexpr",
             "EVEN": "constexpr", "INTERPRET": "constexpr", "ENCODE": "constexpr"}
     epi = {"acc_ptr": "*i32", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*i16", "M": "i32",
-           "N": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
+           "N": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "ROUND": "constexpr"}
     ptx = {}
     for name, fn, sig, consts, options in (
             ("rows", build(w8a8_triton._quant_rows_kernel), rows,
@@ -221,7 +222,8 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
              {"BLK": 256, "OUT": nvfp4_triton.E4M3_OUT, "EVEN": False, "INTERPRET": False, "ENCODE": encode},
              FP_OPTIONS),
             ("epilogue", build(w8a8_triton._int8_epilogue_kernel), epi,
-             {"HAS_BIAS": True, "OUT": 2, "BLOCK_M": 32, "BLOCK_N": 128}, {"enable_fp_fusion": False})):
+             {"HAS_BIAS": True, "OUT": 2, "BLOCK_M": 32, "BLOCK_N": 128, "ROUND": build(w8a8_triton.round_out)},
+             {"enable_fp_fusion": False})):
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         ptx[name] = compiled.asm["ptx"]

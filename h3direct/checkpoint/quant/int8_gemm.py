@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3direct.checkpoint.quant.w8a8_triton import round_out
 from h3direct.triton_build import OUT_CODES, build, interpreting
 
 ALIGN = 16  # tensor descriptors: row strides (K bytes of int8) in multiples of 16 bytes
@@ -31,8 +32,10 @@ ALIGN = 16  # tensor descriptors: row strides (K bytes of int8) in multiples of 
 
 def _int8_gemm_kernel(a_ptr, b_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, K,
                       HAS_BIAS: tl.constexpr, OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                      ROUND: tl.constexpr):
     # a [M, K] int8 (activations), b [N, K] int8 (weights), out [M, N]: 16-bit outputs written as their int16 bits
+    # (ROUND: `w8a8_triton.round_out`, the epilogue kernel's rounding)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -57,15 +60,8 @@ def _int8_gemm_kernel(a_ptr, b_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, K,
         y = y * tl.load(sw_ptr + cols, mask=cols < N, other=0.0)[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if OUT == 0:
-            out = y
-        elif OUT == 1:
-            out = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-        else:  # bf16, rounded to nearest even by integer arithmetic (exact in the interpreter too)
-            bits = y.to(tl.uint32, bitcast=True)
-            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
         inside = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], out, mask=inside)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], ROUND(y, OUT), mask=inside)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, flatten): the tile shapes autotuning picks from on a GPU
@@ -107,8 +103,8 @@ def _launch(config, x8, w8, sx, sw, bias, out_dtype, out, dst):
     b = bias.contiguous() if bias is not None else sw
     build(_int8_gemm_kernel, do_not_specialize=["M"])[(programs,)](
         x8, w8, sx, sw, b, dst, m, n, k, HAS_BIAS=bias is not None, OUT=OUT_CODES[out_dtype], BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs, FLATTEN=flatten, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=False)
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs, FLATTEN=flatten, ROUND=build(round_out),
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
 

@@ -129,10 +129,21 @@ def quantize_rows(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, t
     return (q, s) if fmt == "int8" else (q.view(torch.float8_e4m3fn), s)
 
 
+def round_out(y, OUT: tl.constexpr):
+    """fp32 -> what a kernel stores for output dtype OUT (`triton_build.OUT_CODES`: 0 fp32, 1 fp16, 2 bf16): the value,
+    or a 16-bit one's bit pattern as int16, rounded to nearest even (bf16 by integer arithmetic: exact in the
+    interpreter too, whose bf16 cast truncates)."""
+    if OUT == 0:
+        return y
+    if OUT == 1:
+        return y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    b = y.to(tl.uint32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
 def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # OUT: triton_build.OUT_CODES, 0 fp32, 1 fp16, 2 bf16 (16-bit outputs stored as their int16 bit patterns,
-    # rounded to nearest even by integer arithmetic for bf16: exact in the interpreter too, whose bf16 cast truncates)
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROUND: tl.constexpr):
+    # ROUND: `round_out`, built for this mode
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows < M)[:, None] & (cols < N)[None, :]
@@ -142,14 +153,7 @@ def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIA
     y = y * tl.load(sw_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if OUT == 0:
-        out = y
-    elif OUT == 1:
-        out = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-    else:
-        b = y.to(tl.uint32, bitcast=True)
-        out = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-    tl.store(out_ptr + off, out, mask=inside)
+    tl.store(out_ptr + off, ROUND(y, OUT), mask=inside)
 
 
 def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
@@ -163,5 +167,6 @@ def int8_epilogue(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: t
         grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))
         build(_int8_epilogue_kernel, do_not_specialize=["M", "N"])[grid](
             acc.contiguous(), sx.contiguous(), sw.contiguous(), b, dst, m, n, HAS_BIAS=bias is not None,
-            OUT=OUT_CODES[dtype], BLOCK_M=32, BLOCK_N=128, num_warps=8, enable_fp_fusion=False)
+            OUT=OUT_CODES[dtype], BLOCK_M=32, BLOCK_N=128, ROUND=build(round_out), num_warps=8,
+            enable_fp_fusion=False)
     return out
