@@ -230,13 +230,15 @@ def comfy_rows(speed: dict, quality: dict) -> dict:
 def tiers_file(machine: dict, rows: dict, choices: dict, comfy: dict, made: dict) -> dict:
     """The runtime's tiers file (`h3direct.app.tiers`, schema h3-tiers/1), with every candidate's figures."""
     from h3direct.app.tiers import SCHEMA
+    from h3direct.dit.options import Options
 
+    defaults = Options().flat()
     tiers = {}
     for name, c in choices.items():
         if c["chosen"] is None:
             continue
         r = rows[c["chosen"]]
-        options = {k: v for k, v in r["options"].items() if v != _defaults()[k] or k == "attention"}
+        options = {k: v for k, v in r["options"].items() if v != defaults[k] or k == "attention"}
         sage = comfy.get("sage", {}).get("s_per_step")
         tiers[name] = {"options": options, "rule": c["rule"], "bound": c["bound"], "candidate": c["chosen"],
                        "s_per_step": r["s_per_step"], "x_comfyui_sage": sage / r["s_per_step"] if sage else None,
@@ -246,12 +248,6 @@ def tiers_file(machine: dict, rows: dict, choices: dict, comfy: dict, made: dict
     return {"schema": SCHEMA, "machine": machine, "made": made, "tiers": tiers,
             "candidates": {n: {k: v for k, v in r.items() if k != "path"} for n, r in rows.items()},
             "comfyui": comfy, "choices": choices}
-
-
-def _defaults() -> dict:
-    from h3direct.dit.options import Options
-
-    return Options().flat()
 
 
 def plot(rows: dict, comfy: dict, choices: dict, path: Path) -> Path:
@@ -337,6 +333,7 @@ def main(argv=None) -> int:
                     "tiers file of `--tier`)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (a plumbing check, not a result)")
     args = ap.parse_args(argv)
+    from h3direct.app.tiers import device_name
     from parity_tests import validation
 
     candidates, tiers, order = load_grid(args.candidates)
@@ -383,7 +380,7 @@ def main(argv=None) -> int:
     comfy = comfy_rows(speed, {c: quality[c] for c in measured})
     choices = choose_tiers(rows, tiers, measured)
     env = speed.get("env", {})
-    machine = {"device_name": _device_name(dev), "capability": env.get("capability"),
+    machine = {"device_name": device_name(dev), "capability": env.get("capability"),
                "packages": env.get("packages"), "cuda": env.get("cuda"), "smoke": args.smoke}
     made = {"commit": speed.get("commit"), "tree": speed.get("tree"), "date": speed.get("date"),
             "command": ["python", "-m", PROG, *(argv if argv is not None else sys.argv[1:])],
@@ -393,8 +390,7 @@ def main(argv=None) -> int:
     frontier = {**tiers_out, "left_out": left_out, "pareto": pareto(rows), "quality": quality,
                 "comfyui_speed": speed.get("comfyui")}
     C.write_result(args.out / "frontier.json", frontier)
-    C.write_result(args.out / "tiers.json", {k: tiers_out[k] for k in ("schema", "machine", "made", "tiers",
-                                                                      "candidates", "comfyui", "choices")})
+    C.write_result(args.out / "tiers.json", tiers_out)
     png = plot(rows, comfy, choices, args.out / "frontier.png")
     (args.out / "report.html").write_text(report_html(frontier, png))
     if args.install:
@@ -413,12 +409,6 @@ def _unrecorded(root: Path, name: str) -> bool:
 
     case = quality.find_case(root, name)
     return case is None or case.sage_twin is None
-
-
-def _device_name(dev) -> str:
-    from h3direct.app.tiers import device_name
-
-    return device_name(dev)
 
 
 if __name__ == "__main__":

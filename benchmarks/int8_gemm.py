@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                     row["configs"][str(cfg)] = _time(gemms(o, cfg)["int8_h3direct"], args.iters, dev)
                 except Exception as exc:  # noqa: BLE001 (a config that does not fit: its reason)
                     row["configs"][str(cfg)] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        row["tuned"] = str(int8_gemm._TUNED.get((o["x8"].device.index, n, k, m.bit_length())))
+        row["tuned"] = str(int8_gemm.tuned(o["x8"], o["w8"]))
         result["shapes"][name] = row
         C.log(f"{name} [{m}x{k}] x [{k}x{n}]: " + ", ".join(f"{w} {t:.3f} ms ({row['rate'][w]:.0f} T/s)"
                                                              for w, t in row["ms"].items())

@@ -30,11 +30,10 @@ import os
 from h3direct.dit.options import FP8_LINEAR_FORMATS, FP8_LINEAR_MODES
 from h3direct.errors import H3Error
 from oracle.replay_report import Rule, comfy_not_run, ratio_refs, report
-from oracle.replay_sites import (  # noqa: F401 (recorded_inputs, report: what tests and people import from here)
+from oracle.replay_sites import (
     DerivedInputs,
     as_list,
     module_of,
-    recorded_inputs,
     recorded_outputs,
     replay_comfy,
     replay_comfy_step,
@@ -163,21 +162,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_fp8_flags(args) -> None:
-    """--fp8-linear and its companions as one line each when they do not fit together, before anything loads."""
-    from h3direct.dit.options import fp8_layer_set
+    """--fp8-linear and its companions as one line when they do not fit together, before anything loads."""
+    from h3direct.dit.options import fp8_flags_problem
 
-    if args.fp8_linear == "off" and (args.fp8_linear_layers is not None or args.fp8_linear_format != "e4m3"
-                                     or args.fp8_linear_rotate != "none"):
-        raise H3Error("--fp8-linear-layers, --fp8-linear-format and --fp8-linear-rotate need --fp8-linear")
+    problem = fp8_flags_problem(args.fp8_linear, args.fp8_linear_layers, args.fp8_linear_format,
+                                args.fp8_linear_rotate)
+    if problem is not None:
+        raise H3Error(problem)
     if args.fp8_linear != "off" and args.mode != "free":
         raise H3Error("--fp8-linear replays a free run (--mode free): a teacher-forced layer runs the checkpoint's "
                       "own linears")
-    if args.fp8_linear_layers is not None:
-        try:
-            fp8_layer_set(args.fp8_linear_layers)
-        except ValueError:
-            raise H3Error(f"--fp8-linear-layers {args.fp8_linear_layers!r}: a comma list of qkv_proj, out_proj, fc1, "
-                          "fc2 (each once)") from None
 
 
 def _run_dit(args, trace, comfy_root: str | None, rule: Rule) -> tuple[dict[str, bool | None], str]:
@@ -212,7 +206,7 @@ def _run_dit(args, trace, comfy_root: str | None, rule: Rule) -> tuple[dict[str,
             out = None
         else:
             got = as_list(replay_comfy(trace, module, comfy_root=comfy_root, checkpoint=args.checkpoint,
-                                        derived=derived))
+                                       derived=derived))
             names_c = names if len(got) == len(names) else [n for n, _ in recorded_outputs(trace, module)]
             out = list(zip(names_c, got, strict=False))
         if out is not None:

@@ -246,9 +246,5 @@ def replay_direct(trace, layer: str, *, checkpoint: str | None = None, attention
     return out
 
 
-def _as_list(out: Any) -> list:
-    return list(out) if isinstance(out, list | tuple) else [out]
-
-
 def as_list(out: Any) -> list:
     return list(out) if isinstance(out, list | tuple) else [out]

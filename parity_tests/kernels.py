@@ -26,7 +26,7 @@ from h3direct.traces import metrics
 from parity_tests import ladder, models
 from parity_tests.budgets import Measured
 from parity_tests.drift import Quantity
-from parity_tests.results import LayerResult, Replay, attention_key, replay_command, rule_flags
+from parity_tests.results import LayerResult, Replay, attention_key
 
 HEAD_CHUNK_BYTES = 1 << 30  # the eager Sol-Attn reference materialises scores: bound its memory per call
 
@@ -137,7 +137,7 @@ def _row(gate, name, b, m: Measured, ours, ref, info: str, roundings: int | None
     from parity_tests.budgets import verdict
 
     v = verdict(b, m, roundings=roundings)
-    replay = replay_command(gate.case.trace, name, gate.comfy_root, rule_flags(b, v.limit, attention, str(device)))
+    replay = Replay(gate.case.trace, gate.comfy_root, attention=attention, device=str(device)).command(name, b, v.limit)
     return LayerResult(name, "kernel", "teacher", m.err, metrics.sqnr_db(ours, ref), metrics.max_abs(ours, ref),
                        v.passed, v.text, b.provenance, replay, m.twin, v.error, v.limit, "kernel", info)
 

@@ -156,9 +156,8 @@ def gate_tier(config):
 
 
 def _read_tier(config):
-    import os
-
     from h3direct.app import tiers
+    from h3direct.app.env import read_tiers
     from h3direct.errors import H3Error
 
     name, path = config.getoption("--tier"), config.getoption("--tiers")
@@ -173,7 +172,7 @@ def _read_tier(config):
     if mixed:
         raise pytest.UsageError(f"--tier {name}: the tier sets the options and the rule; not with {mixed[0]}")
     try:
-        tier, found = tiers.resolve(name, path or os.environ.get(tiers.ENV) or None, config.getoption("--device"))
+        tier, _ = tiers.resolve(name, path or read_tiers(), config.getoption("--device"))
     except H3Error as exc:
         raise pytest.UsageError(f"--tier {name}: {exc}") from None
     return tier
@@ -207,32 +206,19 @@ def gate_attention(config):
 
 def gate_fp8(config) -> str:
     """--fp8-linear, --fp8-linear-layers and --fp8-linear-format as the gate's one value (`models.fp8_spec`); a bad
-    list is pytest's one-line usage error, and so are layers or a format without --fp8-linear."""
+    list is pytest's one-line usage error, and so are layers or a format without --fp8-linear (--tier: its options)."""
+    from h3direct.dit.options import Options, fp8_flags_problem
     from parity_tests.models import fp8_spec
 
     tier = gate_tier(config)
     if tier is not None:
-        from h3direct.dit.options import Options
-
         k = Options.from_flat(tier.options).kernels
         return fp8_spec(k.fp8_linear, k.fp8_linear_layers, k.fp8_linear_format, k.fp8_linear_rotate)
     mode, layers = config.getoption("--fp8-linear"), config.getoption("--fp8-linear-layers")
     fmt, rotate = config.getoption("--fp8-linear-format"), config.getoption("--fp8-linear-rotate")
-    if mode == "off" and (layers is not None or fmt != "e4m3" or rotate != "none"):
-        flag = ("--fp8-linear-layers" if layers is not None else "--fp8-linear-format" if fmt != "e4m3"
-                else "--fp8-linear-rotate")
-        raise pytest.UsageError(f"{flag}: needs --fp8-linear")
-    if rotate != "none" and fmt != "int8":
-        raise pytest.UsageError("--fp8-linear-rotate: the rotation is of int8 linears (--fp8-linear-format int8)")
-    from h3direct.dit.options import fp8_layer_set, rotate_set
-
-    for flag, value, read in (("--fp8-linear-layers", layers, fp8_layer_set), ("--fp8-linear-rotate", rotate,
-                                                                               rotate_set)):
-        try:
-            None if value is None else read(value)
-        except ValueError:
-            raise pytest.UsageError(f"{flag} {value!r}: a comma list of qkv_proj, out_proj, fc1, fc2 (each once)"
-                                    + (", or none" if flag == "--fp8-linear-rotate" else "")) from None
+    problem = fp8_flags_problem(mode, layers, fmt, rotate)
+    if problem is not None:
+        raise pytest.UsageError(problem)
     return fp8_spec(mode, layers, fmt, rotate)
 
 

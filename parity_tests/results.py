@@ -136,23 +136,15 @@ class Replay:
         return cmd + (rule_flags(b, limit) if b is not None else "")
 
 
-def replay_command(trace: Path, layer: str, comfy_root: str | None = None, rule: str = "") -> str:
-    """The teacher-forced replay of one compared tensor on the CPU with sdpa, with `rule`'s flags (`rule_flags`)."""
-    return Replay(trace, comfy_root).command(layer) + rule
-
-
-def rule_flags(b, limit: float, attention=None, device: str = "cpu") -> str:
-    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`), after the
-    attention backend and its non-default options (`--attention NAME --option NAME=VALUE ...`)."""
-    flags = attention_flags(attention) if attention else ""
-    flags += f" --device {device}" if device != "cpu" else ""
+def rule_flags(b, limit: float) -> str:
+    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`)."""
     if b.rule == "ratio":
-        return flags + f" --ratio {b.k:g} --floor {b.floor:g}"
+        return f" --ratio {b.k:g} --floor {b.floor:g}"
     if b.rule == "fp32":
-        return flags + f" --budget {b.floor:g}"
+        return f" --budget {b.floor:g}"
     if math.isfinite(limit) and limit > 0:
-        return flags + f" --budget {limit:.3g}"
-    return flags
+        return f" --budget {limit:.3g}"
+    return ""
 
 
 def fp8_flags(spec: str) -> str:

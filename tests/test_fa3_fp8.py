@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from interpreted import run_interpreted
 
+from h3direct.checkpoint.quant import hadamard
 from h3direct.dit import attention as A
 from h3direct.dit import fp8_attention as F8
 from h3direct.dit.attention_inputs import positions, structured_qkv
@@ -61,7 +62,7 @@ def test_smoothing_and_rotation_leave_attention_unchanged_in_fp64():
 def test_rotation_is_orthogonal_signed_hadamard_blocks(d):
     """R = diag(signs)·blockdiag(H_b)/√b: orthogonal, ±1/√b on its blocks of size b (the largest power of two
     dividing d, at most 128), both signs present, and the same matrix on every call (q and k must share it)."""
-    b = F8.rotation_block(d)
+    b = hadamard.block(d)
     assert b == {16: 16, 48: 16, 128: 128, 256: 128}[d]
     r = F8.rotation(d, dtype=torch.float64)
     assert torch.allclose(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-12)

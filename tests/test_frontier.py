@@ -76,8 +76,9 @@ def test_pareto_points():
 
 def test_the_tiers_file_reads_back_in_the_runtime(tmp_path):
     from h3direct.app import tiers
+    from h3direct.dit.options import Options
 
-    rows = {n: {**r, "options": {**F._defaults(), "attention": "sdpa", "mlp_chunks": i + 1}}
+    rows = {n: {**r, "options": {**Options().flat(), "attention": "sdpa", "mlp_chunks": i + 1}}
             for i, (n, r) in enumerate(ROWS.items())}
     choices = F.choose_tiers(rows, BOUNDS, ["a", "b", "c"])
     data = F.tiers_file({"device_name": "cpu"}, rows, choices, {"sage": {"s_per_step": 2.0}}, {"commit": "x"})

@@ -12,7 +12,7 @@ import torch
 
 from h3direct.traces.format import load_trace
 from oracle.compare import diff_traces
-from oracle.replay import report
+from oracle.replay_report import report
 from parity_tests.discovery import SHARED_ORACLE as SHARED
 
 ROUND_OFF = 1e-6  # fp32 round-off between machines (rel-L2 per key), the DONE criterion

@@ -70,16 +70,15 @@ def tiers_of(path, spec):
     from h3direct.app.pipeline import resolve_device
     from h3direct.errors import H3Error
 
-    device = tiers.device_name(resolve_device(spec.device))
-    if path is not None:
-        found = tiers.load(path)
-        found.check_device(device)
-        return found, None
-    if not tiers.default_path().is_file():
-        return None, f"no tiers file ({tiers.default_path()}): {tiers.MAKE_IT}"
+    given = path is not None
+    path = path if given else tiers.default_path()
+    if not given and not path.is_file():
+        return None, f"no tiers file ({path}): {tiers.MAKE_IT}"
     try:
-        found = tiers.load(tiers.default_path())
-        found.check_device(device)
+        found = tiers.load(path)
+        found.check_device(tiers.device_name(resolve_device(spec.device)))
     except H3Error as exc:
+        if given:
+            raise
         return None, str(exc)
     return found, None

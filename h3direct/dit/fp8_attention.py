@@ -60,9 +60,6 @@ P_OFFSET_LOG2 = 8.0
 # head dims FA3's FP8 kernels take: a multiple of 16 (16-byte rows of e4m3), at most 256
 FP8_HEAD_DIM_ALIGN = 16
 FP8_MAX_HEAD_DIM = 256
-# the rotation (`checkpoint.quant.hadamard`): Hadamard blocks of the largest power of two dividing head_dim, at most
-# 128 (H3's 128: one block); q and k share its signs
-ROTATION_MAX_BLOCK = hadamard.MAX_BLOCK
 
 
 @dataclass
@@ -84,10 +81,6 @@ class Quantized:
         return x if self.mean is None else x + self.mean[:, :, None, :]
 
 
-rotation_block = hadamard.block  # the size of the rotation's Hadamard blocks for head_dim d
-_signed_hadamard = hadamard.signed_hadamard
-
-
 def rotation(d: int, device=None, normalized: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[d, d] in `dtype`: diag(signs)·blockdiag(H_b, …) (entries ±1, or 0 off the blocks), divided by √b when
     `normalized` (then orthogonal: R·Rᵀ = I, to `dtype`'s rounding of 1/√b). Made once per device (a copy to the
@@ -96,15 +89,8 @@ def rotation(d: int, device=None, normalized: bool = True, dtype: torch.dtype = 
 
 
 @functools.cache
-def _kernel_operands(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantizer kernel's sign vector [d] and ±1 Hadamard block [b, b], fp32 on `device`."""
-    signs, h = _signed_hadamard(d)
-    return signs.to(device), h.to(device)
-
-
-@functools.cache
 def _rotation(d: int, device: torch.device, normalized: bool, dtype: torch.dtype) -> torch.Tensor:
-    signs, h = _signed_hadamard(d)
+    signs, h = hadamard.signed_hadamard(d)
     b = h.shape[0]
     r = (signs[:, None] * torch.block_diag(*[h] * (d // b))).double()
     return (r / math.sqrt(b) if normalized else r).to(device=device, dtype=dtype)
@@ -126,7 +112,7 @@ def head_amax(channel_amax: torch.Tensor, rotate: bool) -> torch.Tensor:
     largest |element| of its ±1 rotation (the largest sum of channel amax over one Hadamard block)."""
     if not rotate:
         return channel_amax.amax(dim=-1)
-    b = rotation_block(channel_amax.shape[-1])
+    b = hadamard.block(channel_amax.shape[-1])
     return channel_amax.unflatten(-1, (-1, b)).sum(dim=-1).amax(dim=-1)
 
 
@@ -232,7 +218,7 @@ def quantize_triton(x: torch.Tensor, mean: torch.Tensor | None, inverse: torch.T
     out = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
     mean_arg = mean.contiguous() if mean is not None else inverse  # a dummy pointer when there is no mean
     if rotate:
-        signs, had = _kernel_operands(d, x.device)
+        signs, had = hadamard.operands(d, x.device, torch.float32)  # the kernel's: fp32 on x's device
         rb = had.shape[0]
         block_s, tiles = ROTATED_LAUNCH["block_s"], ROTATED_LAUNCH["tiles"]
         _quantize_rotated_kernel[(triton.cdiv(s, block_s * tiles), b * h)](
@@ -263,7 +249,7 @@ def quantize(x: torch.Tensor, center: bool, per_head: bool = True, kernel: bool 
     shift, r = mean, None
     if rotate:  # the data hold (x − mean)·P with P = √b·R: the descale takes the 1/√b
         d = x.shape[-1]
-        descale = descale / math.sqrt(rotation_block(d))
+        descale = descale / math.sqrt(hadamard.block(d))
         r = rotation(d, x.device)
         if mean is not None:
             shift = mean @ rotation(d, x.device, normalized=False)

@@ -146,59 +146,58 @@ class FP8Linear(nn.Module):
             raise ValueError(f"unknown 8-bit format {fmt!r}")
         if rotate and fmt != "int8":
             raise ValueError("the rotation is of int8 linears")
+        if not isinstance(layer, NVFP4Linear | Linear):
+            raise TypeError(f"cannot make an fp8 linear of {type(layer).__name__}")
+        nvfp4_source = isinstance(layer, NVFP4Linear)
+        streams = nvfp4_source and mode == "stream"  # bf16/fp32 sources are always converted once
+        new = cls(layer.in_features, layer.out_features, mode if nvfp4_source else "resident",
+                  "nvfp4" if nvfp4_source else str(layer.weight.dtype).replace("torch.", ""), fmt, rotate=rotate)
+        if streams:
+            new.register_buffer("packed", layer.weight)
+            new.register_buffer("block_scale", layer.weight_scale)
+            new.register_buffer("global_scale", layer.weight_scale_2)
         if rotate:
-            new = cls(layer.in_features, layer.out_features, mode, "nvfp4" if isinstance(layer, NVFP4Linear) else
-                      str(layer.weight.dtype).replace("torch.", ""), fmt, rotate=True)
-            q, s = new._rotated(layer)
-            if isinstance(layer, NVFP4Linear) and mode == "stream":
-                new.register_buffer("packed", layer.weight)
-                new.register_buffer("block_scale", layer.weight_scale)
-                new.register_buffer("global_scale", layer.weight_scale_2)
-            else:
-                new.mode = "resident"
+            w = new._rotated_weight(layer)
+            new.register_buffer("row_scale", w8a8.int8_row_scales(w))  # per channel, set once
+            if not streams:
+                q, s = new._rotated_codes(w)
                 new.register_buffer("weight8", q)
                 new.register_buffer("w_scale", s)
-        elif isinstance(layer, NVFP4Linear):
-            new = cls(layer.in_features, layer.out_features, mode, "nvfp4", fmt)
+        elif nvfp4_source:
             scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2, fmt)
-            if mode == "stream":
-                new.register_buffer("packed", layer.weight)
-                new.register_buffer("block_scale", layer.weight_scale)
-                new.register_buffer("global_scale", layer.weight_scale_2)
+            if streams:
                 new.register_buffer("w_scale", scales)
             else:
                 q = new._convert(layer.weight, layer.weight_scale, layer.weight_scale_2, scales)
                 new.register_buffer("weight8", q[: layer.out_features, : layer.in_features].contiguous())
                 new.register_buffer("w_scale", scales[: layer.out_features].contiguous())
-        elif isinstance(layer, Linear):
-            new = cls(layer.in_features, layer.out_features, "resident", str(layer.weight.dtype).replace("torch.", ""),
-                      fmt)
+        else:
             q, s = w8a8.format_functions(fmt)[0](layer.weight.detach())
             new.register_buffer("weight8", q)
             new.register_buffer("w_scale", s)
-        else:
-            raise TypeError(f"cannot make an fp8 linear of {type(layer).__name__}")
         if layer.bias is not None:
             new.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
         return new
 
-    def _rotated(self, layer: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotated weight's int8 codes [N, K] and per-channel scales [N] (with the rotation's 1/b): the weight in
-        bf16 (an NVFP4 one dequantized: exact but for that rounding), rotated (`hadamard.rotate_rows`), its codes
-        under per-channel scales set once when the layer is made. From `layer` (when made; resident), or from this
-        layer's own NVFP4 tensors (stream: every call)."""
-        from h3direct.checkpoint.quant import hadamard, nvfp4, w8a8
+    def _rotated_weight(self, layer: nn.Module | None = None) -> torch.Tensor:
+        """The weight [N, K] in bf16 (an NVFP4 one dequantized: exact but for that rounding), rotated
+        (`hadamard.rotate_rows`): of `layer` (when this layer is made), else of this layer's own NVFP4 tensors
+        (stream: every call)."""
+        from h3direct.checkpoint.quant import hadamard, nvfp4
 
-        src = layer if layer is not None else self
-        if isinstance(src, NVFP4Linear) or layer is None:
-            packed, block, glob = ((src.weight, src.weight_scale, src.weight_scale_2) if layer is not None else
-                                   (self.packed, self.block_scale, self.global_scale))
-            w = nvfp4.dequantize_nvfp4(packed, block, glob, torch.bfloat16)
+        if layer is None:
+            w = nvfp4.dequantize_nvfp4(self.packed, self.block_scale, self.global_scale, torch.bfloat16)
+        elif isinstance(layer, NVFP4Linear):
+            w = nvfp4.dequantize_nvfp4(layer.weight, layer.weight_scale, layer.weight_scale_2, torch.bfloat16)
         else:
-            w = src.weight.detach().to(torch.bfloat16)
-        w = hadamard.rotate_rows(w[: self.out_features, : self.in_features].contiguous())
-        if layer is not None:  # the per-channel scales, once
-            self.register_buffer("row_scale", w8a8.int8_row_scales(w))
+            w = layer.weight.detach().to(torch.bfloat16)
+        return hadamard.rotate_rows(w[: self.out_features, : self.in_features].contiguous())
+
+    def _rotated_codes(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rotated weight's int8 codes [N, K] under `row_scale`, and the GEMM's per-channel scales [N] (with the
+        rotation's 1/b: the product of two rotated factors is b times the plain one)."""
+        from h3direct.checkpoint.quant import hadamard, w8a8
+
         return w8a8.encode_rows_int8(w, self.row_scale), self.row_scale / hadamard.block(self.in_features)
 
     def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
@@ -211,7 +210,7 @@ class FP8Linear(nn.Module):
         if self.mode == "resident":
             return self.weight8, self.w_scale
         if self.rotate:
-            return self._rotated()
+            return self._rotated_codes(self._rotated_weight())
         q = self._convert(self.packed, self.block_scale, self.global_scale, self.w_scale)
         n, k = self.out_features, self.in_features
         if q.shape != (n, k):

@@ -59,6 +59,26 @@ def _is_rotate_set(value: str) -> bool:
     return str(value).strip() == "none" or _is_layer_set(value)
 
 
+def fp8_flags_problem(mode: str, layers: str | None, fmt: str, rotate: str) -> str | None:
+    """One line when the 8-bit block linears' flags (--fp8-linear and its companions, as the gate and `oracle replay`
+    spell them) do not fit together: a companion without --fp8-linear, a rotation of e4m3 linears, a bad layer list;
+    None when they fit."""
+    if mode == "off":
+        given = [flag for flag, on in (("--fp8-linear-layers", layers is not None),
+                                        ("--fp8-linear-format", fmt != "e4m3"),
+                                        ("--fp8-linear-rotate", rotate != "none")) if on]
+        if given:
+            return f"{given[0]}: needs --fp8-linear"
+    if rotate != "none" and fmt != "int8":
+        return "--fp8-linear-rotate: the rotation is of int8 linears (--fp8-linear-format int8)"
+    for flag, value, ok in (("--fp8-linear-layers", layers, _is_layer_set), ("--fp8-linear-rotate", rotate,
+                                                                            _is_rotate_set)):
+        if value is not None and not ok(value):
+            return (f"{flag} {value!r}: a comma list of qkv_proj, out_proj, fc1, fc2 (each once)"
+                    + (", or none" if flag == "--fp8-linear-rotate" else ""))
+    return None
+
+
 @dataclass(frozen=True)
 class FP8AttentionOptions:
     PREFIX = "fp8_attn"

@@ -115,7 +115,7 @@ def test_replay_comfy_on_outputs_only_trace(outputs_only, layer, comfy_root):
 def test_recorded_inputs_of_a_fully_recorded_module():
     """ComfyUI replay's inputs for a module whose `.in.N` are recorded: every one, tensors and static values."""
     from h3direct.traces.format import load_trace
-    from oracle.replay import recorded_inputs
+    from oracle.replay_sites import recorded_inputs
 
     trace = load_trace(FIXTURES / f"{STEM}.safetensors")
     args, kwargs = recorded_inputs(trace, "blocks.1")

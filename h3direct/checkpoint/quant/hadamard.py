@@ -34,7 +34,8 @@ def signed_hadamard(d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _on(d: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def operands(d: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`signed_hadamard(d)` on `device` in `dtype`, made once (a copy inside the DiT step would wait for the stream)."""
     signs, h = signed_hadamard(d)
     return signs.to(device, dtype), h.to(device, dtype)
 
@@ -44,6 +45,6 @@ def rotate_rows(t: torch.Tensor) -> torch.Tensor:
     the plain one), in t's dtype: the ±1 entries are exact there; a low-precision t is rounded once, after the
     block products (accumulated in fp32)."""
     d = t.shape[-1]
-    signs, h = _on(d, t.device, t.dtype)
+    signs, h = operands(d, t.device, t.dtype)
     b = h.shape[0]
     return ((t * signs).reshape(-1, d // b, b) @ h).reshape(t.shape)

@@ -113,7 +113,7 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_TUNED: dict = {}  # (device index, N, K, M bucket) -> the fastest config
+_TUNED: dict = {}  # `_key`: (device index, N, K, M bucket) -> the fastest config
 
 
 def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
@@ -132,11 +132,20 @@ def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.
         return _launch(config or INTERPRETED, *args)
     if config is not None:
         return _launch(config, *args)
-    key = (x8.device.index, n, x8.shape[1], m.bit_length())
+    key = _key(x8, w8)
     best = _TUNED.get(key)
     if best is None:
         best = _TUNED[key] = _autotune(args)
     return _launch(best, *args)
+
+
+def _key(x8: torch.Tensor, w8: torch.Tensor) -> tuple:
+    return x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length()
+
+
+def tuned(x8: torch.Tensor, w8: torch.Tensor) -> tuple | None:
+    """The config autotuning chose for these operands' shapes on their GPU (None: not tuned yet, or interpreted)."""
+    return _TUNED.get(_key(x8, w8))
 
 
 def _autotune(args) -> tuple:
