@@ -335,6 +335,40 @@ def path_options(spec: dict):
                               **spec.get("options", {})})
 
 
+def tier_spec(flat: dict) -> dict:
+    """A tier's flat options (`h3direct.app.tiers.Tier.options`) as a contract path's attention, FP8 linears and
+    options."""
+    options = dict(flat)
+    return {"attention": options.pop("attention", "auto"), "fp8_linear": options.pop("fp8_linear", "off"),
+            "options": options}
+
+
+def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str, prog: str = "run_contract"):
+    """(contract, tiers record) with each of `names` whose path names a tier (`{"tier": NAME, "class": ...}`) given
+    that tier's options from the tiers file at `tiers_path` (None: the runtime's default), which must have been chosen
+    on `device`'s kind of device. The record (file, sha256, machine, made) goes into the result; None when no path of
+    `names` names a tier. A missing, malformed or foreign file, or a tier it lacks, is one line and exit 2."""
+    wanted = [n for n in names if "tier" in contract["paths"][n]]
+    if not wanted:
+        return contract, None
+    from h3direct.app import tiers as T
+    from h3direct.errors import H3Error
+
+    try:
+        found = T.load(tiers_path if tiers_path is not None else T.default_path())
+        found.check_device(T.device_name(device))
+        chosen = {n: found.get(contract["paths"][n]["tier"]) for n in wanted}
+    except H3Error as exc:
+        usage_error(f"--tiers: {exc}", prog)
+    paths = dict(contract["paths"])
+    for n, tier in chosen.items():
+        paths[n] = {**paths[n], **tier_spec(tier.options), "tier_record": tier.provenance(found)}
+    made = json.loads(found.path.read_text()).get("made") or {}
+    record = {"file": str(found.path.resolve()), "sha256": found.sha256, "machine": found.machine,
+              "made": {k: made.get(k) for k in ("commit", "tree", "date", "cases")}}
+    return {**contract, "paths": paths}, record
+
+
 def path_settings(model, options, build: dict, like) -> dict:
     """Everything of one path that changes its numbers (the one place a result records them): the typed options it
     ran with, every one under its flat name (`options`), and what they came to on this machine: the attention

@@ -7,15 +7,17 @@ The DiT contract:
 
 Rules (one line each, FAIL when broken): the result is not a --smoke run; it ran on the contract's device class;
 its workload (canvas, frames, text tokens, S), weights and timed-step count are the contract's; every path ran with
-the contract's settings (attention backend and options, FP8 linears); every ComfyUI configuration ran with the
-contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
+the contract's settings (attention backend and options, FP8 linears; a tier path, `{"tier": NAME}`, its tier's
+options as the result records them from its tiers file, which was chosen on the device the result ran on, one file
+for every tier path); every ComfyUI configuration ran with the contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
 `x_comfyui_default` is ComfyUI's default configuration's s/step measured in the same run over the path's;
 `x_comfyui_best` the same with the fastest ComfyUI configuration of the path's class (exact or approximate);
 `x_comfyui_sage` the same with ComfyUI `--use-sage-attention`; `floor_ratio` the path's s/step over the hot floor
 measured in the same run; `error_x_comfyui_bf16` / `error_x_comfyui_sage` the path's quality (benchmarks/quality.py:
-its output's error against ComfyUI's fp32 twin on the contract's quality case, the worse of video and audio, as a
-multiple of ComfyUI bf16's / ComfyUI+sage's own). A rule: the quality was measured on the contract's case. A figure
-the result lacks, or one that is not a finite number (inf, NaN, a string, true/false), is a miss.
+its output's error against ComfyUI's fp32 twin, the worse of video and audio, as a multiple of ComfyUI bf16's /
+ComfyUI+sage's own, on each of the contract's quality cases: the worst case, taken here from the per-case figures,
+and a case without a figure is a miss). A rule: the quality was measured on the contract's cases. A figure the result
+lacks, or one that is not a finite number (inf, NaN, a string, true/false), is a miss.
 
 The end-to-end contract (kind "e2e"): the result is not a --smoke run; it ran on the contract's device class; its
 workload (task, canvas, frames, prompt, steps, sampler, scheduler, cfg, seed, fps) and weights are the contract's;
@@ -37,6 +39,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from benchmarks._common import tier_spec
 
 
 def _load(path: str, what: str) -> dict:
@@ -74,8 +78,9 @@ def _run_rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
     out = [("not a smoke run", "the result is a --smoke run (tiny sizes): not a measurement" if result.get("smoke")
             is not False else None)]
     want_dev, got_dev = contract.get("device"), result.get("device")
-    out.append(("device", None if not want_dev or want_dev in str(got_dev) else
-                f"the contract is for {want_dev!r}, the result ran on {got_dev!r}"))
+    classes = want_dev if isinstance(want_dev, list) else [want_dev] if want_dev else []
+    out.append(("device", None if not classes or any(d in str(got_dev) for d in classes) else
+                f"the contract is for {' or '.join(map(repr, classes))}, the result ran on {got_dev!r}"))
     return out
 
 
@@ -102,19 +107,29 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
         if _ok(p) and len(p.get("step_s") or []) != want["timed"]:
             diff.append(f"{name} timed {len(p.get('step_s') or [])} steps")
     out.append(("timed steps", _why(diff)))
+    if any("tier" in spec for spec in contract["paths"].values()):
+        out.append(("tiers file", _tiers_file_rule(contract, result)))
     for name, spec in contract["paths"].items():
         p = (result.get("paths") or {}).get(name)
         if not isinstance(p, dict):
             out.append((f"path {name}", "not in the result"))
             continue
+        if "tier" in spec:  # its settings are the tier's of the tiers file the result names
+            tier = p.get("tier") if isinstance(p.get("tier"), dict) else {}
+            if tier.get("name") != spec["tier"]:
+                out.append((f"path {name} settings", f"ran tier {tier.get('name')!r} (contract {spec['tier']!r})"))
+                continue
+            spec = tier_spec(tier.get("options") or {})
         s = p.get("settings") or {}
         expect = {"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off")}
         ran = s.get("options") or {}  # every option the path ran with, under its flat name
         diff = differs(expect, s) + differs(spec.get("options", {}), ran, "options ")
         out.append((f"path {name} settings", _why(diff)))
     q = result.get("quality")
-    if contract.get("quality") and isinstance(q, dict) and q.get("status") == "ok":
-        out.append(("quality case", _why(differs({"case": contract["quality"]["case"]}, q))))
+    if contract.get("quality") and isinstance(q, dict):
+        want = contract_cases(contract)
+        out.append(("quality cases", None if q.get("cases") == want else
+                    f"measured on {q.get('cases')!r}, the contract's cases are {want!r}"))
     comfy = result.get("comfyui")
     for name, spec in (contract.get("comfyui") or {}).items():
         c = (comfy or {}).get("configs", {}).get(name) if isinstance(comfy, dict) else None
@@ -123,6 +138,30 @@ def rules(contract: dict, result: dict) -> list[tuple[str, str | None]]:
         diff = differs({k: spec[k] for k in ("settings", "attention", "class")}, c)
         out.append((f"ComfyUI {name} settings", _why(diff)))
     return out
+
+
+def _tiers_file_rule(contract: dict, result: dict) -> str | None:
+    """The tier paths took their options from one tiers file, chosen on the device the result ran on."""
+    t = result.get("tiers")
+    if not isinstance(t, dict):
+        return "the result names no tiers file (its tier paths' options are unknown)"
+    chosen_on = (t.get("machine") or {}).get("device_name")
+    if chosen_on != result.get("device"):
+        return f"its tiers were chosen on {chosen_on!r}, the result ran on {result.get('device')!r}"
+    shas = {((result.get("paths") or {}).get(n, {}).get("tier") or {}).get("sha256")
+            for n, spec in contract["paths"].items() if "tier" in spec and isinstance(result.get("paths", {}).get(n), dict)}
+    other = shas - {t.get("sha256")}
+    return f"a tier path ran from another tiers file (sha256 {sorted(map(str, other))})" if other else None
+
+
+def contract_cases(contract: dict) -> list[str] | None:
+    """The contract's quality cases (`quality.cases_of`), None when its entry names none."""
+    from benchmarks.quality import cases_of
+
+    try:
+        return cases_of(contract.get("quality"))
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------- the figures
@@ -163,14 +202,17 @@ def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[floa
         return None, f"path {path!r} not in the result"
     if not _ok(p):
         return None, f"path {path!r}: {p.get('status')}"
-    if metric in QUALITY_METRICS:
+    if metric in QUALITY_METRICS:  # the worst over the contract's cases, from the per-case figures
+        from benchmarks.quality import worst
+
         q = p.get("quality")
         if not isinstance(q, dict):
             return None, (result.get("quality") or {}).get("status") or "quality not measured"
-        if q.get("status") != "ok":
-            return None, f"quality: {q.get('status')}"
-        v = number(q.get(metric))
-        return v, "" if v is not None else f"{metric} {q.get(metric)!r} is not a finite number"
+        cases = contract_cases(contract)
+        if cases is None:
+            return None, "the contract names no quality cases"
+        v, note = worst(q, cases, metric)
+        return v, note if v is not None else f"quality: {note}"
     if metric in ("x_comfyui_default", "x_comfyui_sage", "x_comfyui_best", "floor_ratio"):
         if number(p.get("s_per_step")) is None:
             return None, f"s_per_step {p.get('s_per_step')!r} is not a finite number"
@@ -217,15 +259,20 @@ def info_lines(contract: dict, result: dict) -> list[str]:
             lines.append(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in values.items()))
     q = result.get("quality")
     if isinstance(q, dict):
-        lines.append(f"quality case {q.get('case')}: {q.get('status')}")
+        cases = q.get("cases") if isinstance(q.get("cases"), list) else [q.get("case")]
+        lines.append(f"quality cases {', '.join(map(str, cases))}: {q.get('status')}")
     quality_rows = [(f"ComfyUI {n}", c.get("quality")) for n, c in (comfy.get("configs") or {}).items()]
     quality_rows += [(n, p.get("quality")) for n, p in (result.get("paths") or {}).items()]
     for name, pq in quality_rows:
-        if isinstance(pq, dict) and pq.get("status", "ok") == "ok" and pq.get("x_comfyui_bf16"):
-            x = pq["x_comfyui_bf16"]
-            lines.append(f"{name:12s} quality: x{x.get('video', math.nan):.2f} / x{x.get('audio', math.nan):.2f} "
-                         f"ComfyUI bf16 (video / audio), x{pq.get('error_x_comfyui_sage', math.nan):.2f} "
-                         "ComfyUI+sage (worse output)")
+        per_case = pq.get("cases") if isinstance(pq, dict) else None
+        for case, f in (per_case or {}).items() if isinstance(per_case, dict) else ():
+            if not isinstance(f, dict) or "x_comfyui_bf16" not in f:
+                lines.append(f"{name:12s} quality on {case}: {(f or {}).get('status') if isinstance(f, dict) else f}")
+                continue
+            x = f["x_comfyui_bf16"] if isinstance(f["x_comfyui_bf16"], dict) else {}
+            lines.append(f"{name:12s} quality on {case}: x{x.get('video', math.nan):.2f} / "
+                         f"x{x.get('audio', math.nan):.2f} ComfyUI bf16 (video / audio), "
+                         f"x{f.get('error_x_comfyui_sage', math.nan):.2f} ComfyUI+sage (worse output)")
     runs = [(name, p.get("gpu_clock_power")) for name, p in (result.get("paths") or {}).items()]
     runs.append(("hot floor", (result.get("hot_floor") or {}).get("gpu_clock_power")))
     for name, gp in runs:

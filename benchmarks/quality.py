@@ -1,21 +1,24 @@
-"""The contract's quality axis: how far each path's output is from fp32, next to ComfyUI's own, on one structured
-case of the validation set recorded on the same GPU.
+"""The contract's quality axis: how far each path's output is from fp32, next to ComfyUI's own, on the structured
+cases of the validation set recorded on the same GPU; a path's figure is its worst case.
 
     python -m benchmarks.quality --contract benchmarks/ref2va-960x544-124f.json --trace-dir DIR [--case NAME ...]
         [--paths a,b] [--comfy-root R] [--device cuda] [--out Q.json]
 
-A path (an entry of the contract's "paths": attention backend, options, FP8 linears) runs one denoiser step of the
+A path (an entry of the contract's "paths": attention backend, options, FP8 linears) runs one denoiser step of a
 case with its own options (`h3direct.traces.evaluate.one_step`, the free run the gate makes) and its x0
 (`sampler.denoised.video` / `.audio`) is measured against ComfyUI's fp32 twin of the case (rel-L2), in units of
 ComfyUI bf16's own error against the same twin (`x_comfyui_bf16`) and of ComfyUI `--use-sage-attention`'s
 (`x_comfyui_sage`), both recorded beside the case (`parity_tests.validation record`; `--comfy-root` records a
-case that is missing). The path's figures are the worse of its two outputs. ComfyUI's configurations get the same
-measurement from their recordings: the default is ComfyUI bf16 (1 by definition), sage its sage recording.
+case that is missing). The path's figures on a case are the worse of its two outputs; over the contract's cases
+(`contract["quality"]["cases"]`: a list of names, or "structured" for every structured case of the validation set,
+`parity_tests.validation.structured()`) they are the worst case, and a case that was not measured leaves the path
+without a figure (`worst`). ComfyUI's configurations get the same measurement from their recordings: the default is
+ComfyUI bf16 (1 by definition), sage its sage recording.
 
-`run_contract --quality-dir DIR` runs this after the timings, in the same process and on the same GPU, for the
-contract's case (`contract["quality"]["case"]`); `compare` checks the targets `error_x_comfyui_bf16` and
-`error_x_comfyui_sage`. This CLI measures any number of cases (the ladder of the closing notes) and paths (a
-frontier: a contract file of candidate paths).
+`run_contract --quality-dir DIR` runs this after the timings, in the same process and on the same GPU, on the
+contract's cases; `compare` checks the targets `error_x_comfyui_bf16` and `error_x_comfyui_sage` on the worst of
+them. This CLI measures any number of cases (default: the contract's) and paths (a frontier: a contract file of
+candidate paths).
 """
 
 from __future__ import annotations
@@ -118,6 +121,76 @@ def comfy_quality(case) -> dict:
             "sage": {"case": case.trace.parent.name, **_figures(points, "sage")}}
 
 
+METRICS = ("error_x_comfyui_bf16", "error_x_comfyui_sage")
+
+
+def cases_of(spec: dict | None) -> list[str]:
+    """The case names of a contract's "quality" entry: its "cases" (a list of names, or "structured": every
+    structured case of the validation set). ValueError when it names none."""
+    cases = (spec or {}).get("cases")
+    if cases == "structured":
+        from parity_tests import validation
+
+        return [c.name for c in validation.structured()]
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, str) for c in cases):
+        raise ValueError(f'its "quality" entry names no cases (a list of names, or "structured"), got {cases!r}')
+    return cases
+
+
+def worst(entry, cases: list[str], metric: str) -> tuple[float | None, str]:
+    """(the worst of `metric` over `cases`, where it was) of one path's quality over cases (`over_cases`), or (None,
+    why not): a case without a finite figure leaves none, since the worst case may be the one missing."""
+    per_case = entry.get("cases") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return None, "quality not measured"
+    if not isinstance(per_case, dict):
+        status = entry.get("status", "ok")
+        return None, status if status != "ok" else "no figure per case (a result of a one-case contract)"
+    values = {}
+    for case in cases:
+        v = (per_case.get(case) or {}).get(metric)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            why = (per_case.get(case) or {}).get("status") or f"{metric} {v!r} is not a finite number"
+            return None, f"case {case}: {why}"
+        values[case] = float(v)
+    case = max(values, key=values.get)
+    return values[case], f"worst case {case}"
+
+
+def over_cases(per_case: dict[str, dict]) -> dict:
+    """One path's (or ComfyUI configuration's) quality over cases: {case: its figures on it} (a case's status where
+    it was not measured), the worst of each metric and where; status ok only when every case was measured."""
+    cases = {c: ({k: q[k] for k in ("x_comfyui_bf16", "x_comfyui_sage", *METRICS)} if q.get("status", "ok") == "ok"
+                 else {"status": q.get("status")}) for c, q in per_case.items()}
+    out = {"cases": cases}
+    for metric in METRICS:
+        v, where = worst(out, list(cases), metric)
+        out[metric] = v
+        if v is None:
+            out["status"] = where
+        else:
+            out.setdefault("worst_case", {})[metric] = where.removeprefix("worst case ")
+    out.setdefault("status", "ok")
+    return out
+
+
+def measure_cases(contract: dict, names: list[str], root: Path, cases: list[str], device: str,
+                  comfy_root: str | None = None) -> dict:
+    """Every path of `names` and every ComfyUI configuration on every case of `cases` (`measure`), and over them
+    (`over_cases`): {"cases", "status", "per_case": {case: measure's}, "paths": {name: ...}, "comfyui": {...}}."""
+    per_case = {c: measure(contract, names, root, c, device, comfy_root) for c in cases}
+    missing = [f"{c}: {q['status']}" for c, q in per_case.items() if q.get("status") != "ok"]
+
+    def of(kind: str, name: str) -> dict:
+        return {c: (q[kind].get(name) or {"status": "not measured"}) if q.get("status") == "ok" else
+                {"status": q["status"]} for c, q in per_case.items()}
+
+    configs = sorted({n for q in per_case.values() for n in q.get("comfyui", {})})
+    return {"cases": cases, "status": "ok" if not missing else "not measured on " + "; ".join(missing),
+            "per_case": per_case, "paths": {n: over_cases(of("paths", n)) for n in names},
+            "comfyui": {n: over_cases(of("comfyui", n)) for n in configs}}
+
+
 def measure(contract: dict, names: list[str], root: Path, case_name: str, device: str,
             comfy_root: str | None = None) -> dict:
     """{"case", "paths": {name: quality}, "comfyui": {config: quality}} or {"status": why not}."""
@@ -141,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contract", required=True)
     ap.add_argument("--trace-dir", required=True, type=Path, help="the validation set's folder")
     ap.add_argument("--case", action="append", default=None,
-                    help="a validation case (repeatable; default: the contract's quality case)")
+                    help="a validation case (repeatable; default: the contract's quality cases)")
     ap.add_argument("--paths", default=None, help="comma list of the contract's paths (default all)")
     ap.add_argument("--comfy-root", default=None, help="record a missing case with this ComfyUI checkout")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -155,9 +228,10 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in contract.get("paths", {})]
     if unknown:
         C.usage_error(f"--paths: {', '.join(unknown)} not a path of the contract", PROG)
-    cases = args.case or [(contract.get("quality") or {}).get("case")]
-    if None in cases:
-        C.usage_error("--case: the contract names no quality case; give one", PROG)
+    try:
+        cases = args.case or cases_of(contract.get("quality"))
+    except ValueError as exc:
+        C.usage_error(f"--contract {args.contract}: {exc}; give --case", PROG)
     if args.device == "cuda":
         import torch
 

@@ -61,8 +61,11 @@ def parse_args(argv=None):
                     help="length of the hot-floor loop (default: the contract's; 0 skips it)")
     ap.add_argument("--no-vae", action="store_true", help="skip the VAE decode (end_to_end is then not reported)")
     ap.add_argument("--quality-dir", default=None, type=Path, metavar="DIR",
-                    help="the validation set's folder: measure every path's quality on the contract's quality case "
-                         "(benchmarks/quality.py; with --comfy-root a case not recorded there is recorded first)")
+                    help="the validation set's folder: measure every path's quality on each of the contract's quality "
+                         "cases (benchmarks/quality.py; with --comfy-root a case not recorded there is recorded first)")
+    ap.add_argument("--tiers", default=None, metavar="FILE",
+                    help="the tiers file the contract's tier paths take their options from (default: $H3_TIERS, "
+                         "else the runtime's <cache>/tiers.json); chosen on this GPU by `python -m benchmarks.frontier`")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (plumbing check, not a result)")
     e2e = ap.add_argument_group("e2e contract (run_e2e.py)")
     e2e.add_argument("--configs", default=None, help="comma list of the contract's configurations (default all)")
@@ -91,13 +94,21 @@ def _contract(path: str) -> dict:
     return c
 
 
-def _check_args(args, contract: dict) -> list[str]:
-    """The paths to run; every bad flag is a one-line error here, before anything is built."""
+def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict | None]:
+    """(the paths to run, the contract with its tier paths resolved, the tiers file's record); every bad flag is a
+    one-line error here, before anything is built."""
     names = args.paths.split(",") if args.paths else list(contract["paths"])
     unknown = [n for n in names if n not in contract["paths"]]
     if unknown:
         _fail(f"--paths: {', '.join(unknown)} not a path of the contract ({', '.join(contract['paths'])})")
+    from h3direct.app.env import read_tiers
     from h3direct.errors import H3Error
+
+    floor = contract.get("floor", {})
+    seconds = floor.get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
+    floor_path = [floor.get("path", "exact")] if seconds > 0 and floor.get("path", "exact") in contract["paths"] else []
+    contract, tiers = C.resolve_tier_paths(contract, list(dict.fromkeys(names + floor_path)),
+                                           args.tiers or read_tiers(), dev)
 
     for n in names:
         try:
@@ -108,12 +119,17 @@ def _check_args(args, contract: dict) -> list[str]:
     if len(modes) > 1:
         _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
     C.check_run_flags(args)
+    if contract.get("quality") or args.quality_dir is not None:
+        import quality
+
+        try:
+            quality.cases_of(contract.get("quality"))
+        except ValueError as exc:
+            _fail(f"--contract: {exc}")
     if args.quality_dir is not None:
-        if not contract.get("quality"):
-            _fail("--quality-dir: the contract names no quality case (its \"quality\" entry)")
         if args.quality_dir.exists() and not args.quality_dir.is_dir():
             _fail(f"--quality-dir {args.quality_dir}: not a directory")
-    return names
+    return names, contract, tiers
 
 
 def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
@@ -182,6 +198,8 @@ def _run_path(contract: dict, args, name: str, options, model, build: dict, inpu
 
     spec, (video, audio, text, cond) = contract["paths"][name], inputs
     res = {"class": spec.get("class"), "settings": C.path_settings(model, options, build, like)}
+    if "tier_record" in spec:  # a tier path: the tier it ran (name, file, sha256, options)
+        res["tier"] = spec["tier_record"]
     reason = unavailable_reason(options.attention, like)
     if reason is not None:
         C.log(f"{name}: {options.attention.backend} unavailable: {reason}")
@@ -403,21 +421,22 @@ def merge_comfy(contract: dict, rounds: list[dict]) -> dict:
 
 
 def add_quality(contract: dict, args, names: list[str], dev, result: dict) -> None:
-    """The quality axis (benchmarks/quality.py): each path's and each ComfyUI configuration's output error on the
-    contract's quality case, after the timings, on the same device."""
+    """The quality axis (benchmarks/quality.py): each path's and each ComfyUI configuration's output error on every
+    case of the contract's quality entry and the worst of them, after the timings, on the same device."""
     import quality
 
     spec = contract.get("quality")
     if not spec:
         return
+    cases = quality.cases_of(spec)
     if args.quality_dir is None:
-        result["quality"] = {"case": spec["case"], "status": "not measured (run with --quality-dir)"}
+        result["quality"] = {"cases": cases, "status": "not measured (run with --quality-dir)"}
         return
-    q = quality.measure(contract, names, args.quality_dir, spec["case"], str(dev), args.comfy_root)
-    result["quality"] = {k: v for k, v in q.items() if k not in ("paths", "comfyui")}
-    for name, values in (q.get("paths") or {}).items():
+    q = quality.measure_cases(contract, names, args.quality_dir, cases, str(dev), args.comfy_root)
+    result["quality"] = {"cases": q["cases"], "status": q["status"]}
+    for name, values in q["paths"].items():
         result["paths"][name]["quality"] = values
-    for name, values in (q.get("comfyui") or {}).items():
+    for name, values in q["comfyui"].items():
         config = ((result.get("comfyui") or {}).get("configs") or {}).get(name)
         if config is not None:
             config["quality"] = values
@@ -446,12 +465,13 @@ def main(argv=None) -> int:
         except H3Error as exc:  # a missing package, a checkout without H3: one line for the result's status
             print(f"run_contract: error: {exc}", file=sys.stderr)
             return 2
-    names = _check_args(args, contract)
-    wl, preset = _workload(contract, args.smoke)
     dev = C.run_device(args)
+    names, contract, tiers = _check_args(args, contract, dev)
+    wl, preset = _workload(contract, args.smoke)
     w = contract["weights"]
     result = {**C.result_header(contract, args, argv, dev, wl),
-              "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]}}
+              "steps": {"warmup": contract["steps"]["warmup"], "timed": args.steps or contract["steps"]["timed"]},
+              "tiers": tiers}
     order = [(n, a) for n, spec in (contract.get("comfyui") or {}).items() for a in spec["attention"]]
     rounds = []
     if args.comfy_root:

@@ -13,7 +13,7 @@
 # each chosen tier on the validation set, twice: the first run records the baselines), contract
 # (run_contract.py, then compare.py on its result), e2e (run_contract.py on the end-to-end contract, the
 # configurations of E2E_CONFIGS or all, into $OUT/e2e[-CONFIGS].json, then compare.py). Knobs (environment): OUT
-# (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, QUALITY_DIR (the contract's quality case: default
+# (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, QUALITY_DIR (the contract's quality cases: default
 # $OUT/validation, recorded there by ComfyUI when COMFY_ROOT is set), DIT_ARGS / VAE_ARGS / GEN_ARGS / CONTRACT_ARGS /
 # E2E_ARGS (extra flags), E2E_CONFIGS, <PART>_TIMEOUT (hard limit in seconds, e.g. DIT_TIMEOUT=600). A failing or
 # killed part never stops the next one; the exit status is 1 when any part failed.
@@ -61,9 +61,10 @@ for p in "${PARTS[@]}"; do
            --budget-seconds $(( ${VAE_TIMEOUT:-100} - 25 )) ${VAE_ARGS:-} ;;
     generate) part bench_generate "${GEN_TIMEOUT:-140}" "$PY" benchmarks/bench_generate.py --preset "$PRESET" \
            --budget-seconds $(( ${GEN_TIMEOUT:-140} - 25 )) ${GEN_ARGS:-} ;;
-    contract)
+    contract)  # the tier paths' options: the frontier part's tiers file when it ran, else $H3_TIERS or the cache's
+      tiers=(); [ -f "$OUT/frontier/tiers.json" ] && tiers=(--tiers "$OUT/frontier/tiers.json")
       part contract "${CONTRACT_TIMEOUT:-900}" "$PY" -m benchmarks.run_contract \
-        --contract benchmarks/ref2va-960x544-124f.json --out "$OUT/contract.json" \
+        --contract benchmarks/ref2va-960x544-124f.json --out "$OUT/contract.json" "${tiers[@]}" \
         --quality-dir "${QUALITY_DIR:-$OUT/validation}" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
       part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
         --result "$OUT/contract.json" ;;

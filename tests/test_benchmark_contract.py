@@ -27,7 +27,34 @@ def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subp
 
 
 QUALITY = {"exact": (0.95, 0.5), "sage_class": (2.2, 1.2), "fastest": (4.0, 2.5), "approximate_1s": (11.0, 6.0),
-           "sage2": (1.9, 1.0)}  # made-up error_x_comfyui_bf16 / error_x_comfyui_sage per path
+           "sage2": (1.9, 1.0)}  # made-up worst-case error_x_comfyui_bf16 / error_x_comfyui_sage per path
+# made-up tiers of a tiers file chosen on the result's GPU (flat options, as benchmarks/frontier.py writes them)
+TIERS = {"exact": {"attention": "fa3"},
+         "sage_class": {"attention": "sol_attn", "sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3"},
+         "fastest": {"attention": "sol_attn", "sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
+                     "fp8_linear": "stream", "fp8_linear_layers": "fc1,fc2", "fp8_accum": "fast"}}
+SHA = "ab" * 32
+
+
+def _cases() -> list[str]:
+    from parity_tests import validation
+
+    return [c.name for c in validation.structured()]
+
+
+CASES = _cases()
+FIRST, LAST = CASES[0], CASES[-1]
+
+
+def _per_case(bf16: float, sage: float) -> dict:
+    """A path's quality over the structured cases: the given figures on the last case, 0.8 x them on the others."""
+    cases = _cases()
+    out = {}
+    for i, case in enumerate(cases):
+        f = 1.0 if i == len(cases) - 1 else 0.8
+        out[case] = {"x_comfyui_bf16": {"video": f * bf16}, "x_comfyui_sage": {"video": f * sage},
+                     "error_x_comfyui_bf16": f * bf16, "error_x_comfyui_sage": f * sage}
+    return {"status": "ok", "cases": out, "error_x_comfyui_bf16": bf16, "error_x_comfyui_sage": sage}
 
 
 def _passing() -> dict:
@@ -37,13 +64,17 @@ def _passing() -> dict:
 
     def path(name, s):
         spec = c["paths"][name]
-        bf16, sage = QUALITY[name]
-        return {"status": "ok", "class": spec["class"], "s_per_step": s, "step_s": [s] * timed, "peak_gpu_gib": 13.9,
-                "settings": {"attention": spec["attention"], "options": dict(spec.get("options", {})),
-                             "fp8_linear": spec.get("fp8_linear", "off")},
-                "quality": {"status": "ok", "case": c["quality"]["case"], "x_comfyui_bf16": {"video": bf16},
-                            "x_comfyui_sage": {"video": sage}, "error_x_comfyui_bf16": bf16,
-                            "error_x_comfyui_sage": sage}}
+        if "tier" in spec:
+            flat = dict(TIERS[spec["tier"]])
+            spec = {"attention": flat.pop("attention"), "fp8_linear": flat.pop("fp8_linear", "off"), "options": flat}
+        out = {"status": "ok", "class": c["paths"][name]["class"], "s_per_step": s, "step_s": [s] * timed,
+               "peak_gpu_gib": 13.9,
+               "settings": {"attention": spec["attention"], "options": dict(spec.get("options", {})),
+                            "fp8_linear": spec.get("fp8_linear", "off")},
+               "quality": _per_case(*QUALITY[name])}
+        if "tier" in c["paths"][name]:
+            out["tier"] = {"name": name, "sha256": SHA, "rule": "class", "options": TIERS[name]}
+        return out
 
     w = c["workload"]
     comfy = {"default": 3.0, "sage": 2.237, "exact_fastest": 2.9}
@@ -52,9 +83,10 @@ def _passing() -> dict:
             "workload": {"width": w["width"], "height": w["height"], "frames": w["frames"], "text_len": w["text_tokens"],
                          "seq_len": w["seq_len"]},
             "weights": dict(c["weights"]), "steps": {"warmup": c["steps"]["warmup"], "timed": timed},
+            "tiers": {"file": "/x/tiers.json", "sha256": SHA, "machine": {"device_name": "NVIDIA H200"}},
             "paths": {n: path(n, s) for n, s in speeds.items()},
             "hot_floor": {"status": "ok", "s_per_step": 1.94},
-            "quality": {"case": c["quality"]["case"], "status": "ok"},
+            "quality": {"cases": _cases(), "status": "ok"},
             "comfyui": {"version": "0.33.0", "configs": {
                 n: {"status": "ok", "class": spec["class"], "settings": spec["settings"], "attention": spec["attention"],
                     "chosen": spec["attention"][0], "s_per_step": comfy[n]} for n, spec in c["comfyui"].items()}}}
@@ -69,14 +101,16 @@ def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
     assert has(p.stdout, "exact        x_comfyui_default 1.500, x_comfyui_sage 1.119, x_comfyui_best 1.450, "
                          "floor_ratio 1.031")
     assert has(p.stdout, "info ComfyUI sage          approximate, user settings: 2.237 s/step (sage)")
-    assert has(p.stdout, "ok   rule   quality case")
-    assert has(p.stdout, "pass sage_class error_x_comfyui_sage 1.200 <= 1.5")
-    assert has(p.stdout, "info fastest quality: x4.00 / xnan ComfyUI bf16 (video / audio), x2.50 ComfyUI+sage")
+    assert has(p.stdout, "ok   rule   quality cases") and has(p.stdout, "ok   rule   tiers file")
+    assert has(p.stdout, "ok   rule   path sage_class settings")
+    last = _cases()[-1]  # the worst case is the figure, and compare says which
+    assert has(p.stdout, f"pass sage_class error_x_comfyui_sage 1.200 <= 1.5 (worst case {last})")
+    assert has(p.stdout, f"info fastest quality on {last}: x4.00 / xnan ComfyUI bf16 (video / audio), x2.50 "
+                         "ComfyUI+sage")
 
 
 @pytest.mark.parametrize("where, value, needle", [
     ("smoke", True, "FAIL rule   not a smoke run: the result is a --smoke run"),
-    ("device", "NVIDIA A100-SXM4-80GB", "FAIL rule   device: the contract is for 'NVIDIA H200'"),
     ("workload.seq_len", 19000, "FAIL rule   workload: seq_len 19000 (contract 20050)"),
     ("workload.width", 832, "FAIL rule   workload: width 832 (contract 960)"),
     ("weights.dit", "bf16", "FAIL rule   weights: dit 'bf16' (contract 'nvfp4')"),
@@ -91,15 +125,31 @@ def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
     ("paths.fastest.settings.options", {"sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
                                         "fp8_linear_layers": "qkv_proj,out_proj,fc1,fc2", "fp8_accum": "fast"},
      "FAIL rule   path fastest settings: options fp8_linear_layers 'qkv_proj,out_proj,fc1,fc2' (contract 'fc1,fc2')"),
+    ("paths.fastest.tier.name", "sage_class", "FAIL rule   path fastest settings: ran tier 'sage_class' (contract "
+                                              "'fastest')"),
+    ("tiers.machine.device_name", "NVIDIA H100 80GB HBM3",
+     "FAIL rule   tiers file: its tiers were chosen on 'NVIDIA H100 80GB HBM3', the result ran on 'NVIDIA H200'"),
+    ("paths.sage_class.tier.sha256", "cd" * 32, "FAIL rule   tiers file: a tier path ran from another tiers file"),
+    ("tiers", None, "FAIL rule   tiers file: the result names no tiers file"),
     ("comfyui.configs.sage.settings", "oracle",
      "FAIL rule   ComfyUI sage settings: settings 'oracle' (contract 'user')"),
-    ("quality.case", "v5_local_bf16_s5584",
-     "FAIL rule   quality case: case 'v5_local_bf16_s5584' (contract 'v4_local_nvfp4_s5072')"),
-], ids=["smoke", "device", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
-        "path-options", "path-fp8-layers", "comfy-settings", "quality-case"])
+    ("quality.cases", ["v4_local_nvfp4_s5072"],
+     "FAIL rule   quality cases: measured on ['v4_local_nvfp4_s5072'], the contract's cases are"),
+], ids=["smoke", "S", "canvas", "weights", "timed-steps", "path-step-count", "path-attention", "path-fp8",
+        "path-options", "path-fp8-layers", "tier-name", "tiers-device", "tiers-file-mixed", "no-tiers-file",
+        "comfy-settings", "quality-cases"])
 def test_compare_fails_a_result_that_did_not_run_the_contract(tmp_path, where, value, needle):
     p = _compare(broken(_passing(), where, value), tmp=tmp_path)
     assert p.returncode == 1 and has(p.stdout, needle), p.stdout
+    assert has(p.stdout, "1 rule(s) broken: the result did not run the contract")
+
+
+def test_compare_fails_a_result_of_another_device_class(tmp_path):
+    r = broken(_passing(), "device", "NVIDIA A100-SXM4-80GB")
+    r["tiers"]["machine"]["device_name"] = "NVIDIA A100-SXM4-80GB"  # its tiers chosen there: only the device differs
+    p = _compare(r, tmp=tmp_path)
+    assert p.returncode == 1 and has(p.stdout, "FAIL rule   device: the contract is for 'NVIDIA H100' or 'NVIDIA "
+                                               "H200', the result ran on 'NVIDIA A100-SXM4-80GB'"), p.stdout
     assert has(p.stdout, "1 rule(s) broken: the result did not run the contract")
 
 
@@ -120,9 +170,10 @@ def test_compare_fails_a_path_the_result_lacks(tmp_path):
     ("comfyui.configs.sage.s_per_step", float("inf"), "MISS sage_class x_comfyui_sage"),  # inf / s would pass
     ("hot_floor.s_per_step", float("inf"), "MISS exact        floor_ratio"),
     ("hot_floor.s_per_step", 0, "MISS exact        floor_ratio"),
-    ("paths.fastest.quality.error_x_comfyui_sage", float("-inf"), "MISS fastest error_x_comfyui_sage"),
-    ("paths.sage_class.quality.error_x_comfyui_sage", float("nan"), "MISS sage_class error_x_comfyui_sage"),
-    ("paths.exact.quality.error_x_comfyui_bf16", "0.9", "MISS exact error_x_comfyui_bf16"),
+    (f"paths.fastest.quality.cases.{LAST}.error_x_comfyui_sage", float("-inf"), "MISS fastest error_x_comfyui_sage"),
+    (f"paths.sage_class.quality.cases.{FIRST}.error_x_comfyui_sage", float("nan"),
+     "MISS sage_class error_x_comfyui_sage"),
+    (f"paths.exact.quality.cases.{LAST}.error_x_comfyui_bf16", "0.9", "MISS exact error_x_comfyui_bf16"),
 ], ids=["s-minus-inf", "peak-minus-inf", "peak-nan", "peak-string", "peak-true", "s-true", "comfy-inf", "floor-inf",
         "floor-zero", "quality-minus-inf", "quality-nan", "quality-string"])
 def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, value, needle):
@@ -136,9 +187,16 @@ def test_compare_refuses_figures_that_are_not_finite_numbers(tmp_path, where, va
     ("paths.exact.s_per_step", 2.07, "MISS exact        floor_ratio             1.067 <= 1.06"),
     ("paths.exact.peak_gpu_gib", 14.01, "MISS exact        peak_gpu_gib           14.010 <= 14"),
     ("paths.fastest.status", "unavailable: no sol_attn", "MISS fastest s_per_step"),
-    ("paths.sage_class.quality.error_x_comfyui_sage", 1.51, "MISS sage_class error_x_comfyui_sage 1.510 <= 1.5"),
-    ("paths.fastest.quality.error_x_comfyui_sage", 3.2, "MISS fastest error_x_comfyui_sage 3.200 <= 3"),
-    ("paths.exact.quality.error_x_comfyui_bf16", 1.6, "MISS exact error_x_comfyui_bf16 1.600 <= 1.5"),
+    (f"paths.sage_class.quality.cases.{LAST}.error_x_comfyui_sage", 1.51,
+     f"MISS sage_class error_x_comfyui_sage 1.510 <= 1.5 (worst case {LAST})"),
+    # one case out of bound is a miss whatever the others and the stored worst say
+    (f"paths.sage_class.quality.cases.{FIRST}.error_x_comfyui_sage", 1.6,
+     f"MISS sage_class error_x_comfyui_sage 1.600 <= 1.5 (worst case {FIRST})"),
+    (f"paths.fastest.quality.cases.{FIRST}.error_x_comfyui_sage", 3.2, "MISS fastest error_x_comfyui_sage 3.200 <= 3"),
+    (f"paths.exact.quality.cases.{LAST}.error_x_comfyui_bf16", 1.6, "MISS exact error_x_comfyui_bf16 1.600 <= 1.5"),
+    # a case the path was not measured on leaves no figure: it may be the worst
+    (f"paths.sage_class.quality.cases.{FIRST}", {"status": "unavailable: sol_attn needs a CUDA device"},
+     f"MISS sage_class error_x_comfyui_sage n/a <= 1.5 (quality: case {FIRST}: unavailable: sol_attn needs"),
     ("paths.fastest.quality", {"status": "unavailable: sol_attn needs a CUDA device"},
      "MISS fastest error_x_comfyui_sage n/a <= 3 (quality: unavailable: sol_attn needs a CUDA device)"),
 ])
@@ -165,7 +223,7 @@ def test_compare_quality_needs_its_measurement(tmp_path):
     r = _passing()
     for p in r["paths"].values():
         del p["quality"]
-    r["quality"] = {"case": "v4_local_nvfp4_s5072", "status": "not measured (run with --quality-dir)"}
+    r["quality"] = {"cases": CASES, "status": "not measured (run with --quality-dir)"}
     p = _compare(r, tmp=tmp_path)
     assert p.returncode == 1 and has(p.stdout, "MISS exact error_x_comfyui_bf16 n/a <= 1.5 (not measured (run with "
                                                "--quality-dir))")
@@ -195,21 +253,22 @@ def test_compare_reports_clock_and_power_of_each_run(tmp_path):
     assert not has(p.stdout, "info fastest SM clock")
 
 
-def test_committed_result_ran_this_contract_and_compare_reads_it():
-    """The committed H200 result ran this contract (every rule holds: three ComfyUI configurations, the hot floor,
-    each path's settings, the quality case); compare reads it without a traceback. Its misses are the two speed
-    targets that the frontier shows out of reach on that GPU (README "Speed"); every quality and memory target and the
-    exact tier's speed pass."""
+def test_committed_result_is_read_and_named_for_what_this_contract_adds():
+    """The committed H200 result ran the contract as it stood before tiers files and worst-case quality: compare reads
+    it without a traceback, holds it to every rule that has not changed (device, workload, weights, timed steps, the
+    information paths' and ComfyUI's settings) and names what it lacks, one line each: the tiers file, the three tier
+    paths' tier, the quality cases; its quality targets miss (no figure per case), its measured figures still print."""
     p = _compare(COMMITTED)
     assert p.returncode == 1 and not p.stderr, p.stdout + p.stderr
-    assert "FAIL rule" not in p.stdout and has(p.stdout, "ok   rule   ComfyUI sage settings")
-    assert has(p.stdout, "ok   rule   quality case")
-    misses = sorted(line.split()[1:3] for line in p.stdout.splitlines() if line.startswith("MISS"))
-    assert misses == [["fastest", "s_per_step"], ["sage_class", "s_per_step"], ["sage_class", "x_comfyui_sage"]]
-    for path, metric in (("exact", "floor_ratio"), ("exact", "error_x_comfyui_bf16"), ("sage_class", "error_x_comfyui_sage"),
-                         ("fastest", "error_x_comfyui_sage")):
+    failed = sorted(line.split("rule", 1)[1].split(":")[0].strip() for line in p.stdout.splitlines()
+                    if line.startswith("FAIL rule"))
+    assert failed == ["path exact settings", "path fastest settings", "path sage_class settings", "quality cases",
+                      "tiers file"], p.stdout
+    for rule in ("device", "workload", "weights", "timed steps", "path sage2 settings", "ComfyUI sage settings"):
+        assert has(p.stdout, f"ok   rule   {rule}"), rule
+    assert has(p.stdout, "MISS sage_class error_x_comfyui_sage n/a <= 1.5 (quality: no figure per case")
+    for path, metric in (("exact", "floor_ratio"), ("exact", "peak_gpu_gib")):
         assert has(p.stdout, f"pass {path} {metric}"), (path, metric)
-    assert has(p.stdout, "7 of 10 targets met, 3 missed")
     for name in ("default", "sage", "exact_fastest"):
         assert re.search(rf"info ComfyUI {name} +\w+, \w+ settings: [0-9.]+ s/step", p.stdout), name
 
@@ -273,12 +332,76 @@ def test_runner_bad_flags_are_one_line_exit_2(tmp_path, flags, needle):
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def _tiers_file(tmp_path: Path, device_name: str = "cpu") -> Path:
+    """A tiers file as benchmarks/frontier.py writes it (schema h3-tiers/1), chosen on `device_name`."""
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps({"schema": "h3-tiers/1", "machine": {"device_name": device_name},
+                                "made": {"commit": "c0ffee", "cases": ["v4"]},
+                                "tiers": {"exact": {"options": {"attention": "sdpa", "fused": False}, "rule": "exact"},
+                                          "fastest": {"options": {"attention": "sdpa", "fp8_linear": "stream",
+                                                                  "fp8_linear_layers": "fc1,fc2"},
+                                                      "rule": "drift", "bound": 3.0}}}))
+    return path
+
+
+def _tier_contract(tmp_path: Path) -> Path:
+    c = json.loads(CONTRACT.read_text())
+    c["paths"] = {"exact": {"class": "exact", "tier": "exact"}, "fastest": {"class": "approximate", "tier": "fastest"},
+                  "plain": {"class": "exact", "attention": "sdpa"}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(c))
+    return path
+
+
+def test_runner_takes_the_tier_paths_options_from_the_tiers_file(tmp_path):
+    """The contract's tier paths run the tiers file's options and record the tier (name, file, sha256); compare holds
+    each path to the tier the result records and the file to the device it ran on."""
+    import hashlib
+
+    tiers = _tiers_file(tmp_path)
+    p = _run_contract(tmp_path, "--tiers", str(tiers), contract=_tier_contract(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    sha = hashlib.sha256(tiers.read_bytes()).hexdigest()
+    assert r["tiers"]["sha256"] == sha and r["tiers"]["machine"] == {"device_name": "cpu"}
+    exact, fastest = r["paths"]["exact"], r["paths"]["fastest"]
+    assert exact["tier"]["name"] == "exact" and exact["tier"]["sha256"] == sha
+    assert exact["settings"]["attention"] == "sdpa" and exact["settings"]["options"]["fused"] is False
+    assert fastest["settings"]["fp8_linear"] == "stream"
+    assert fastest["settings"]["options"]["fp8_linear_layers"] == "fc1,fc2"
+    assert "tier" not in r["paths"]["plain"]
+    q = _compare(tmp_path / "r.json", contract=tmp_path / "c.json")
+    for rule in ("tiers file", "path exact settings", "path fastest settings", "path plain settings"):
+        assert has(q.stdout, f"ok   rule   {rule}"), q.stdout
+    assert has(q.stdout, "FAIL rule   not a smoke run")  # a smoke run is never a result
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda t: t / "none.json", "--tiers: no tiers file at"),
+    (lambda t: _tiers_file(t, "NVIDIA H100 80GB HBM3"), "its tiers were chosen on NVIDIA H100 80GB HBM3, this device "
+                                                       "is cpu"),
+    (lambda t: (t / "bad.json").write_text('{"schema": "other"}') and t / "bad.json", "not a tiers file"),
+], ids=["missing", "other-device", "foreign"])
+def test_runner_refuses_a_tiers_file_it_cannot_use_in_one_line(tmp_path, make, needle):
+    p = _run_contract(tmp_path, "--tiers", str(make(tmp_path)), contract=_tier_contract(tmp_path))
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_runner_without_tier_paths_needs_no_tiers_file(tmp_path):
+    # (the hot floor runs the exact path's attention: a tier path, so without the floor)
+    p = _run_contract(tmp_path, "--tiers", str(tmp_path / "none.json"), "--paths", "plain", "--floor-seconds", "0",
+                      contract=_tier_contract(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["tiers"] is None
+
+
 def test_runner_help_names_its_options():
     p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0
     for flag in ("--comfy-root", "--comfy-rounds", "--comfy-only", "--floor-seconds", "--smoke", "--paths",
-                 "--quality-dir"):
+                 "--quality-dir", "--tiers"):
         assert flag in p.stdout, flag
 
 

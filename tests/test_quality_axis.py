@@ -26,17 +26,20 @@ def quality_dir(tmp_path_factory) -> Path:
     write_sage_recording(root / "fx")
     (root / "no_sage").mkdir()
     _copy_case(root / "no_sage")
+    (root / "fx2").mkdir()  # the same case with a closer sage stand-in: every path's x ComfyUI+sage is larger there
+    _copy_case(root / "fx2")
+    write_sage_recording(root / "fx2", factor=1.0)
     return root
 
 
-def _contract(tmp_path: Path, case: str = "fx") -> Path:
+def _contract(tmp_path: Path, *cases: str) -> Path:
     c = json.loads(CONTRACT.read_text())
     c["paths"] = {"exact": {"class": "exact", "attention": "sdpa", "options": {"fused": False}},
                   "fp8": {"class": "approximate", "attention": "sdpa", "fp8_linear": "stream"},
                   "int8_mlp": {"class": "approximate", "attention": "sdpa", "fp8_linear": "stream",
                                "options": {"fp8_linear_format": "int8", "fp8_linear_layers": "fc1,fc2"}},
                   "gpu_only": {"class": "approximate", "attention": "fa3"}}
-    c["quality"] = {"case": case}
+    c["quality"] = {"cases": list(cases or ["fx"])}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(c))
     return path
@@ -82,20 +85,52 @@ def test_a_case_without_its_sage_recording_is_not_measured(tmp_path, quality_dir
     assert p.returncode == 1 and "no ComfyUI --use-sage-attention recording" in p.stdout, p.stdout + p.stderr
 
 
-def test_run_contract_records_quality_per_path_and_compare_reads_it(tmp_path, quality_dir):
-    contract = _contract(tmp_path)
+def _run_contract(tmp_path: Path, contract: Path, quality_dir: Path) -> dict:
     p = subprocess.run([sys.executable, "-m", "benchmarks.run_contract", "--contract", str(contract), "--out",
                         str(tmp_path / "r.json"), "--smoke", "--steps", "1", "--device", "cpu", "--no-vae",
                         "--floor-seconds", "0", "--paths", "exact,fp8", "--quality-dir", str(quality_dir)], cwd=ROOT,
                        env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads((tmp_path / "r.json").read_text())
-    assert r["quality"] == {"case": "fx", "status": "ok"}
-    assert r["paths"]["exact"]["quality"]["error_x_comfyui_bf16"] <= 1.5
-    assert r["paths"]["fp8"]["quality"]["error_x_comfyui_bf16"] > 1.5
-    q = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
-                        str(tmp_path / "r.json")], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
-    assert "info quality case fx: ok" in q.stdout and "info exact        quality: x" in q.stdout, q.stdout
+    return json.loads((tmp_path / "r.json").read_text())
+
+
+def _compare(tmp_path: Path, contract: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
+                           str(tmp_path / "r.json")], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_run_contract_records_quality_per_case_and_compare_judges_the_worst(tmp_path, quality_dir):
+    """Two cases: each path's figures on each, and its worst, which is the case whose ComfyUI+sage errs least (fx2's
+    stand-in: sqrt(2) × ComfyUI bf16's own, against fx's sqrt(10)); compare takes the worst from the per-case figures
+    and names the case."""
+    contract = _contract(tmp_path, "fx", "fx2")
+    r = _run_contract(tmp_path, contract, quality_dir)
+    assert r["quality"] == {"cases": ["fx", "fx2"], "status": "ok"}
+    exact, fp8 = r["paths"]["exact"]["quality"], r["paths"]["fp8"]["quality"]
+    assert exact["status"] == "ok" and set(exact["cases"]) == {"fx", "fx2"}
+    fx, fx2 = (exact["cases"][c]["error_x_comfyui_sage"] for c in ("fx", "fx2"))
+    assert fx2 == pytest.approx(fx * (10 / 2) ** 0.5, rel=0.05)  # the same output, a smaller ComfyUI+sage error
+    assert exact["error_x_comfyui_sage"] == fx2 and exact["worst_case"]["error_x_comfyui_sage"] == "fx2"
+    assert exact["error_x_comfyui_bf16"] <= 1.5 and fp8["error_x_comfyui_bf16"] > 1.5
+    q = _compare(tmp_path, contract)
+    assert "info quality cases fx, fx2: ok" in q.stdout and "info exact        quality on fx2: x" in q.stdout, q.stdout
+    assert "ok   rule   quality cases" in q.stdout, q.stdout
+
+
+def test_a_case_not_measured_leaves_the_paths_without_a_figure(tmp_path, quality_dir):
+    """A case of the contract without its sage recording: the others are measured, the run says which case was not,
+    and compare misses every quality target naming that case (the worst may be the one missing)."""
+    contract = _contract(tmp_path, "fx", "no_sage")
+    r = _run_contract(tmp_path, contract, quality_dir)
+    assert r["quality"]["status"].startswith("not measured on no_sage: ")
+    exact = r["paths"]["exact"]["quality"]
+    assert exact["cases"]["fx"]["error_x_comfyui_sage"] > 0 and exact["error_x_comfyui_sage"] is None
+    assert exact["status"].startswith("case no_sage: not measured")
+    c = json.loads(contract.read_text())
+    c["targets"] = {"exact": {"error_x_comfyui_bf16": {"max": 1.5}}}
+    contract.write_text(json.dumps(c))
+    q = _compare(tmp_path, contract)
+    assert q.returncode == 1 and "MISS exact" in q.stdout and "(quality: case no_sage: not measured" in q.stdout, q.stdout
 
 
 @pytest.mark.parametrize("flags, code, needle", [
