@@ -214,8 +214,15 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
     epi = {"acc_ptr": "*i32", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*i16", "M": "i32",
            "N": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
            "ROUND": "constexpr"}
+    rot = {"w_ptr": "*bf16", "signs_ptr": "*bf16", "h_ptr": "*bf16", "rs_ptr": "*fp32", "out_ptr": "*i8", "N": "i32",
+           "stride_w": "i32", "stride_out": "i32", "B": "constexpr", "BN": "constexpr", "ENCODE": "constexpr",
+           "ROUND": "constexpr", "INTERPRET": "constexpr"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}  # as a launch at the DiT's shapes
     ptx = {}
     for name, fn, sig, consts, options in (
+            ("rotate", build(w8a8_triton._rotate_encode_kernel), rot,
+             {"B": 128, "BN": w8a8_triton.ROTATE_ROWS_PER_PROGRAM, "ENCODE": encode,
+              "ROUND": build(w8a8_triton.round_out), "INTERPRET": False}, {"num_warps": 4, **FP_OPTIONS}),
             ("rows", build(w8a8_triton._quant_rows_kernel), rows,
              {"ROWS": 1, "BLOCK": 8192, "QUANT": quant, "ENCODE": encode, "INTERPRET": False}, FP_OPTIONS),
             ("nvfp4", build(nvfp4_triton._dequant_kernel), conv,
@@ -224,11 +231,15 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
             ("epilogue", build(w8a8_triton._int8_epilogue_kernel), epi,
              {"HAS_BIAS": True, "OUT": 2, "BLOCK_M": 32, "BLOCK_N": 128, "ROUND": build(w8a8_triton.round_out)},
              {"enable_fp_fusion": False})):
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                            attrs=aligned if name == "rotate" else None),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         ptx[name] = compiled.asm["ptx"]
         assert compiled.asm["cubin"]
-    for name in ("rows", "nvfp4"):
+    # the rotated weight's conversion: one warpgroup tensor-core product per block, 16-byte loads and stores
+    assert "wgmma.mma_async" in ptx["rotate"] and "st.global.v4.b32" in ptx["rotate"]
+    assert "div.rn.f32" in ptx["rotate"]
+    for name in ("rotate", "rows", "nvfp4"):
         assert "cvt.rni.f32.f32" in ptx[name], name  # rint: nearest, ties to even
         assert "div.full.f32" not in ptx[name] and "div.approx" not in ptx[name], name
     assert "div.rn.f32" in ptx["rows"]
@@ -323,3 +334,64 @@ def test_a_rotated_int8_linear_is_the_rotated_product_and_its_option_is_checked(
         with pytest.raises(RequestError):
             KernelOptions(fp8_linear_rotate=bad)
     assert not_in_effect(Options(), ["fp8_linear_rotate"]) == ["fp8_linear_rotate"]
+
+
+_ROTATE_CHECK = textwrap.dedent("""
+    import json, torch
+    from h3direct.checkpoint.quant import hadamard, w8a8
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    # NVFP4 weights as a checkpoint holds them (block scales within a few binades: every block sum exact in fp32),
+    # rows past a program's 64, K of 3 and of 42 Hadamard blocks of 128 (fc1's), a row of zeros
+    for n, k in ((200, 384), (70, 5376), (33, 96)):
+        w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+        w[5] = 0
+        w = dequantize_nvfp4(*quantize_nvfp4(w), torch.bfloat16)[:n, :k]
+        s = w8a8.int8_row_scales(hadamard.rotate_rows(w))
+        got, ref = w8a8.rotated_int8_codes(w, s), w8a8.rotated_int8_codes_reference(w, s)
+        out[f"nvfp4_{n}x{k}"] = [int((got != ref).sum()), str(got.dtype), list(got.shape)]
+    # columns spread over 2^-12 .. 2^12 (sums rounded in fp32, in an order of the kernel's own): within one code
+    w = (torch.randn(64, 256, generator=g) * 2.0 ** torch.randint(-12, 13, (256,), generator=g)).bfloat16()
+    s = w8a8.int8_row_scales(hadamard.rotate_rows(w))
+    d = (w8a8.rotated_int8_codes(w, s).int() - w8a8.rotated_int8_codes_reference(w, s).int()).abs()
+    out["spread"] = int(d.max())
+    # a strided view (the padded storage's [:N, :K]) reads as its copy
+    big = (torch.randn(80, 272, generator=g)).bfloat16()
+    s = w8a8.int8_row_scales(hadamard.rotate_rows(big[:, :256].contiguous()))
+    out["view"] = bool(torch.equal(w8a8.rotated_int8_codes(big[:, :256], s),
+                                   w8a8.rotated_int8_codes_reference(big[:, :256], s)))
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_the_rotated_weight_conversion_kernel_is_its_reference_under_the_interpreter():
+    """`w8a8.rotated_int8_codes` (the stream path's per-call weight: rotate, round to bf16, encode, one Triton pass)
+    against its torch reference: bit for bit on NVFP4 weights, whose block sums are exact in fp32; within one code
+    where columns span 24 binades and the fp32 sums round in the kernel's own order (its stated rule)."""
+    res = run_interpreted(_ROTATE_CHECK)
+    assert res["nvfp4_200x384"] == [0, "torch.int8", [200, 384]]
+    assert res["nvfp4_70x5376"] == [0, "torch.int8", [70, 5376]]
+    assert res["nvfp4_33x96"] == [0, "torch.int8", [33, 96]]  # a Hadamard block of 32
+    assert res["spread"] <= 1 and res["view"] is True
+
+
+@pytest.mark.gpu
+def test_the_rotated_weight_conversion_on_cuda_is_the_cpu_reference():
+    """The compiled kernel at a block linear's shape (fc2: K = 14,336 in 112 blocks of 128) on an NVFP4 weight: the
+    CPU reference's codes bit for bit; a rotated int8 FP8Linear that streams gives the resident one's output."""
+    from h3direct.checkpoint.quant import hadamard
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4
+    from h3direct.dit.linear import NVFP4Linear
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 1024, 14336
+    q = quantize_nvfp4((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+    w = dequantize_nvfp4(*q, torch.bfloat16)[:n, :k]
+    s = w8a8.int8_row_scales(hadamard.rotate_rows(w))
+    assert torch.equal(w8a8.rotated_int8_codes(w.cuda(), s.cuda()).cpu(), w8a8.rotated_int8_codes_reference(w, s))
+    layer = NVFP4Linear(k, n, bias=False, mode="w4a16")
+    layer.weight, layer.weight_scale, layer.weight_scale_2 = q
+    stream, resident = (FP8Linear.from_module(layer, m, "int8", rotate=True).cuda() for m in ("stream", "resident"))
+    x = torch.randn(300, k, generator=g).bfloat16().cuda()
+    assert torch.equal(stream(x), resident(x))

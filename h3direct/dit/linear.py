@@ -157,8 +157,10 @@ class FP8Linear(nn.Module):
             new.register_buffer("block_scale", layer.weight_scale)
             new.register_buffer("global_scale", layer.weight_scale_2)
         if rotate:
-            w = new._rotated_weight(layer)
-            new.register_buffer("row_scale", w8a8.int8_row_scales(w))  # per channel, set once
+            from h3direct.checkpoint.quant import hadamard
+
+            w = new._weight_bf16(layer)
+            new.register_buffer("row_scale", w8a8.int8_row_scales(hadamard.rotate_rows(w)))  # per channel, set once
             if not streams:
                 q, s = new._rotated_codes(w)
                 new.register_buffer("weight8", q)
@@ -179,11 +181,10 @@ class FP8Linear(nn.Module):
             new.bias = nn.Parameter(layer.bias.detach(), requires_grad=False)
         return new
 
-    def _rotated_weight(self, layer: nn.Module | None = None) -> torch.Tensor:
-        """The weight [N, K] in bf16 (an NVFP4 one dequantized: exact but for that rounding), rotated
-        (`hadamard.rotate_rows`): of `layer` (when this layer is made), else of this layer's own NVFP4 tensors
-        (stream: every call)."""
-        from h3direct.checkpoint.quant import hadamard, nvfp4
+    def _weight_bf16(self, layer: nn.Module | None = None) -> torch.Tensor:
+        """The weight [N, K] in bf16 (an NVFP4 one dequantized: exact but for that rounding), unrotated: of `layer`
+        (when this layer is made), else of this layer's own NVFP4 tensors (stream: every call)."""
+        from h3direct.checkpoint.quant import nvfp4
 
         if layer is None:
             w = nvfp4.dequantize_nvfp4(self.packed, self.block_scale, self.global_scale, torch.bfloat16)
@@ -191,14 +192,15 @@ class FP8Linear(nn.Module):
             w = nvfp4.dequantize_nvfp4(layer.weight, layer.weight_scale, layer.weight_scale_2, torch.bfloat16)
         else:
             w = layer.weight.detach().to(torch.bfloat16)
-        return hadamard.rotate_rows(w[: self.out_features, : self.in_features].contiguous())
+        return w[: self.out_features, : self.in_features].contiguous()
 
     def _rotated_codes(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A rotated weight's int8 codes [N, K] under `row_scale`, and the GEMM's per-channel scales [N] (with the
-        rotation's 1/b: the product of two rotated factors is b times the plain one)."""
+        """A weight's (`_weight_bf16`) rotated int8 codes [N, K] under `row_scale` (`w8a8.rotated_int8_codes`: one
+        pass on the GPU), and the GEMM's per-channel scales [N] (with the rotation's 1/b: the product of two rotated
+        factors is b times the plain one)."""
         from h3direct.checkpoint.quant import hadamard, w8a8
 
-        return w8a8.encode_rows_int8(w, self.row_scale), self.row_scale / hadamard.block(self.in_features)
+        return w8a8.rotated_int8_codes(w, self.row_scale), self.row_scale / hadamard.block(self.in_features)
 
     def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
         from h3direct.checkpoint.quant import w8a8
@@ -210,7 +212,7 @@ class FP8Linear(nn.Module):
         if self.mode == "resident":
             return self.weight8, self.w_scale
         if self.rotate:
-            return self._rotated_codes(self._rotated_weight())
+            return self._rotated_codes(self._weight_bf16())
         q = self._convert(self.packed, self.block_scale, self.global_scale, self.w_scale)
         n, k = self.out_features, self.in_features
         if q.shape != (n, k):

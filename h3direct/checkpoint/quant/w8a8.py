@@ -122,6 +122,33 @@ def encode_rows_int8(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.round(q.clamp_(-INT8_MAX, INT8_MAX)).to(torch.int8)
 
 
+def rotated_int8_codes_reference(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] and fp32 row scales [N] -> int8 [N, K]: the rows rotated (`hadamard.rotate_rows`: rounded once to
+    bf16), then encoded under the scales (`encode_rows_int8`). What the Triton kernel must equal."""
+    from h3direct.checkpoint.quant import hadamard
+
+    return encode_rows_int8(hadamard.rotate_rows(w.contiguous()), scales)
+
+
+def rotated_int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`rotated_int8_codes_reference` in one Triton pass on CUDA (or under TRITON_INTERPRET=1) where the Hadamard
+    block is at least 16 (a tensor-core product); else torch. The kernel accumulates each block's products in fp32 in
+    its own order: where a block's sum is exact in fp32 (its products share a quantum and stay under 2^24 of it, as
+    an NVFP4 weight's do unless its block scales span many binades) the codes are the reference's bit for bit;
+    elsewhere one may differ by 1 (one bf16 ulp of the rotated value moves the rounding)."""
+    from h3direct.checkpoint.quant import hadamard
+
+    n, k = w.shape
+    if _triton_ok(w) and w.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
+        from h3direct.checkpoint.quant import w8a8_triton
+
+        signs, h = hadamard.operands(k, w.device, torch.bfloat16)
+        if w.stride(1) != 1:
+            w = w.contiguous()
+        return w8a8_triton.rotate_encode_int8(w, signs, h, scales.to(torch.float32))
+    return rotated_int8_codes_reference(w, scales)
+
+
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K] (any float dtype) -> (int8 [R, K], fp32 scales [R])."""
     return _quantize_rows(t, torch.int8, int8_row_scales, encode_rows_int8)

@@ -129,6 +129,49 @@ def quantize_rows(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, t
     return (q, s) if fmt == "int8" else (q.view(torch.float8_e4m3fn), s)
 
 
+def _rotate_encode_kernel(w_ptr, signs_ptr, h_ptr, rs_ptr, out_ptr, N, stride_w, stride_out, B: tl.constexpr,
+                          BN: tl.constexpr, ENCODE: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+    # a program: rows n0..n0+BN of the B columns of one Hadamard block c; ROUND: `round_out`, built for this mode
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    cols = tl.program_id(1) * B + tl.arange(0, B)
+    kk = tl.arange(0, B)
+    inside = (rows < N)[:, None]
+    w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    signed = (w * tl.load(signs_ptr + cols)[None, :]).to(tl.bfloat16)  # ±1: exact
+    h = tl.load(h_ptr + kk[:, None] * B + kk[None, :])
+    if INTERPRET:  # the interpreter's dot misreads bf16 operands; as fp32 they hold the same (bf16-exact) values
+        acc = tl.dot(signed.to(tl.float32), h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        acc = tl.dot(signed, h, out_dtype=tl.float32)
+    bits = ROUND(acc, 2).to(tl.uint16, bitcast=True).to(tl.uint32)  # rounded once to bf16, as `rotate_rows`
+    rotated = (bits << 16).to(tl.float32, bitcast=True)
+    rs = tl.load(rs_ptr + rows, mask=rows < N, other=1.0)
+    inverse = tl.math.div_rn(rs * 0.0 + 1.0, rs)
+    codes = ENCODE(rotated * inverse[:, None], INTERPRET)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], codes, mask=inside)
+
+
+ROTATE_ROWS_PER_PROGRAM = 64
+
+
+def rotate_encode_int8(w: torch.Tensor, signs: torch.Tensor, h: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (unit column stride), bf16 signs [K] and Hadamard block [b, b] (`hadamard.operands`), fp32 row
+    scales [N] -> int8 [N, K]: each row times diag(signs) · blockdiag(H_b) (one tensor-core product per block,
+    accumulated in fp32, rounded once to bf16), times its row's reciprocal scale, encoded (`encode_int8`);
+    `w8a8.rotated_int8_codes`' rule in one pass."""
+    n, k = w.shape
+    b = h.shape[0]
+    out = torch.empty((n, k), dtype=torch.int8, device=w.device)
+    if n and k:
+        _, encode = device_functions("int8")
+        grid = (triton.cdiv(n, ROTATE_ROWS_PER_PROGRAM), k // b)
+        build(_rotate_encode_kernel, do_not_specialize=["N"])[grid](
+            w, signs.contiguous(), h.contiguous(), scales.contiguous(), out, n, w.stride(0), k, B=b,
+            BN=ROTATE_ROWS_PER_PROGRAM, ENCODE=encode, ROUND=build(round_out), INTERPRET=interpreting(),
+            num_warps=4, **FP_OPTIONS)
+    return out
+
+
 def round_out(y, OUT: tl.constexpr):
     """fp32 -> what a kernel stores for output dtype OUT (`triton_build.OUT_CODES`: 0 fp32, 1 fp16, 2 bf16): the value,
     or a 16-bit one's bit pattern as int16, rounded to nearest even (bf16 by integer arithmetic: exact in the
