@@ -9,7 +9,11 @@ DiT's block) and per GEMM: the median ms (triton's do_bench, operands made once 
 quantized: the GEMM and its epilogue alone) and its rate (TOPS / TFLOP/s); then the block's four GEMMs summed, as
 ratios to bf16. The int8 kernel's output is checked bitwise against cuBLASLt's int32 product through the same
 epilogue on every shape (exact integer accumulation: the same bits or a bug), and every tile shape autotuning may pick
-is timed (`--all-configs`). `--smoke`: small shapes on the CPU through Triton's interpreter (plumbing only).
+is timed (`--all-configs`). Beside the GEMMs, the weight a `stream` 8-bit linear makes from its NVFP4 tensors on
+every call: `int8` (`w8a8.nvfp4_to_codes`, one pass), `int8_rotated` (the option fp8_linear_rotate: dequantized to
+bf16, then rotated and encoded in one pass, `w8a8.rotated_int8_codes`) and `int8_rotated_torch` (the same through its
+torch reference, three passes), with the rotated kernel's codes checked against the reference. `--smoke`: small
+shapes on the CPU through Triton's interpreter (plumbing only).
 """
 
 from __future__ import annotations
@@ -66,6 +70,26 @@ def gemms(o: dict, config=None) -> dict:
     }
 
 
+def weight_calls(w) -> dict:
+    """name -> one stream-mode weight conversion from the NVFP4 tensors of bf16 weight `w` (module docstring)."""
+    import torch
+
+    from h3direct.checkpoint.quant import hadamard, w8a8
+    from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    n, k = w.shape
+    q = quantize_nvfp4(w)
+    scales = w8a8.nvfp4_channel_scales(*q, "int8")
+    rotated_scales = w8a8.int8_row_scales(hadamard.rotate_rows(dequantize_nvfp4(*q, torch.bfloat16)[:n, :k]))
+
+    def dense():
+        return dequantize_nvfp4(*q, torch.bfloat16)[:n, :k]
+
+    return {"int8": lambda: w8a8.nvfp4_to_codes(*q, scales, "int8"),
+            "int8_rotated": lambda: w8a8.rotated_int8_codes(dense(), rotated_scales),
+            "int8_rotated_torch": lambda: w8a8.rotated_int8_codes_reference(dense(), rotated_scales)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 benchmarks/int8_gemm.py", description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, default=20050, help="tokens (default: the contract's S)")
@@ -114,6 +138,12 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 (a config that does not fit: its reason)
                     row["configs"][str(cfg)] = f"{type(exc).__name__}: {str(exc)[:120]}"
         row["tuned"] = str(int8_gemm.tuned(o["x8"], o["w8"]))
+        conv = weight_calls(o["w"])
+        row["bitwise_rotated_weight"] = bool(torch.equal(conv["int8_rotated"](), conv["int8_rotated_torch"]()))
+        row["weight_ms"] = {what: _time(fn, args.iters, dev) for what, fn in conv.items()}
+        C.log(f"{name} weight from NVFP4: " + ", ".join(f"{w} {t:.3f} ms" for w, t in row["weight_ms"].items())
+              + f"; rotated bitwise {row['bitwise_rotated_weight']}")
+        del conv
         result["shapes"][name] = row
         C.log(f"{name} [{m}x{k}] x [{k}x{n}]: " + ", ".join(f"{w} {t:.3f} ms ({row['rate'][w]:.0f} T/s)"
                                                              for w, t in row["ms"].items())
@@ -122,12 +152,14 @@ def main(argv=None) -> int:
     block = {w: sum(r["ms"][w] for r in result["shapes"].values() if w in r["ms"])
              for w in next(iter(result["shapes"].values()))["ms"]}
     result["block_ms"] = block
+    result["block_weight_ms"] = {w: sum(r["weight_ms"][w] for r in result["shapes"].values())
+                                 for w in next(iter(result["shapes"].values()))["weight_ms"]}
     if "bf16" in block:
         result["x_bf16"] = {w: block["bf16"] / t for w, t in block.items()}
         C.log("block: " + ", ".join(f"{w} {t:.2f} ms (x{block['bf16'] / t:.2f} bf16)" for w, t in block.items()))
     if args.out:
         C.write_result(args.out, result)
-    return 0 if all(r["bitwise_int8"] for r in result["shapes"].values()) else 1
+    return 0 if all(r["bitwise_int8"] and r["bitwise_rotated_weight"] for r in result["shapes"].values()) else 1
 
 
 def _time(fn, iters: int, dev: str) -> float:

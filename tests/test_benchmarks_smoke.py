@@ -207,3 +207,21 @@ def test_attention_kernels_cpu(tmp_path):
     for key in ("ms", "rel_l2_structured", "rel_l2_random"):
         _finite(rows["sdpa"][key], f"sdpa {key}")
     assert rows["fa3"]["status"].startswith("unavailable: "), rows["fa3"]
+
+
+def test_int8_gemm_smoke_times_the_gemms_and_the_stream_weights(tmp_path):
+    """benchmarks/int8_gemm.py --smoke: the int8 kernel bitwise its exact emulation and the rotated weight conversion
+    bitwise its torch reference on every block shape (small, through Triton's interpreter), each timing finite."""
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
+    out = tmp_path / "i8.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "int8_gemm.py"), "--smoke", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["shapes"]) == {"qkv_proj", "out_proj", "fc1", "fc2"}
+    for name, row in r["shapes"].items():
+        assert row["bitwise_int8"] and row["bitwise_rotated_weight"], name
+        assert set(row["weight_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}, name
+        for what, ms in {**row["ms"], **row["weight_ms"]}.items():
+            _finite(ms, f"{name} {what}")
+    assert set(r["block_weight_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}
