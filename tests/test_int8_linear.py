@@ -214,15 +214,24 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
     epi = {"acc_ptr": "*i32", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*i16", "M": "i32",
            "N": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
            "ROUND": "constexpr"}
+    rotation = {"ENCODE": encode, "ROTATE": build(w8a8_triton.rotated_block), "ROUND": build(w8a8_triton.round_out),
+                "INTERPRET": False}
     rot = {"w_ptr": "*bf16", "signs_ptr": "*bf16", "h_ptr": "*bf16", "rs_ptr": "*fp32", "out_ptr": "*i8", "N": "i32",
-           "stride_w": "i32", "stride_out": "i32", "B": "constexpr", "BN": "constexpr", "ENCODE": "constexpr",
-           "ROUND": "constexpr", "INTERPRET": "constexpr"}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}  # as a launch at the DiT's shapes
+           "stride_w": "i32", "stride_out": "i32", "B": "constexpr", "BN": "constexpr",
+           **{name: "constexpr" for name in rotation}}
+    rot_rows = {"x_ptr": "*bf16", "signs_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "M": "i32",
+                "K": "i32", "stride_x": "i32", "B": "constexpr", "BM": "constexpr",
+                **{name: "constexpr" for name in rotation}}
+    # as a launch at the DiT's shapes specializes them: pointers, strides and K multiples of 16
+    aligned = {"rotate": {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)},
+               "rotate_rows": {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 6, 7)}}
+    bn = w8a8_triton.ROTATE_ROWS_PER_PROGRAM
     ptx = {}
     for name, fn, sig, consts, options in (
-            ("rotate", build(w8a8_triton._rotate_encode_kernel), rot,
-             {"B": 128, "BN": w8a8_triton.ROTATE_ROWS_PER_PROGRAM, "ENCODE": encode,
-              "ROUND": build(w8a8_triton.round_out), "INTERPRET": False}, {"num_warps": 4, **FP_OPTIONS}),
+            ("rotate", build(w8a8_triton._rotate_encode_kernel), rot, {"B": 128, "BN": bn, **rotation},
+             {"num_warps": 4, **FP_OPTIONS}),
+            ("rotate_rows", build(w8a8_triton._rotate_quant_rows_kernel), rot_rows, {"B": 128, "BM": bn, **rotation},
+             {"num_warps": 4, **FP_OPTIONS}),
             ("rows", build(w8a8_triton._quant_rows_kernel), rows,
              {"ROWS": 1, "BLOCK": 8192, "QUANT": quant, "ENCODE": encode, "INTERPRET": False}, FP_OPTIONS),
             ("nvfp4", build(nvfp4_triton._dequant_kernel), conv,
@@ -231,15 +240,15 @@ def test_int8_kernels_compile_for_sm90_with_the_rounding_they_claim(tmp_path, mo
             ("epilogue", build(w8a8_triton._int8_epilogue_kernel), epi,
              {"HAS_BIAS": True, "OUT": 2, "BLOCK_M": 32, "BLOCK_N": 128, "ROUND": build(w8a8_triton.round_out)},
              {"enable_fp_fusion": False})):
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
-                                            attrs=aligned if name == "rotate" else None),
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned.get(name)),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         ptx[name] = compiled.asm["ptx"]
         assert compiled.asm["cubin"]
-    # the rotated weight's conversion: one warpgroup tensor-core product per block, 16-byte loads and stores
-    assert "wgmma.mma_async" in ptx["rotate"] and "st.global.v4.b32" in ptx["rotate"]
-    assert "div.rn.f32" in ptx["rotate"]
-    for name in ("rotate", "rows", "nvfp4"):
+    # the rotating kernels: one warpgroup tensor-core product per block, 16-byte loads and stores
+    for name in ("rotate", "rotate_rows"):
+        assert "wgmma.mma_async" in ptx[name] and "st.global.v4.b32" in ptx[name], name
+        assert "div.rn.f32" in ptx[name], name
+    for name in ("rotate", "rotate_rows", "rows", "nvfp4"):
         assert "cvt.rni.f32.f32" in ptx[name], name  # rint: nearest, ties to even
         assert "div.full.f32" not in ptx[name] and "div.approx" not in ptx[name], name
     assert "div.rn.f32" in ptx["rows"]
@@ -361,25 +370,37 @@ _ROTATE_CHECK = textwrap.dedent("""
     s = w8a8.int8_row_scales(hadamard.rotate_rows(big[:, :256].contiguous()))
     out["view"] = bool(torch.equal(w8a8.rotated_int8_codes(big[:, :256], s),
                                    w8a8.rotated_int8_codes_reference(big[:, :256], s)))
+    # activations: the rotated rows' int8 codes and scales in one kernel, against quantize_rows_int8(rotate_rows(x))
+    for m, k in ((70, 384), (130, 5376), (5, 96)):
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 0.5, k)[None, :]).bfloat16()
+        x[3, 7] = 40.0  # an outlier channel
+        x[1] = 0
+        rows = w8a8.quantize_rotated_int8(x)
+        q, sc = w8a8.quantize_rows_int8(hadamard.rotate_rows(x))
+        out[f"act_{m}x{k}"] = [int((rows.data != q).sum()), bool(torch.equal(rows.scale, sc)), str(rows.dtype)]
     print("RESULT " + json.dumps(out))
 """)
 
 
-def test_the_rotated_weight_conversion_kernel_is_its_reference_under_the_interpreter():
+def test_the_rotating_kernels_are_their_references_under_the_interpreter():
     """`w8a8.rotated_int8_codes` (the stream path's per-call weight: rotate, round to bf16, encode, one Triton pass)
     against its torch reference: bit for bit on NVFP4 weights, whose block sums are exact in fp32; within one code
-    where columns span 24 binades and the fp32 sums round in the kernel's own order (its stated rule)."""
+    where columns span 24 binades and the fp32 sums round in the kernel's own order (its stated rule). The rotated
+    activation's int8 rows (`w8a8.quantize_rotated_int8`, one kernel): codes and scales bit for bit."""
     res = run_interpreted(_ROTATE_CHECK)
     assert res["nvfp4_200x384"] == [0, "torch.int8", [200, 384]]
     assert res["nvfp4_70x5376"] == [0, "torch.int8", [70, 5376]]
     assert res["nvfp4_33x96"] == [0, "torch.int8", [33, 96]]  # a Hadamard block of 32
     assert res["spread"] <= 1 and res["view"] is True
+    for name in ("act_70x384", "act_130x5376", "act_5x96"):  # the rotated activations' rows (fc1's K among them)
+        assert res[name] == [0, True, "torch.bfloat16"], (name, res[name])
 
 
 @pytest.mark.gpu
-def test_the_rotated_weight_conversion_on_cuda_is_the_cpu_reference():
-    """The compiled kernel at a block linear's shape (fc2: K = 14,336 in 112 blocks of 128) on an NVFP4 weight: the
-    CPU reference's codes bit for bit; a rotated int8 FP8Linear that streams gives the resident one's output."""
+def test_the_rotating_kernels_on_cuda_are_the_cpu_references():
+    """The compiled kernels at a block linear's shape (fc2: K = 14,336 in 112 blocks of 128): on an NVFP4 weight the CPU
+    reference's codes bit for bit; a rotated int8 FP8Linear that streams gives the resident one's output; the rotated
+    activation's rows within their rule of the CPU's."""
     from h3direct.checkpoint.quant import hadamard
     from h3direct.checkpoint.quant.nvfp4 import dequantize_nvfp4
     from h3direct.dit.linear import NVFP4Linear
@@ -393,5 +414,12 @@ def test_the_rotated_weight_conversion_on_cuda_is_the_cpu_reference():
     layer = NVFP4Linear(k, n, bias=False, mode="w4a16")
     layer.weight, layer.weight_scale, layer.weight_scale_2 = q
     stream, resident = (FP8Linear.from_module(layer, m, "int8", rotate=True).cuda() for m in ("stream", "resident"))
-    x = torch.randn(300, k, generator=g).bfloat16().cuda()
-    assert torch.equal(stream(x), resident(x))
+    x = torch.randn(300, k, generator=g).bfloat16()
+    assert torch.equal(stream(x.cuda()), resident(x.cuda()))
+    # the rotated activation's rows from the one-pass kernel against the CPU's rotate_rows + quantize_rows_int8, under
+    # the rule: fp32 sums in another order move a rotated value by at most one bf16 ulp, so a code by at most one
+    # and a row's scale (its amax / 127) by at most one bf16 ulp
+    rows = w8a8.quantize_rotated_int8(x.cuda())
+    q, sc = w8a8.quantize_rows_int8(hadamard.rotate_rows(x))
+    assert (rows.data.cpu().int() - q.int()).abs().max() <= 1
+    assert ((rows.scale.cpu() - sc).abs() <= sc * 2.0 ** -8).all()

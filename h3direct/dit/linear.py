@@ -221,11 +221,14 @@ class FP8Linear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """x: a tensor [..., K], or its rows already quantized (`w8a8.E4M3Rows`, written by a fused kernel)."""
-        from h3direct.checkpoint.quant import hadamard, w8a8
+        from h3direct.checkpoint.quant import w8a8
 
         w8, s = self.fp8_weight()
-        if self.rotate:
-            x = hadamard.rotate_rows(x)
+        if self.rotate:  # the rotated input's int8 rows, made in one pass where it can (w8a8.quantize_rotated_int8)
+            lead = x.shape[:-1]
+            rows = w8a8.quantize_rotated_int8(x.reshape(-1, x.shape[-1]))
+            y = w8a8.linear_w8a8(rows, w8, s, self.bias, strict=self.strict, accum=self.accum)
+            return y.reshape(*lead, y.shape[-1])
         return w8a8.linear_w8a8(x, w8, s, self.bias, strict=self.strict, accum=self.accum)
 
     def extra_repr(self) -> str:

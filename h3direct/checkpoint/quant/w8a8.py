@@ -149,6 +149,24 @@ def rotated_int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return rotated_int8_codes_reference(w, scales)
 
 
+def quantize_rotated_int8(x2d: torch.Tensor) -> Int8Rows:
+    """[M, K] activations -> the int8 rows of x·R (`hadamard.rotate_rows`, rounded to x's dtype) under per-row scales:
+    `quantize_rows_int8(rotate_rows(x))`. On CUDA (or under TRITON_INTERPRET=1), for bf16 and a Hadamard block of
+    at least 16, one Triton kernel that never stores the rotated rows (`w8a8_triton.rotate_quantize_rows_int8`),
+    under `rotated_int8_codes`' rule: the same bits where a block's fp32 sum is exact, else a code within one."""
+    from h3direct.checkpoint.quant import hadamard
+
+    m, k = x2d.shape
+    if _triton_ok(x2d) and x2d.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
+        from h3direct.checkpoint.quant import w8a8_triton
+
+        signs, h = hadamard.operands(k, x2d.device, torch.bfloat16)
+        q, s = w8a8_triton.rotate_quantize_rows_int8(x2d if x2d.stride(1) == 1 else x2d.contiguous(), signs, h)
+    else:
+        q, s = quantize_rows_int8(hadamard.rotate_rows(x2d.contiguous()))
+    return Int8Rows(q, s, x2d.dtype)
+
+
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, K] (any float dtype) -> (int8 [R, K], fp32 scales [R])."""
     return _quantize_rows(t, torch.int8, int8_row_scales, encode_rows_int8)
@@ -174,6 +192,22 @@ class E4M3Rows:
         m, _ = self.data.shape
         if self.data.dtype != torch.float8_e4m3fn or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
             raise ValueError(f"E4M3Rows: codes {self.data.dtype} {list(self.data.shape)}, scales "
+                             f"{self.scale.dtype} {list(self.scale.shape)}")
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """An activation already quantized to int8 by this module's rule (`quantize_rotated_int8`: its rows rotated
+    first): codes [M, K], fp32 per-row scales [M], and the dtype of the activation they stand for."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        m, _ = self.data.shape
+        if self.data.dtype != torch.int8 or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
+            raise ValueError(f"Int8Rows: codes {self.data.dtype} {list(self.data.shape)}, scales "
                              f"{self.scale.dtype} {list(self.scale.shape)}")
 
 
@@ -303,19 +337,22 @@ def gemm_reason(fmt: str, device) -> str | None:
     return _int8_gpu_reason(x, 64) if fmt == "int8" else _gpu_reason(x, x.dtype, 64, 64)
 
 
-def linear_int8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-                strict: bool = False) -> torch.Tensor:
+def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, *, strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (int8 [N, K], fp32 [N]) and x quantized per row to int8 here
-    (module docstring). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an error."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    (module docstring), or already (`Int8Rows`). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an
+    emulated GEMM is an error."""
+    pre = isinstance(x, Int8Rows)
+    codes = x.data if pre else x
+    lead, k = codes.shape[:-1], codes.shape[-1]
     n = w8.shape[0]
     if w8.shape[1] != k:
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
-    x2 = x.reshape(-1, k)
+    x2 = codes.reshape(-1, k)
     reason = _int8_gpu_reason(x2, n)
     if reason is not None and x2.is_cuda and strict:
         raise ConfigError(f"int8 linear [{k} -> {n}] cannot use torch._int_mm: {reason} (fp8_strict is on)")
-    x8, sx = quantize_activation(x2, "int8")
+    x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
     path = "int_mm" if reason is None else f"emulated ({reason})"
     if reason is None and _triton_gemm(x8, w8):
         from h3direct.checkpoint.quant import int8_gemm
@@ -339,7 +376,7 @@ def _triton_gemm(x8: torch.Tensor, w8: torch.Tensor) -> bool:
     return int8_gemm.reason(x8, w8) is None
 
 
-def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Tensor,
+def linear_w8a8(x: torch.Tensor | E4M3Rows | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, strict: bool = False, accum: str = "fast") -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (float8_e4m3fn [N, K], fp32 [N]) and x quantized per row (here, or
     already: `E4M3Rows`). Output in x's dtype, x's leading dims kept. `strict`: on CUDA, an emulated GEMM is an
@@ -347,8 +384,10 @@ def linear_w8a8(x: torch.Tensor | E4M3Rows, w8: torch.Tensor, w_scale: torch.Ten
     # x [..., K] -> [..., N]
     if w8.dtype == torch.int8:
         if isinstance(x, E4M3Rows):
-            raise TypeError("an int8 linear takes its input unquantized, not as e4m3 rows")
+            raise TypeError("an int8 linear takes its input unquantized or as int8 rows, not as e4m3 rows")
         return linear_int8(x, w8, w_scale, bias, strict=strict)
+    if isinstance(x, Int8Rows):
+        raise TypeError("an e4m3 linear takes its input unquantized or as e4m3 rows, not as int8 rows")
     pre = isinstance(x, E4M3Rows)
     codes = x.data if pre else x
     lead, k = codes.shape[:-1], codes.shape[-1]

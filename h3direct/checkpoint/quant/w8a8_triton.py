@@ -129,47 +129,101 @@ def quantize_rows(x2d: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, t
     return (q, s) if fmt == "int8" else (q.view(torch.float8_e4m3fn), s)
 
 
-def _rotate_encode_kernel(w_ptr, signs_ptr, h_ptr, rs_ptr, out_ptr, N, stride_w, stride_out, B: tl.constexpr,
-                          BN: tl.constexpr, ENCODE: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
-    # a program: rows n0..n0+BN of the B columns of one Hadamard block c; ROUND: `round_out`, built for this mode
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    cols = tl.program_id(1) * B + tl.arange(0, B)
-    kk = tl.arange(0, B)
-    inside = (rows < N)[:, None]
-    w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    signed = (w * tl.load(signs_ptr + cols)[None, :]).to(tl.bfloat16)  # ±1: exact
-    h = tl.load(h_ptr + kk[:, None] * B + kk[None, :])
+def rotated_block(ptr, signs_ptr, h, rows, inside, cols, stride, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+    """The rows' columns `cols` (one Hadamard block of b) times diag(signs) · H_b (h: bf16 ±1 [b, b]), accumulated in
+    fp32 by one tensor-core product and rounded once to bf16 (returned as fp32 values): `hadamard.rotate_rows` of a
+    bf16 tensor, block by block. ROUND: `round_out`, built for this mode."""
+    x = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    signed = (x * tl.load(signs_ptr + cols)[None, :]).to(tl.bfloat16)  # ±1: exact
     if INTERPRET:  # the interpreter's dot misreads bf16 operands; as fp32 they hold the same (bf16-exact) values
         acc = tl.dot(signed.to(tl.float32), h.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
         acc = tl.dot(signed, h, out_dtype=tl.float32)
-    bits = ROUND(acc, 2).to(tl.uint16, bitcast=True).to(tl.uint32)  # rounded once to bf16, as `rotate_rows`
-    rotated = (bits << 16).to(tl.float32, bitcast=True)
+    bits = ROUND(acc, 2).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+def _rotate_encode_kernel(w_ptr, signs_ptr, h_ptr, rs_ptr, out_ptr, N, stride_w, stride_out, B: tl.constexpr,
+                          BN: tl.constexpr, ENCODE: tl.constexpr, ROTATE: tl.constexpr, ROUND: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    # a program: rows n0..n0+BN of the B columns of one Hadamard block; ROTATE: `rotated_block`, built for this mode
+    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    kk = tl.arange(0, B)
+    cols = tl.program_id(1) * B + kk
+    inside = (rows < N)[:, None]
+    h = tl.load(h_ptr + kk[:, None] * B + kk[None, :])
+    rotated = ROTATE(w_ptr, signs_ptr, h, rows, inside, cols, stride_w, ROUND, INTERPRET)
     rs = tl.load(rs_ptr + rows, mask=rows < N, other=1.0)
     inverse = tl.math.div_rn(rs * 0.0 + 1.0, rs)
-    codes = ENCODE(rotated * inverse[:, None], INTERPRET)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], codes, mask=inside)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], ENCODE(rotated * inverse[:, None], INTERPRET),
+             mask=inside)
+
+
+def _rotate_quant_rows_kernel(x_ptr, signs_ptr, h_ptr, q_ptr, s_ptr, M, K, stride_x, B: tl.constexpr,
+                              BM: tl.constexpr, ENCODE: tl.constexpr, ROTATE: tl.constexpr, ROUND: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    # a program: rows m0..m0+BM, whole; their rotated blocks made twice (the row's amax first, then the codes), so
+    # that the rotated rows are never stored
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, B)
+    inside = (rows < M)[:, None]
+    h = tl.load(h_ptr + kk[:, None] * B + kk[None, :])
+    amax = tl.zeros([BM], dtype=tl.float32)
+    for c in range(0, K // B):
+        a = tl.abs(ROTATE(x_ptr, signs_ptr, h, rows, inside, c * B + kk, stride_x, ROUND, INTERPRET))
+        if INTERPRET:  # tl.max: a compiled-mode function when Triton was imported outside the interpreter
+            amax = tl.maximum(amax, tl.reduce(a, 1, tl.standard._elementwise_max))
+        else:
+            amax = tl.maximum(amax, tl.max(a, axis=1))
+    # the scale of `quantize_tile_int8` (`w8a8.int8_row_scales`) from the whole row's amax
+    s = tl.math.div_rn(amax, amax * 0.0 + 127.0)
+    s = tl.where(s >= 1.1754943508222875e-38, s, 1.0)
+    inverse = tl.math.div_rn(s * 0.0 + 1.0, s)
+    for c in range(0, K // B):
+        rotated = ROTATE(x_ptr, signs_ptr, h, rows, inside, c * B + kk, stride_x, ROUND, INTERPRET)
+        tl.store(q_ptr + rows[:, None] * K + (c * B + kk)[None, :], ENCODE(rotated * inverse[:, None], INTERPRET),
+                 mask=inside)
+    tl.store(s_ptr + rows, s, mask=rows < M)
 
 
 ROTATE_ROWS_PER_PROGRAM = 64
 
 
+def _rotation_functions() -> dict:
+    """The rotating kernels' device-function arguments, built for the current mode."""
+    return {"ENCODE": device_functions("int8")[1], "ROTATE": build(rotated_block), "ROUND": build(round_out),
+            "INTERPRET": interpreting()}
+
+
 def rotate_encode_int8(w: torch.Tensor, signs: torch.Tensor, h: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] (unit column stride), bf16 signs [K] and Hadamard block [b, b] (`hadamard.operands`), fp32 row
-    scales [N] -> int8 [N, K]: each row times diag(signs) · blockdiag(H_b) (one tensor-core product per block,
-    accumulated in fp32, rounded once to bf16), times its row's reciprocal scale, encoded (`encode_int8`);
-    `w8a8.rotated_int8_codes`' rule in one pass."""
+    scales [N] -> int8 [N, K]: each row rotated (`rotated_block`), times its row's reciprocal scale, encoded
+    (`encode_int8`); `w8a8.rotated_int8_codes`' rule in one pass."""
     n, k = w.shape
     b = h.shape[0]
     out = torch.empty((n, k), dtype=torch.int8, device=w.device)
     if n and k:
-        _, encode = device_functions("int8")
         grid = (triton.cdiv(n, ROTATE_ROWS_PER_PROGRAM), k // b)
         build(_rotate_encode_kernel, do_not_specialize=["N"])[grid](
             w, signs.contiguous(), h.contiguous(), scales.contiguous(), out, n, w.stride(0), k, B=b,
-            BN=ROTATE_ROWS_PER_PROGRAM, ENCODE=encode, ROUND=build(round_out), INTERPRET=interpreting(),
-            num_warps=4, **FP_OPTIONS)
+            BN=ROTATE_ROWS_PER_PROGRAM, num_warps=4, **_rotation_functions(), **FP_OPTIONS)
     return out
+
+
+def rotate_quantize_rows_int8(x: torch.Tensor, signs: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """bf16 [M, K] (unit column stride) -> (int8 codes [M, K], fp32 scales [M]) of its rows rotated (`rotated_block`)
+    under per-row scales set by each rotated row's amax: `w8a8.quantize_rotated_int8`'s rule, reading x twice and
+    storing only the codes."""
+    m, k = x.shape
+    b = h.shape[0]
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m and k:
+        build(_rotate_quant_rows_kernel, do_not_specialize=["M"])[(triton.cdiv(m, ROTATE_ROWS_PER_PROGRAM),)](
+            x, signs.contiguous(), h.contiguous(), q, s, m, k, x.stride(0), B=b, BM=ROTATE_ROWS_PER_PROGRAM,
+            num_warps=4, **_rotation_functions(), **FP_OPTIONS)
+    return q, s
 
 
 def round_out(y, OUT: tl.constexpr):
