@@ -12,7 +12,9 @@ epilogue on every shape (exact integer accumulation: the same bits or a bug), an
 is timed (`--all-configs`). Beside the GEMMs, the weight a `stream` 8-bit linear makes from its NVFP4 tensors on
 every call: `int8` (`w8a8.nvfp4_to_codes`, one pass), `int8_rotated` (the option fp8_linear_rotate: dequantized to
 bf16, then rotated and encoded in one pass, `w8a8.rotated_int8_codes`) and `int8_rotated_torch` (the same through its
-torch reference, three passes), with the rotated kernel's codes checked against the reference. `--smoke`: small
+torch reference, three passes), with the rotated kernel's codes checked against the reference; and the input's
+quantization: `int8` (per row, one pass), `int8_rotated` (rotated and quantized in one kernel,
+`w8a8.quantize_rotated_int8`) and `int8_rotated_torch` (`hadamard.rotate_rows`, then per row). `--smoke`: small
 shapes on the CPU through Triton's interpreter (plumbing only).
 """
 
@@ -90,6 +92,15 @@ def weight_calls(w) -> dict:
             "int8_rotated_torch": lambda: w8a8.rotated_int8_codes_reference(dense(), rotated_scales)}
 
 
+def input_calls(x) -> dict:
+    """name -> one quantization of the activation x as an int8 linear makes it (module docstring)."""
+    from h3direct.checkpoint.quant import hadamard, w8a8
+
+    return {"int8": lambda: w8a8.quantize_activation(x, "int8"),
+            "int8_rotated": lambda: w8a8.quantize_rotated_int8(x),
+            "int8_rotated_torch": lambda: w8a8.quantize_activation(hadamard.rotate_rows(x), "int8")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 benchmarks/int8_gemm.py", description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, default=20050, help="tokens (default: the contract's S)")
@@ -143,6 +154,8 @@ def main(argv=None) -> int:
         row["weight_ms"] = {what: _time(fn, args.iters, dev) for what, fn in conv.items()}
         C.log(f"{name} weight from NVFP4: " + ", ".join(f"{w} {t:.3f} ms" for w, t in row["weight_ms"].items())
               + f"; rotated bitwise {row['bitwise_rotated_weight']}")
+        row["input_ms"] = {what: _time(fn, args.iters, dev) for what, fn in input_calls(o["x"]).items()}
+        C.log(f"{name} input: " + ", ".join(f"{w} {t:.3f} ms" for w, t in row["input_ms"].items()))
         del conv
         result["shapes"][name] = row
         C.log(f"{name} [{m}x{k}] x [{k}x{n}]: " + ", ".join(f"{w} {t:.3f} ms ({row['rate'][w]:.0f} T/s)"
@@ -152,8 +165,9 @@ def main(argv=None) -> int:
     block = {w: sum(r["ms"][w] for r in result["shapes"].values() if w in r["ms"])
              for w in next(iter(result["shapes"].values()))["ms"]}
     result["block_ms"] = block
-    result["block_weight_ms"] = {w: sum(r["weight_ms"][w] for r in result["shapes"].values())
-                                 for w in next(iter(result["shapes"].values()))["weight_ms"]}
+    for part in ("weight_ms", "input_ms"):
+        result[f"block_{part}"] = {w: sum(r[part][w] for r in result["shapes"].values())
+                                   for w in next(iter(result["shapes"].values()))[part]}
     if "bf16" in block:
         result["x_bf16"] = {w: block["bf16"] / t for w, t in block.items()}
         C.log("block: " + ", ".join(f"{w} {t:.2f} ms (x{block['bf16'] / t:.2f} bf16)" for w, t in block.items()))

@@ -222,6 +222,8 @@ def test_int8_gemm_smoke_times_the_gemms_and_the_stream_weights(tmp_path):
     for name, row in r["shapes"].items():
         assert row["bitwise_int8"] and row["bitwise_rotated_weight"], name
         assert set(row["weight_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}, name
-        for what, ms in {**row["ms"], **row["weight_ms"]}.items():
-            _finite(ms, f"{name} {what}")
-    assert set(r["block_weight_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}
+        assert set(row["input_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}, name
+        for part in ("ms", "weight_ms", "input_ms"):
+            for what, ms in row[part].items():
+                _finite(ms, f"{name} {part} {what}")
+    assert set(r["block_weight_ms"]) == set(r["block_input_ms"]) == {"int8", "int8_rotated", "int8_rotated_torch"}
