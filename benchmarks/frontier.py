@@ -172,10 +172,10 @@ def choose_tiers(rows: dict, tiers: dict, cases: list[str]) -> dict:
 
 def measure_quality(contract: dict, names: list[str], trace_dir: Path, cases: list[str], device: str,
                     comfy_root: str | None) -> dict:
-    """{case: quality.measure's result} over the structured cases."""
+    """{case: quality.measure's result} over the structured cases (`quality.measure_cases`' per-case results)."""
     import quality
 
-    return {c: quality.measure(contract, names, trace_dir, c, device, comfy_root) for c in cases}
+    return quality.measure_cases(contract, names, trace_dir, cases, device, comfy_root)["per_case"]
 
 
 def measure_speed(contract: dict, names: list[str], args, device: str) -> dict:
