@@ -161,11 +161,21 @@ def test_nvfp4_stream_and_resident_int8_give_the_same_product_as_the_reference_c
         [: fc1.out_features, : fc1.in_features])
 
 
-def test_an_int8_linear_refuses_e4m3_rows():
+def test_each_8bit_linear_takes_rows_of_its_own_format_only():
+    """An int8 linear refuses e4m3 rows and an e4m3 linear int8 rows; int8 rows give the product of the same input
+    quantized inside the linear."""
+    x = torch.randn(20, 32)
     w8, sw = w8a8.quantize_rows_int8(torch.randn(16, 32))
-    rows = w8a8.E4M3Rows(*w8a8.quantize_rows(torch.randn(20, 32)), torch.float32)
-    with pytest.raises(TypeError, match="int8 linear"):
-        w8a8.linear_w8a8(rows, w8, sw)
+    we, swe = w8a8.quantize_rows(torch.randn(16, 32))
+    e4m3_rows = w8a8.E4M3Rows(*w8a8.quantize_rows(x), torch.float32)
+    int8_rows = w8a8.Int8Rows(*w8a8.quantize_rows_int8(x), torch.float32)
+    with pytest.raises(TypeError, match="an int8 linear"):
+        w8a8.linear_w8a8(e4m3_rows, w8, sw)
+    with pytest.raises(TypeError, match="an e4m3 linear"):
+        w8a8.linear_w8a8(int8_rows, we, swe)
+    assert torch.equal(w8a8.linear_w8a8(int8_rows, w8, sw), w8a8.linear_w8a8(x, w8, sw))
+    with pytest.raises(ValueError, match="Int8Rows: codes torch.float8_e4m3fn"):
+        w8a8.Int8Rows(e4m3_rows.data, e4m3_rows.scale, torch.float32)
 
 
 def test_the_gate_keys_int8_linears_by_their_own_rule_and_it_can_fail(monkeypatch):

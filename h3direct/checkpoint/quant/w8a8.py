@@ -54,6 +54,7 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import einops
 import torch
@@ -180,35 +181,33 @@ def format_functions(fmt: str) -> tuple:
 
 
 @dataclass(frozen=True)
-class E4M3Rows:
-    """An activation already quantized by this module's rule: e4m3 codes [M, K] (unit column stride), fp32 per-row
-    scales [M], and the dtype of the activation they stand for (the linear's output dtype)."""
+class QuantizedRows:
+    """An activation already quantized by this module's rule: codes [M, K] (unit column stride) of the class's
+    `CODES` dtype, fp32 per-row scales [M], and the dtype of the activation they stand for (the linear's output
+    dtype)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    CODES: ClassVar[torch.dtype]
 
     def __post_init__(self):
         m, _ = self.data.shape
-        if self.data.dtype != torch.float8_e4m3fn or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
-            raise ValueError(f"E4M3Rows: codes {self.data.dtype} {list(self.data.shape)}, scales "
+        if self.data.dtype != self.CODES or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
+            raise ValueError(f"{type(self).__name__}: codes {self.data.dtype} {list(self.data.shape)}, scales "
                              f"{self.scale.dtype} {list(self.scale.shape)}")
 
 
-@dataclass(frozen=True)
-class Int8Rows:
-    """An activation already quantized to int8 by this module's rule (`quantize_rotated_int8`: its rows rotated
-    first): codes [M, K], fp32 per-row scales [M], and the dtype of the activation they stand for."""
+class E4M3Rows(QuantizedRows):
+    """e4m3 rows, for an e4m3 linear (the fused producer kernels write them)."""
 
-    data: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
+    CODES = torch.float8_e4m3fn
 
-    def __post_init__(self):
-        m, _ = self.data.shape
-        if self.data.dtype != torch.int8 or self.scale.shape != (m,) or self.scale.dtype != torch.float32:
-            raise ValueError(f"Int8Rows: codes {self.data.dtype} {list(self.data.shape)}, scales "
-                             f"{self.scale.dtype} {list(self.scale.shape)}")
+
+class Int8Rows(QuantizedRows):
+    """int8 rows, for an int8 linear (`quantize_rotated_int8`: its rows rotated first)."""
+
+    CODES = torch.int8
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
