@@ -335,15 +335,24 @@ def path_options(spec: dict):
                               **spec.get("options", {})})
 
 
+def number(x) -> float | None:
+    """x as a float when it is a finite JSON number (not a bool, a string, inf or NaN), else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
 def tier_spec(flat: dict) -> dict:
     """A tier's flat options (`h3direct.app.tiers.Tier.options`) as a contract path's attention, FP8 linears and
-    options."""
+    options (an option the tier does not name takes its default, as `Options.from_flat` gives it)."""
+    from h3direct.dit.options import DEFAULT_BACKEND
+
     options = dict(flat)
-    return {"attention": options.pop("attention", "auto"), "fp8_linear": options.pop("fp8_linear", "off"),
+    return {"attention": options.pop("attention", DEFAULT_BACKEND), "fp8_linear": options.pop("fp8_linear", "off"),
             "options": options}
 
 
-def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str, prog: str = "run_contract"):
+def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str):
     """(contract, tiers record) with each of `names` whose path names a tier (`{"tier": NAME, "class": ...}`) given
     that tier's options from the tiers file at `tiers_path` (None: the runtime's default), which must have been chosen
     on `device`'s kind of device. The record (file, sha256, machine, made) goes into the result; None when no path of
@@ -355,17 +364,15 @@ def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str
     from h3direct.errors import H3Error
 
     try:
-        found = T.load(tiers_path if tiers_path is not None else T.default_path())
-        found.check_device(T.device_name(device))
+        found = T.load_for(tiers_path, device)
         chosen = {n: found.get(contract["paths"][n]["tier"]) for n in wanted}
     except H3Error as exc:
-        usage_error(f"--tiers: {exc}", prog)
+        usage_error(f"--tiers: {exc}")
     paths = dict(contract["paths"])
     for n, tier in chosen.items():
         paths[n] = {**paths[n], **tier_spec(tier.options), "tier_record": tier.provenance(found)}
-    made = json.loads(found.path.read_text()).get("made") or {}
     record = {"file": str(found.path.resolve()), "sha256": found.sha256, "machine": found.machine,
-              "made": {k: made.get(k) for k in ("commit", "tree", "date", "cases")}}
+              "made": {k: found.made.get(k) for k in ("commit", "tree", "date", "cases")}}
     return {**contract, "paths": paths}, record
 
 

@@ -40,7 +40,8 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks._common import tier_spec
+from benchmarks._common import number, tier_spec
+from benchmarks.quality import METRICS, cases_of, worst
 
 
 def _load(path: str, what: str) -> dict:
@@ -58,13 +59,6 @@ def _load(path: str, what: str) -> dict:
 def _bad(msg: str) -> int:
     print(f"benchmarks.compare: error: {msg}", file=sys.stderr)
     return 2
-
-
-def number(x) -> float | None:
-    """x as a float when it is a finite JSON number (not a bool, a string, inf or NaN), else None."""
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-        return None
-    return float(x)
 
 
 def _ok(entry) -> bool:
@@ -148,16 +142,14 @@ def _tiers_file_rule(contract: dict, result: dict) -> str | None:
     chosen_on = (t.get("machine") or {}).get("device_name")
     if chosen_on != result.get("device"):
         return f"its tiers were chosen on {chosen_on!r}, the result ran on {result.get('device')!r}"
-    shas = {((result.get("paths") or {}).get(n, {}).get("tier") or {}).get("sha256")
-            for n, spec in contract["paths"].items() if "tier" in spec and isinstance(result.get("paths", {}).get(n), dict)}
-    other = shas - {t.get("sha256")}
+    ran = [(result.get("paths") or {}).get(n) for n, spec in contract["paths"].items() if "tier" in spec]
+    shas = {p["tier"].get("sha256") for p in ran if isinstance(p, dict) and isinstance(p.get("tier"), dict)}
+    other = shas - {t.get("sha256")}  # (a path without its tier record fails its own settings rule)
     return f"a tier path ran from another tiers file (sha256 {sorted(map(str, other))})" if other else None
 
 
 def contract_cases(contract: dict) -> list[str] | None:
     """The contract's quality cases (`quality.cases_of`), None when its entry names none."""
-    from benchmarks.quality import cases_of
-
     try:
         return cases_of(contract.get("quality"))
     except ValueError:
@@ -192,7 +184,7 @@ def ratios(contract: dict, result: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-QUALITY_METRICS = ("error_x_comfyui_bf16", "error_x_comfyui_sage")
+QUALITY_METRICS = METRICS  # the quality axis' figures (benchmarks/quality.py)
 
 
 def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[float | None, str]:
@@ -203,8 +195,6 @@ def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[floa
     if not _ok(p):
         return None, f"path {path!r}: {p.get('status')}"
     if metric in QUALITY_METRICS:  # the worst over the contract's cases, from the per-case figures
-        from benchmarks.quality import worst
-
         q = p.get("quality")
         if not isinstance(q, dict):
             return None, (result.get("quality") or {}).get("status") or "quality not measured"

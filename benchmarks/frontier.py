@@ -105,9 +105,10 @@ def exact_here(order: list[str], device) -> str:
 # ---------------------------------------------------------------- the choice
 
 def worst(row: dict, cases: list[str] | None = None) -> float:
-    """A candidate's worst error × ComfyUI+sage over `cases` (default: every case it was measured on)."""
-    errs = [e for c, e in row["x_sage"].items() if cases is None or c in cases]
-    return max(errs, default=math.inf)
+    """A candidate's worst error × ComfyUI+sage over `cases` (default: every case it was measured on); inf where it
+    has no finite figure on one of them (the worst may be that one: out of every bound)."""
+    errs = [row["x_sage"].get(c, math.nan) for c in (row["x_sage"] if cases is None else cases)]
+    return max(errs, default=math.inf) if all(math.isfinite(e) for e in errs) else math.inf
 
 
 def eligible(rows: dict, rule: str) -> dict:
@@ -324,7 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default=CANDIDATES, type=Path)
     ap.add_argument("--contract", default=CONTRACT, type=Path, help="the workload, weights and ComfyUI configurations")
     ap.add_argument("--case", action="append", default=None,
-                    help="a validation case (repeatable; default: every structured case of the validation set)")
+                    help="a validation case (repeatable; default: the contract's quality cases, every structured case "
+                         "of the validation set)")
     ap.add_argument("--candidate", action="append", default=None, metavar="NAME",
                     help="measure only these candidates of the file (repeatable; default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate (default 3)")
@@ -333,6 +335,8 @@ def main(argv=None) -> int:
                     "tiers file of `--tier`)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (a plumbing check, not a result)")
     args = ap.parse_args(argv)
+    import quality
+
     from h3direct.app.tiers import device_name
     from parity_tests import validation
 
@@ -360,7 +364,7 @@ def main(argv=None) -> int:
         C.usage_error("no candidate runs here", PROG)
     contract = {**contract, "paths": paths, "targets": {},
                 "comfyui": {k: v for k, v in contract.get("comfyui", {}).items() if k in COMFY}}
-    cases = args.case or [c.name for c in validation.structured()]
+    cases = args.case or quality.cases_of(contract.get("quality"))
     names = list(paths)
     if args.comfy_root:  # the cases not recorded yet, built and recorded at once (bf16, fp32 twin, sage)
         known = {c.name for c in validation.CASES}

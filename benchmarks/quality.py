@@ -131,7 +131,7 @@ def cases_of(spec: dict | None) -> list[str]:
     if cases == "structured":
         from parity_tests import validation
 
-        return [c.name for c in validation.structured()]
+        cases = [c.name for c in validation.structured()]
     if not isinstance(cases, list) or not cases or not all(isinstance(c, str) for c in cases):
         raise ValueError(f'its "quality" entry names no cases (a list of names, or "structured"), got {cases!r}')
     return cases
@@ -140,19 +140,19 @@ def cases_of(spec: dict | None) -> list[str]:
 def worst(entry, cases: list[str], metric: str) -> tuple[float | None, str]:
     """(the worst of `metric` over `cases`, where it was) of one path's quality over cases (`over_cases`), or (None,
     why not): a case without a finite figure leaves none, since the worst case may be the one missing."""
-    per_case = entry.get("cases") if isinstance(entry, dict) else None
     if not isinstance(entry, dict):
         return None, "quality not measured"
+    per_case = entry.get("cases")
     if not isinstance(per_case, dict):
         status = entry.get("status", "ok")
         return None, status if status != "ok" else "no figure per case (a result of a one-case contract)"
     values = {}
     for case in cases:
-        v = (per_case.get(case) or {}).get(metric)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            why = (per_case.get(case) or {}).get("status") or f"{metric} {v!r} is not a finite number"
+        raw = (per_case.get(case) or {}).get(metric)
+        values[case] = C.number(raw)
+        if values[case] is None:
+            why = (per_case.get(case) or {}).get("status") or f"{metric} {raw!r} is not a finite number"
             return None, f"case {case}: {why}"
-        values[case] = float(v)
     case = max(values, key=values.get)
     return values[case], f"worst case {case}"
 

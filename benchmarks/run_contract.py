@@ -104,10 +104,8 @@ def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict |
     from h3direct.app.env import read_tiers
     from h3direct.errors import H3Error
 
-    floor = contract.get("floor", {})
-    seconds = floor.get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
-    floor_path = [floor.get("path", "exact")] if seconds > 0 and floor.get("path", "exact") in contract["paths"] else []
-    contract, tiers = C.resolve_tier_paths(contract, list(dict.fromkeys(names + floor_path)),
+    floor_path, _ = _floor(contract, args)
+    contract, tiers = C.resolve_tier_paths(contract, list(dict.fromkeys(names + ([floor_path] if floor_path else []))),
                                            args.tiers or read_tiers(), dev)
 
     for n in names:
@@ -130,6 +128,15 @@ def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict |
         if args.quality_dir.exists() and not args.quality_dir.is_dir():
             _fail(f"--quality-dir {args.quality_dir}: not a directory")
     return names, contract, tiers
+
+
+def _floor(contract: dict, args) -> tuple[str | None, float]:
+    """(the path whose attention the hot floor runs, its seconds: --floor-seconds, else the contract's); no path when
+    there is no floor (0 seconds, or a contract without that path)."""
+    floor = contract.get("floor", {})
+    seconds = floor.get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
+    path = floor.get("path", "exact")
+    return (path if seconds > 0 and path in contract["paths"] else None), seconds
 
 
 def _workload(contract: dict, smoke: bool) -> tuple[dict, C.Preset]:
@@ -174,9 +181,9 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     del model, inputs
     C.free_memory(dev)
     floor = None
-    seconds = contract.get("floor", {}).get("seconds", 15.0) if args.floor_seconds is None else args.floor_seconds
-    exact = contract["paths"].get(contract.get("floor", {}).get("path", "exact"))
-    if seconds > 0 and exact is not None:
+    floor_path, seconds = _floor(contract, args)
+    if floor_path is not None:
+        exact = contract["paths"][floor_path]
         floor = hot_floor(config, wl["seq_len"], C.path_options(exact), dev, seconds, w.get("seed", 0))
         C.log(f"hot floor ({exact['attention']}): {floor.get('s_per_step', floor.get('status'))}")
     if not args.no_vae:

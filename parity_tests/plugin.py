@@ -168,6 +168,9 @@ def _read_tier(config):
     mixed = [f for f, given in (("--attention", config.getoption("--attention") != "sdpa"),
                                 ("--option", bool(config.getoption("--option"))),
                                 ("--fp8-linear", config.getoption("--fp8-linear") != "off"),
+                                ("--fp8-linear-layers", config.getoption("--fp8-linear-layers") is not None),
+                                ("--fp8-linear-format", config.getoption("--fp8-linear-format") != "e4m3"),
+                                ("--fp8-linear-rotate", config.getoption("--fp8-linear-rotate") != "none"),
                                 ("--sage-class", config.getoption("--sage-class"))) if given]
     if mixed:
         raise pytest.UsageError(f"--tier {name}: the tier sets the options and the rule; not with {mixed[0]}")

@@ -44,6 +44,9 @@ def test_the_choice_is_the_fastest_candidate_inside_the_bound():
     assert F.choose(ROWS, None, "exact") == "exact"  # the fastest exact candidate, whatever its error
     assert F.choose(ROWS, 1.5, "class", cases=["a"]) == "risky"
     assert F.choose(ROWS, 0.1, "class") is None
+    # a faster candidate without a figure on one case (not measured there, or NaN) is out: that case may be its worst
+    for unmeasured in (row(0.5, a=0.1, b=0.1), row(0.5, a=0.1, b=0.1, c=float("nan"))):
+        assert F.choose({**ROWS, "unmeasured": unmeasured}, 1.5, "class", cases=["a", "b", "c"]) == "risky"
 
 
 def test_the_margin_is_the_worst_gap_of_a_held_out_case():

@@ -353,6 +353,11 @@ def test_a_rotated_int8_linear_is_the_rotated_product_and_its_option_is_checked(
         with pytest.raises(RequestError):
             KernelOptions(fp8_linear_rotate=bad)
     assert not_in_effect(Options(), ["fp8_linear_rotate"]) == ["fp8_linear_rotate"]
+    from h3direct.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8_linear_rotate fc2: not among the 8-bit linears"):
+        load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="stream", fp8_linear_format="int8",
+                 fp8_linear_layers="fc1", fp8_linear_rotate="fc2")
 
 
 _ROTATE_CHECK = textwrap.dedent("""

@@ -202,6 +202,10 @@ def test_the_gate_runs_a_tier_under_its_rule(tmp_path):
                  str(REPO / "parity_tests")], tmp_path)
     assert r.returncode == 4 and "--tier chunked: the tier sets the options and the rule; not with --attention" \
         in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
-    r = _pytest(["-m", "parity", "--tier", "exact", "--tiers", str(write(tmp_path / "..", "NVIDIA H100")),
+    r = _pytest(["-m", "parity", "--tier", "chunked", "--tiers", str(path), "--fp8-linear-format", "int8",
+                 str(REPO / "parity_tests")], tmp_path)  # an 8-bit companion too: the tier would silently drop it
+    assert r.returncode == 4 and "not with --fp8-linear-format" in r.stdout + r.stderr, r.stdout[-2000:]
+    (tmp_path / "h100").mkdir()
+    r = _pytest(["-m", "parity", "--tier", "exact", "--tiers", str(write(tmp_path / "h100", "NVIDIA H100")),
                  str(REPO / "parity_tests")], tmp_path)
     assert r.returncode == 4 and "chosen on NVIDIA H100, this device is cpu" in r.stdout + r.stderr

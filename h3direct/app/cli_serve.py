@@ -75,8 +75,7 @@ def tiers_of(path, spec):
     if not given and not path.is_file():
         return None, f"no tiers file ({path}): {tiers.MAKE_IT}"
     try:
-        found = tiers.load(path)
-        found.check_device(tiers.device_name(resolve_device(spec.device)))
+        found = tiers.load_for(path, resolve_device(spec.device))
     except H3Error as exc:
         if given:
             raise

@@ -55,6 +55,7 @@ class Tiers:
     sha256: str
     machine: dict
     tiers: dict[str, Tier]
+    made: dict = field(default_factory=dict, compare=False)  # the frontier's record of the run that chose them
 
     def get(self, name: str) -> Tier:
         if name not in self.tiers:
@@ -117,7 +118,8 @@ def load(path: str | Path) -> Tiers:
             raise ConfigError(f"{where}: {exc}") from None
         tiers[name] = Tier(name, dict(e["options"]), e["rule"], float(bound) if bound is not None else None,
                            {k: v for k, v in e.items() if k not in ("options", "rule", "bound")})
-    return Tiers(path, hashlib.sha256(raw).hexdigest(), machine, tiers)
+    made = data.get("made")
+    return Tiers(path, hashlib.sha256(raw).hexdigest(), machine, tiers, made if isinstance(made, dict) else {})
 
 
 def device_name(device) -> str:
@@ -130,9 +132,14 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def load_for(path: str | Path | None, device) -> Tiers:
+    """The tiers file at `path` (None: `default_path()`), checked to have been chosen on `device`'s kind of device."""
+    tiers = load(path if path is not None else default_path())
+    tiers.check_device(device_name(device))
+    return tiers
+
+
 def resolve(name: str, path: str | Path | None, device) -> tuple[Tier, Tiers]:
     """Tier `name` of the tiers file at `path` (None: `default_path()`), chosen on `device`'s kind of device."""
-    tiers = load(path if path is not None else default_path())
-    tier = tiers.get(name)
-    tiers.check_device(device_name(device))
-    return tier, tiers
+    tiers = load_for(path, device)
+    return tiers.get(name), tiers

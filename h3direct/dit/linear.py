@@ -159,12 +159,14 @@ class FP8Linear(nn.Module):
         if rotate:
             from h3direct.checkpoint.quant import hadamard
 
-            w = new._weight_bf16(layer)
-            new.register_buffer("row_scale", w8a8.int8_row_scales(hadamard.rotate_rows(w)))  # per channel, set once
-            if not streams:
-                q, s = new._rotated_codes(w)
-                new.register_buffer("weight8", q)
-                new.register_buffer("w_scale", s)
+            rotated = hadamard.rotate_rows(new._weight_bf16(layer))
+            row_scale = w8a8.int8_row_scales(rotated)  # per channel, set once
+            if streams:  # the codes are made every call under it
+                new.register_buffer("row_scale", row_scale)
+            else:
+                new.register_buffer("weight8", w8a8.encode_rows_int8(rotated, row_scale))
+            # the GEMM's scales carry the rotation's 1/b: the product of two rotated factors is b times the plain one
+            new.register_buffer("w_scale", row_scale / hadamard.block(layer.in_features))
         elif nvfp4_source:
             scales = w8a8.nvfp4_channel_scales(layer.weight, layer.weight_scale, layer.weight_scale_2, fmt)
             if streams:
@@ -192,15 +194,7 @@ class FP8Linear(nn.Module):
             w = nvfp4.dequantize_nvfp4(layer.weight, layer.weight_scale, layer.weight_scale_2, torch.bfloat16)
         else:
             w = layer.weight.detach().to(torch.bfloat16)
-        return w[: self.out_features, : self.in_features].contiguous()
-
-    def _rotated_codes(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A weight's (`_weight_bf16`) rotated int8 codes [N, K] under `row_scale` (`w8a8.rotated_int8_codes`: one
-        pass on the GPU), and the GEMM's per-channel scales [N] (with the rotation's 1/b: the product of two rotated
-        factors is b times the plain one)."""
-        from h3direct.checkpoint.quant import hadamard, w8a8
-
-        return w8a8.rotated_int8_codes(w, self.row_scale), self.row_scale / hadamard.block(self.in_features)
+        return w[: self.out_features, : self.in_features]
 
     def _convert(self, packed, block_scale, global_scale, scales) -> torch.Tensor:
         from h3direct.checkpoint.quant import w8a8
@@ -211,8 +205,10 @@ class FP8Linear(nn.Module):
         """(8-bit weight [N, K] (e4m3 or int8), fp32 per-channel scales [N]) as the GEMM takes them."""
         if self.mode == "resident":
             return self.weight8, self.w_scale
-        if self.rotate:
-            return self._rotated_codes(self._weight_bf16())
+        if self.rotate:  # one pass on the GPU (`w8a8.rotated_int8_codes`)
+            from h3direct.checkpoint.quant import w8a8
+
+            return w8a8.rotated_int8_codes(self._weight_bf16(), self.row_scale), self.w_scale
         q = self._convert(self.packed, self.block_scale, self.global_scale, self.w_scale)
         n, k = self.out_features, self.in_features
         if q.shape != (n, k):
@@ -254,13 +250,20 @@ def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | Non
     layer's source is dropped (keeping it would hold the checkpoint's weights beside the 8-bit ones)."""
     if check_fp8_linear(mode) == "off":
         return 0
+    from h3direct.dit.options import FP8_LINEAR_LEAVES
+    from h3direct.errors import ConfigError
+
+    idle = [leaf for leaf in rotate if leaf not in (FP8_LINEAR_LEAVES if leaves is None else leaves)]
+    if idle:  # a rotation of a linear that stays the checkpoint's would do nothing, silently
+        raise ConfigError(f"fp8_linear_rotate {','.join(idle)}: not among the 8-bit linears (fp8_linear_layers "
+                          f"{','.join(leaves)})")
     names = block_linear_names(model, leaves)
     sources = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        new = FP8Linear.from_module(old, mode, fmt, rotate=name.rpartition(".")[2] in rotate)
+        new = FP8Linear.from_module(old, mode, fmt, rotate=child in rotate)
         setattr(parent, child, new)
         if new.mode == "stream":
             sources[name] = old

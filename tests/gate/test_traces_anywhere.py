@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from parity_tests.discovery import FIXTURES, find_dit_cases
-from tests.gate.test_gate_options import REPO, _pytest
+from tests.gate.test_gate_options import _pytest
 
 CASE = "trace_fx_curve_bf16_t2va_mask_fp32"
 
@@ -91,4 +91,3 @@ def test_a_copy_beside_the_trace_wins_and_the_sha256_picks(tmp_path, moved):
     cases, problems = find_dit_cases([folder])
     assert not problems and len(cases) == 1, problems
     assert cases[0].checkpoint == (beside if moved == "beside" else FIXTURES / m["checkpoint"])
-    assert REPO.is_dir()

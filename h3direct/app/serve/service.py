@@ -24,7 +24,7 @@ from pathlib import Path
 from h3direct.app.cli_flags import FFMPEG_LOGLEVELS
 from h3direct.app.jobs import Job, JobQueue
 from h3direct.counts import CallCounts
-from h3direct.errors import H3Error, RequestError
+from h3direct.errors import RequestError
 from h3direct.fields import check, field
 
 DEFAULT_PORT = 8188
@@ -254,10 +254,10 @@ class Service:
         (the 8-bit linears) must be the server's."""
         if self.tiers is None:
             raise RequestError("tier", f" {name!r}: this server has no tiers ({self.tiers_note})")
-        try:
-            tier = self.tiers.get(name)
-        except H3Error as exc:
-            raise RequestError("tier", f" {name!r}: {str(exc).split(': ', 1)[1]}") from None
+        if name not in self.tiers.tiers:
+            raise RequestError("tier", f" {name!r}: not a tier of {self.tiers.path} (its tiers: "
+                                       f"{', '.join(self.tiers.tiers)})")
+        tier = self.tiers.tiers[name]
         why = self._unservable(tier)
         if why:
             raise RequestError("tier", f" {name!r}: {why}")

@@ -348,12 +348,14 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
     if w8.shape[1] != k:
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
-    reason = _int8_gpu_reason(x2, n)
-    if reason is not None and x2.is_cuda and strict:
-        raise ConfigError(f"int8 linear [{k} -> {n}] cannot use torch._int_mm: {reason} (fp8_strict is on)")
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
+    # h3direct's kernel where it takes the operands (Hopper on; any M), else cuBLASLt's within its own limits
+    kernel = x2.is_cuda and _triton_ok(x2) and _triton_gemm(x8, w8)
+    reason = None if kernel else _int8_gpu_reason(x2, n)
+    if reason is not None and x2.is_cuda and strict:
+        raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {reason} (fp8_strict is on)")
     path = "int_mm" if reason is None else f"emulated ({reason})"
-    if reason is None and _triton_gemm(x8, w8):
+    if kernel:
         from h3direct.checkpoint.quant import int8_gemm
 
         path = "int8_gemm"
