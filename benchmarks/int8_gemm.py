@@ -2,10 +2,10 @@
 `torch._int_mm` + the Triton epilogue) and FP8 e4m3 (`torch._scaled_mm`, rowwise scales, fast accumulation), in one
 run on one GPU.
 
-    python3 benchmarks/int8_gemm.py [--m 20050] [--out R.json] [--iters 50]
+    python3 benchmarks/int8_gemm.py [--m M] [--out R.json] [--iters 50]
 
-Per shape (M tokens; qkv 5,376 -> 16,128, out 5,376 -> 5,376, fc1 5,376 -> 28,672, fc2 14,336 -> 5,376, the full
-DiT's block) and per GEMM: the median ms (triton's do_bench, operands made once per shape, int8 activations already
+Per shape (M tokens, the contract's S by default; the full DiT's block linears, `_common.block_gemm_shapes`: qkv
+5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 14,336 -> 5,376) and per GEMM: the median ms (triton's do_bench, operands made once per shape, int8 activations already
 quantized: the GEMM and its epilogue alone) and its rate (TOPS / TFLOP/s); then the block's four GEMMs summed, as
 ratios to bf16. The int8 kernel's output is checked bitwise against cuBLASLt's int32 product through the same
 epilogue on every shape (exact integer accumulation: the same bits or a bug), and every tile shape autotuning may pick
@@ -33,7 +33,14 @@ if str(HERE) not in sys.path:
 
 import _common as C  # noqa: E402
 
-SHAPES = {"qkv_proj": (5376, 16128), "out_proj": (5376, 5376), "fc1": (5376, 28672), "fc2": (14336, 5376)}
+FULL = C.PRESETS["full"]
+
+
+def block_shapes() -> dict[str, tuple[int, int]]:
+    """{linear: (K, N)} of the full DiT's four block linears."""
+    from h3direct.config import H3Config
+
+    return {name: (k, n) for name, _, n, k in C.block_gemm_shapes(H3Config.from_name(FULL.dit_config), 0)}
 
 
 def operands(m: int, k: int, n: int, device, seed: int):
@@ -103,7 +110,7 @@ def input_calls(x) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 benchmarks/int8_gemm.py", description=__doc__.split("\n")[0])
-    ap.add_argument("--m", type=int, default=20050, help="tokens (default: the contract's S)")
+    ap.add_argument("--m", type=int, default=None, help="tokens (default: the contract's S, 20,050)")
     ap.add_argument("--iters", type=int, default=50, help="do_bench's repetitions in ms (default 50)")
     ap.add_argument("--out", default=None, help="result JSON")
     ap.add_argument("--all-configs", action="store_true", help="also time every tile shape autotuning picks from")
@@ -119,8 +126,9 @@ def main(argv=None) -> int:
     if dev == "cuda" and not torch.cuda.is_available():
         C.usage_error("no CUDA device here (--smoke runs the plumbing on the CPU)", "int8_gemm")
     smaller = lambda d: (d // 128 + 15) // 16 * 16  # noqa: E731 (the smoke run's sizes: multiples of 16)
-    shapes = {k: (smaller(v[0]), smaller(v[1])) for k, v in SHAPES.items()} if args.smoke else SHAPES
-    m = 50 if args.smoke else args.m
+    full = block_shapes()
+    shapes = {k: (smaller(v[0]), smaller(v[1])) for k, v in full.items()} if args.smoke else full
+    m = 50 if args.smoke else args.m or C.workload(FULL.width, FULL.height, FULL.frames, FULL.text_len)["seq_len"]
     result = {"device": C.env_info(dev).get("gpu") or dev, "env": {**C.env_info(dev), "packages":
               C.package_versions()}, "commit": C.git_commit(), "tree": C.source_tree(), "m": m,
               "command": ["python3", "benchmarks/int8_gemm.py", *(argv if argv is not None else sys.argv[1:])],
