@@ -295,6 +295,18 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+def failed(exc: BaseException) -> str:
+    """The status of a path that raised while it was measured: the error's type and first line. The run records it
+    and measures the other paths; a result holding one exits 1 (`any_failed`)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"failed: {type(exc).__name__}: {first}"[:300]
+
+
+def any_failed(statuses) -> list[str]:
+    """The statuses among `statuses` that say a path failed (`failed`)."""
+    return [s for s in statuses if isinstance(s, str) and s.startswith("failed: ")]
+
+
 def module_gib(module) -> float:
     """Bytes of a module's parameters and buffers, in GiB (device independent)."""
     n = sum(t.numel() * t.element_size() for t in module.parameters())

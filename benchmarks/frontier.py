@@ -190,8 +190,8 @@ def measure_speed(contract: dict, names: list[str], args, device: str) -> dict:
                 "--floor-seconds", "0", "--no-vae", "--comfy-rounds", "1"]
         argv += ["--steps", str(args.steps)] + (["--comfy-root", args.comfy_root] if args.comfy_root else [])
         argv += ["--smoke"] if args.smoke else []
-        rc = run_contract.main(argv)
-        if rc != 0 or not out.is_file():
+        rc = run_contract.main(argv)  # 1 with a result: some paths failed, each one's status says how
+        if rc not in (0, 1) or not out.is_file():
             raise SystemExit(f"{PROG}: the speed run failed (run_contract exit {rc})")
         return json.loads(out.read_text())
 
@@ -201,15 +201,17 @@ def rows_of(contract: dict, names: list[str], speed: dict, quality: dict) -> dic
     rows = {}
     for n in names:
         res = speed["paths"][n]
-        x_sage, x_bf16 = {}, {}
+        x_sage, x_bf16, failed = {}, {}, {}
         for case, q in quality.items():
             p = (q.get("paths") or {}).get(n) or {}
             if p.get("status") == "ok":
                 x_sage[case], x_bf16[case] = p["error_x_comfyui_sage"], p["error_x_comfyui_bf16"]
+            elif C.any_failed([p.get("status")]):
+                failed[case] = p["status"]
         rows[n] = {"s_per_step": res["s_per_step"] if res.get("status") == "ok" else math.inf,
                    "status": res.get("status"), "exact": is_exact_path(contract["paths"][n]),
                    "options": C.path_options(contract["paths"][n]).flat(), "path": contract["paths"][n],
-                   "x_sage": x_sage, "x_bf16": x_bf16}
+                   "x_sage": x_sage, "x_bf16": x_bf16, "failed": failed}
     return rows
 
 
@@ -405,7 +407,10 @@ def main(argv=None) -> int:
         C.log(f"installed: {default_path()}")
     C.log(f"frontier: {args.out / 'frontier.json'}, tiers: {args.out / 'tiers.json'}, plot: {png}, "
           f"report: {args.out / 'report.html'}")
-    return 0
+    failures = {n: s for n, r in rows.items() for s in C.any_failed([r["status"], *r["failed"].values()])}
+    for name, status in failures.items():
+        C.log(f"candidate {name} {status} (not chosen; the run exits 1)")
+    return 1 if failures else 0
 
 
 def _unrecorded(root: Path, name: str) -> bool:

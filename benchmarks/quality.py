@@ -199,7 +199,11 @@ def measure(contract: dict, names: list[str], root: Path, case_name: str, device
         return {"case": case_name, "status": f"not measured: {problem}"}
     out = {"case": case_name, "status": "ok", "paths": {}, "comfyui": comfy_quality(case)}
     for name in names:
-        res = measure_path(case, C.path_options(contract["paths"][name]), device)
+        try:
+            res = measure_path(case, C.path_options(contract["paths"][name]), device)
+        except Exception as exc:  # noqa: BLE001  one path's failure is its result; the other paths are still measured
+            res = {"status": C.failed(exc)}
+            C.free_memory(device)
         out["paths"][name] = res
         if res.get("status") == "ok":
             C.log(f"quality {case_name} {name}: x{res['error_x_comfyui_bf16']:.2f} ComfyUI bf16, "
@@ -242,7 +246,8 @@ def main(argv=None) -> int:
         C.write_result(args.out, {"contract": contract.get("contract"), "cases": results})
     for r in results:
         print(ladder_table(r))
-    return 0 if all(r.get("status") == "ok" for r in results) else 1
+    failures = C.any_failed(p.get("status") for r in results for p in (r.get("paths") or {}).values())
+    return 0 if all(r.get("status") == "ok" for r in results) and not failures else 1
 
 
 def ladder_table(r: dict) -> str:

@@ -177,7 +177,11 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     for name in sorted(names, key=lambda n: opts[n].kernels.fp8_linear != "off"):
         _load_time(model, opts[name])
         C.free_memory(dev)
-        paths[name] = _run_path(contract, args, name, opts[name], model, build, inputs, like, dev)
+        try:
+            paths[name] = _run_path(contract, args, name, opts[name], model, build, inputs, like, dev)
+        except Exception as exc:  # noqa: BLE001  one path's failure is its result; the other paths are still timed
+            paths[name] = {"class": contract["paths"][name].get("class"), "status": C.failed(exc)}
+            C.log(f"{name}: {paths[name]['status']}")
     del model, inputs
     C.free_memory(dev)
     floor = None
@@ -503,7 +507,12 @@ def main(argv=None) -> int:
         result["paths"][name].update(values)
     C.write_result(args.out, result)
     C.log(f"result: {args.out}")
-    return 0
+    failures = C.any_failed([p.get("status") for p in result["paths"].values()]
+                            + [c.get("status") for p in result["paths"].values()
+                               for c in ((p.get("quality") or {}).get("cases") or {}).values()])
+    if failures:
+        C.log(f"{len(failures)} path measurements failed (their status in the result): {failures[0]}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

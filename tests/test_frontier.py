@@ -165,6 +165,47 @@ def test_the_command_writes_frontier_tiers_plot_and_report(tmp_path, stand_in_ca
     assert job.options.tier["name"] == "fastest" and job.options.tier["file"] == str((out / "tiers.json").resolve())
 
 
+def test_a_candidate_that_fails_is_recorded_and_the_run_goes_on_then_exits_1(tmp_path, stand_in_cases, monkeypatch,
+                                                                             capsys):
+    """One candidate raising in its quality step and its timed steps (a kernel that does not compile, say) is its
+    result, named with its error; the other candidates are measured and chosen from, and the command exits 1."""
+    import quality
+    import run_contract
+
+    grid = json.loads((ROOT / "benchmarks" / "frontier-candidates.json").read_text())
+    grid["candidates"] = {"exact_sdpa": {"attention": "sdpa"}, "broken": {"attention": "sdpa", "fp8_linear": "stream",
+                                                                            "options": {"fp8_linear_format": "int8"}}}
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    monkeypatch.setenv("H3_CACHE_DIR", str(tmp_path / "cache"))
+    measure_path, run_path = quality.measure_path, run_contract._run_path
+
+    def quality_step(case, options, device):
+        if options.kernels.fp8_linear != "off":
+            raise RuntimeError("planted: the kernel did not compile\nsecond line")
+        return measure_path(case, options, device)
+
+    def timed_steps(contract, args, name, *rest):
+        if name == "broken":
+            raise RuntimeError("planted: the kernel did not compile")
+        return run_path(contract, args, name, *rest)
+
+    monkeypatch.setattr(quality, "measure_path", quality_step)
+    monkeypatch.setattr(run_contract, "_run_path", timed_steps)
+    out = tmp_path / "out"
+    rc = F.main(["--trace-dir", str(stand_in_cases), "--out", str(out), "--candidates", str(tmp_path / "grid.json"),
+                 "--case", "case_a", "--case", "case_b", "--device", "cpu", "--smoke", "--steps", "1"])
+    assert rc == 1
+    logged = capsys.readouterr().out
+    assert "candidate broken failed: RuntimeError: planted: the kernel did not compile (not chosen" in logged, logged
+    frontier = json.loads((out / "frontier.json").read_text())
+    broken, ok = frontier["candidates"]["broken"], frontier["candidates"]["exact_sdpa"]
+    assert broken["status"] == "failed: RuntimeError: planted: the kernel did not compile"
+    assert set(broken["failed"]) == {"case_a", "case_b"} and broken["x_sage"] == {}
+    assert math.isinf(float(broken["s_per_step"])) and math.isfinite(ok["s_per_step"])
+    assert set(ok["x_sage"]) == {"case_a", "case_b"}
+    assert {c["chosen"] for c in frontier["choices"].values()} <= {"exact_sdpa", None}
+
+
 def test_the_committed_tiers_file_is_what_the_runtime_reads():
     """benchmarks/results/tiers-h100.json (the first frontier of one H100, LOG.md) loads as the runtime loads a tiers
     file, for that GPU only, and its choices are its candidates' figures."""
