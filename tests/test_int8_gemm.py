@@ -37,7 +37,10 @@ def test_the_kernel_is_its_emulation_bit_for_bit_under_the_interpreter():
     assert res and all(res.values()), res
 
 
-def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(tmp_path, monkeypatch):
+@pytest.mark.parametrize("out", [2, 0], ids=["bf16", "fp32"])
+def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(out, tmp_path, monkeypatch):
+    """Through Triton's whole compiler to sm_90 (no GPU needed), for a 16-bit output and for fp32 (an fp32 run's
+    linears: the gate's fp32 traces)."""
     triton = pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,14 +50,15 @@ def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(tmp_path, 
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    sig = {"a_ptr": "*i8", "b_ptr": "*i8", "sx_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
-           "out_ptr": "*i16", "M": "i32", "N": "i32", "K": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-           "PROGRAMS": "constexpr", "FLATTEN": "constexpr", "ROUND": "constexpr"}
+    sig = {"a_ptr": "*i8", "b_ptr": "*i8", "sx_ptr": "*fp32", "sw_ptr": "*fp32",
+           "bias_ptr": "*bf16" if out else "*fp32", "out_ptr": "*i16" if out else "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "HAS_BIAS": "constexpr", "OUT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "PROGRAMS": "constexpr", "FLATTEN": "constexpr",
+           "ROUND": "constexpr"}
     bm, bn, bk, group, warps, stages, flatten = int8_gemm.CONFIGS[0]
     c = triton.compile(ASTSource(fn=build(int8_gemm._int8_gemm_kernel), signature=sig, constexprs={
-        "HAS_BIAS": True, "OUT": 2, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "PROGRAMS": 132,
-        "FLATTEN": flatten, "ROUND": build(int8_gemm.round_out)}),
+        "HAS_BIAS": True, "OUT": out, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+        "PROGRAMS": 132, "FLATTEN": flatten, "ROUND": build(int8_gemm.round_out)}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
     ptx = c.asm["ptx"]
     assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx), "no int8 warpgroup MMA"
@@ -80,10 +84,12 @@ def test_every_config_is_cublas_int_mm_through_the_same_epilogue_bit_for_bit(con
         x8, sx = w8a8.quantize_activation(x, "int8")
         w8, sw = w8a8.format_functions("int8")[0]((torch.randn(n, k, generator=g) * 0.02).cuda())
         b = torch.randn(n, generator=g).bfloat16().cuda() if bias else None
-        y = int8_gemm.int8_linear(x8, w8, sx, sw, b, torch.bfloat16, config)
-        if m > 16:  # torch._int_mm needs M > 16
-            ref = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, sw, b, torch.bfloat16)
-            assert torch.equal(y, ref), (config, m, n, k)
-        cpu = w8a8.int8_epilogue(x8.cpu().double() @ w8.cpu().double().T, sx.cpu(), sw.cpu(),
-                                 None if b is None else b.cpu(), torch.bfloat16)
-        assert torch.equal(y.cpu(), cpu), (config, m, n, k)
+        for dtype in (torch.bfloat16, torch.float32):  # fp32: an fp32 run's linears (the gate's fp32 traces)
+            bd = None if b is None else b.to(dtype)
+            y = int8_gemm.int8_linear(x8, w8, sx, sw, bd, dtype, config)
+            if m > 16:  # torch._int_mm needs M > 16
+                ref = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, sw, bd, dtype)
+                assert torch.equal(y, ref), (config, m, n, k, dtype)
+            cpu = w8a8.int8_epilogue(x8.cpu().double() @ w8.cpu().double().T, sx.cpu(), sw.cpu(),
+                                     None if bd is None else bd.cpu(), dtype)
+            assert torch.equal(y.cpu(), cpu), (config, m, n, k, dtype)

@@ -230,12 +230,15 @@ def round_out(y, OUT: tl.constexpr):
     """fp32 -> what a kernel stores for output dtype OUT (`triton_build.OUT_CODES`: 0 fp32, 1 fp16, 2 bf16): the value,
     or a 16-bit one's bit pattern as int16, rounded to nearest even (bf16 by integer arithmetic: exact in the
     interpreter too, whose bf16 cast truncates)."""
+    # one return: Triton's compiler types every return statement of a function alike, constexpr branches or not
     if OUT == 0:
-        return y
-    if OUT == 1:
-        return y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-    b = y.to(tl.uint32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+        out = y
+    elif OUT == 1:
+        out = y.to(tl.float16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    else:
+        b = y.to(tl.uint32, bitcast=True)
+        out = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    return out
 
 
 def _int8_epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, OUT: tl.constexpr,
