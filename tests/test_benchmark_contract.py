@@ -20,6 +20,7 @@ from contract_cli import broken, compare, has
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ROOT / "benchmarks" / "ref2va-960x544-124f.json"
 COMMITTED = ROOT / "benchmarks" / "results" / "contract-h200.json"
+COMMITTED_H100 = ROOT / "benchmarks" / "results" / "contract-h100.json"
 
 
 def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subprocess.CompletedProcess:
@@ -271,6 +272,28 @@ def test_committed_result_is_read_and_named_for_what_this_contract_adds():
         assert has(p.stdout, f"pass {path} {metric}"), (path, metric)
     for name in ("default", "sage", "exact_fastest"):
         assert re.search(rf"info ComfyUI {name} +\w+, \w+ settings: [0-9.]+ s/step", p.stdout), name
+
+
+def test_the_committed_h100_result_holds_every_rule_and_misses_only_the_two_tiers_speed():
+    """benchmarks/results/contract-h100.json (README "Speed", LOG.md) ran this contract: every rule holds, its three
+    tier paths ran the tiers of the committed tiers file (benchmarks/results/tiers-h100.json, by its sha256), every
+    quality target is met on the worst of the six structured cases, and the misses are the sage class's and the
+    fastest tier's speed targets, as README says."""
+    import hashlib
+
+    p = _compare(COMMITTED_H100)
+    assert p.returncode == 1 and not p.stderr, p.stdout + p.stderr
+    assert "FAIL rule" not in p.stdout and has(p.stdout, "ok rule tiers file"), p.stdout
+    misses = sorted(" ".join(line.split()[1:3]) for line in p.stdout.splitlines() if line.startswith("MISS"))
+    assert misses == ["fastest s_per_step", "sage_class s_per_step", "sage_class x_comfyui_sage"], p.stdout
+    assert has(p.stdout, "7 of 10 targets met, 3 missed")
+    result = json.loads(COMMITTED_H100.read_text())
+    sha = hashlib.sha256((ROOT / "benchmarks" / "results" / "tiers-h100.json").read_bytes()).hexdigest()
+    tiers = json.loads((ROOT / "benchmarks" / "results" / "tiers-h100.json").read_text())["tiers"]
+    for name in ("exact", "sage_class", "fastest"):
+        ran = result["paths"][name]["tier"]
+        assert ran["sha256"] == sha and ran["options"] == tiers[name]["options"], name
+        assert set(result["paths"][name]["quality"]["cases"]) == set(CASES), name
 
 
 def test_contract_workload_is_the_performance_workload(tmp_path):
