@@ -157,6 +157,15 @@ def pytest_runtest_makereport(item, call):
         for param, kind in KIND_OF_PARAM.items():
             if params.get(param) is not None:
                 session.of(item.config).ran[kind].add(params[param].id)
+    if rep.when == "call" and rep.failed and hasattr(gated, "id") and not getattr(item, "h3_concluded", False):
+        # a case test that raised before it concluded (a kernel that does not build, say): a failed case run in the
+        # report too, its error in place of a failing layer; pytest shows the traceback
+        from parity_tests.results import CaseResult
+
+        err = call.excinfo.value if call.excinfo is not None else None
+        first = (str(err).strip().splitlines() or [""])[0]
+        session.of(item.config).collector.add_case(
+            CaseResult(gated, params.get("mode", ""), "", pending=f"raised {type(err).__name__}: {first}"[:300]))
     return rep
 
 
@@ -186,6 +195,7 @@ def conclude(request):
     held it to a baseline yet."""
 
     def end(result, history=None) -> None:
+        request.node.h3_concluded = True  # (a case test that raises before this is reported by the makereport hook)
         run = session.of(request.config)
         created = None
         if history is not None and result.first_failure is None and not result.pending:

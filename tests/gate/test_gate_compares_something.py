@@ -101,3 +101,35 @@ def test_the_fallback_check_counts_kernel_calls():
     assert "ran its fallback in every call" in kernel_compared_nowhere(sol, "cpu", only)
     assert kernel_compared_nowhere(sol, "cpu", both) is None
     assert kernel_compared_nowhere(sol, "cpu", [{"attention_calls": None}]) is None
+
+
+RAISES_IN_THE_TEACHER_RUN = '''
+from parity_tests import gate
+
+_run = gate.run_dit_case
+
+
+def run_dit_case(case, *, mode, **kw):
+    if mode == "teacher":
+        raise RuntimeError("planted: the int8 kernel did not build\\nits second line")
+    return _run(case, mode=mode, **kw)
+
+
+gate.run_dit_case = run_dit_case
+'''
+
+
+def test_a_case_run_that_raises_is_a_failed_case_in_the_report_too(tmp_path):
+    """A case test that raises before it concludes (a kernel that does not build on this machine) fails in pytest with
+    its traceback and counts as a failed case run in the parity report, its error in place of a failing layer: the
+    report and pytest agree (no 'count the case tests differently' warning)."""
+    r = _pytest(["-m", "parity", str(REPO / "parity_tests" / "test_dit_parity.py"), "-k", CASE,
+                 "--parity-report", str(tmp_path / "report")], tmp_path,
+                plugins={"raises_in_the_teacher_run": RAISES_IN_THE_TEACHER_RUN})
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "RuntimeError: planted: the int8 kernel did not build" in out, out[-3000:]
+    assert "gated case runs: 1 passed, 1 failed, as pytest counts them" in out, out[-3000:]
+    assert "count the case tests differently" not in out, out[-3000:]
+    for name in ("report.md", "report.html"):
+        assert "raised RuntimeError: planted: the int8 kernel did not build" in (tmp_path / "report" / name).read_text()
