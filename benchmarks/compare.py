@@ -184,9 +184,6 @@ def ratios(contract: dict, result: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-QUALITY_METRICS = METRICS  # the quality axis' figures (benchmarks/quality.py)
-
-
 def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[float | None, str]:
     """(value, note) of one metric of one path; None when the result cannot provide it as a finite number."""
     p = (result.get("paths") or {}).get(path)
@@ -194,7 +191,7 @@ def value_of(contract: dict, result: dict, path: str, metric: str) -> tuple[floa
         return None, f"path {path!r} not in the result"
     if not _ok(p):
         return None, f"path {path!r}: {p.get('status')}"
-    if metric in QUALITY_METRICS:  # the worst over the contract's cases, from the per-case figures
+    if metric in METRICS:  # the worst over the contract's cases, from the per-case figures
         q = p.get("quality")
         if not isinstance(q, dict):
             return None, (result.get("quality") or {}).get("status") or "quality not measured"

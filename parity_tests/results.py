@@ -68,8 +68,8 @@ class CaseResult:
     approx: str = ""  # the approximate mode's label (attention and its options, + fp8_linear); "" on an exact path
     measured: dict = field(default_factory=dict)  # the approximate mode's quality: drift.py's quantities
     ladder: dict = field(default_factory=dict)  # ladder.py: {"comfy": {output: r}, "rows": [every mode's × r]}
-    # why the case cannot pass though nothing failed: its baseline was created by this run, it was not run, or what
-    # it compares is missing (the report shows this text in place of a failure)
+    # why the case cannot pass though nothing failed: its baseline was created by this run, it was not run, what it
+    # compares is missing, or it raised (the report shows this text in place of a failure)
     pending: str = ""
 
     @property

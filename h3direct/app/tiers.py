@@ -57,9 +57,14 @@ class Tiers:
     tiers: dict[str, Tier]
     made: dict = field(default_factory=dict, compare=False)  # the frontier's record of the run that chose them
 
+    def missing(self, name: str) -> str | None:
+        """Why `name` is not a tier of this file (None: it is)."""
+        return None if name in self.tiers else f"not a tier of {self.path} (its tiers: {', '.join(self.tiers)})"
+
     def get(self, name: str) -> Tier:
-        if name not in self.tiers:
-            raise ConfigError(f"--tier {name}: not a tier of {self.path} (its tiers: {', '.join(self.tiers)})")
+        why = self.missing(name)
+        if why is not None:
+            raise ConfigError(f"--tier {name}: {why}")
         return self.tiers[name]
 
     def check_device(self, device_name: str) -> None:

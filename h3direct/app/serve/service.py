@@ -254,9 +254,9 @@ class Service:
         (the 8-bit linears) must be the server's."""
         if self.tiers is None:
             raise RequestError("tier", f" {name!r}: this server has no tiers ({self.tiers_note})")
-        if name not in self.tiers.tiers:
-            raise RequestError("tier", f" {name!r}: not a tier of {self.tiers.path} (its tiers: "
-                                       f"{', '.join(self.tiers.tiers)})")
+        missing = self.tiers.missing(name)
+        if missing is not None:
+            raise RequestError("tier", f" {name!r}: {missing}")
         tier = self.tiers.tiers[name]
         why = self._unservable(tier)
         if why:

@@ -137,17 +137,13 @@ def rotated_int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     its own order: where a block's sum is exact in fp32 (its products share a quantum and stay under 2^24 of it, as
     an NVFP4 weight's do unless its block scales span many binades) the codes are the reference's bit for bit;
     elsewhere one may differ by 1 (one bf16 ulp of the rotated value moves the rounding)."""
-    from h3direct.checkpoint.quant import hadamard
+    operands = _rotating_kernel_operands(w)
+    if operands is None:
+        return rotated_int8_codes_reference(w, scales)
+    from h3direct.checkpoint.quant import w8a8_triton
 
-    n, k = w.shape
-    if _triton_ok(w) and w.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
-        from h3direct.checkpoint.quant import w8a8_triton
-
-        signs, h = hadamard.operands(k, w.device, torch.bfloat16)
-        if w.stride(1) != 1:
-            w = w.contiguous()
-        return w8a8_triton.rotate_encode_int8(w, signs, h, scales.to(torch.float32))
-    return rotated_int8_codes_reference(w, scales)
+    return w8a8_triton.rotate_encode_int8(w if w.stride(1) == 1 else w.contiguous(), *operands,
+                                          scales.to(torch.float32))
 
 
 def quantize_rotated_int8(x2d: torch.Tensor) -> Int8Rows:
@@ -155,17 +151,28 @@ def quantize_rotated_int8(x2d: torch.Tensor) -> Int8Rows:
     `quantize_rows_int8(rotate_rows(x))`. On CUDA (or under TRITON_INTERPRET=1), for bf16 and a Hadamard block of
     at least 16, one Triton kernel that never stores the rotated rows (`w8a8_triton.rotate_quantize_rows_int8`),
     under `rotated_int8_codes`' rule: the same bits where a block's fp32 sum is exact, else a code within one."""
-    from h3direct.checkpoint.quant import hadamard
+    operands = _rotating_kernel_operands(x2d)
+    if operands is None:
+        from h3direct.checkpoint.quant import hadamard
 
-    m, k = x2d.shape
-    if _triton_ok(x2d) and x2d.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
+        q, s = quantize_rows_int8(hadamard.rotate_rows(x2d.contiguous()))
+    else:
         from h3direct.checkpoint.quant import w8a8_triton
 
-        signs, h = hadamard.operands(k, x2d.device, torch.bfloat16)
-        q, s = w8a8_triton.rotate_quantize_rows_int8(x2d if x2d.stride(1) == 1 else x2d.contiguous(), signs, h)
-    else:
-        q, s = quantize_rows_int8(hadamard.rotate_rows(x2d.contiguous()))
+        q, s = w8a8_triton.rotate_quantize_rows_int8(x2d if x2d.stride(1) == 1 else x2d.contiguous(), *operands)
     return Int8Rows(q, s, x2d.dtype)
+
+
+def _rotating_kernel_operands(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotating kernels' bf16 signs [K] and Hadamard block (`hadamard.operands`) for rows t [R, K], where one
+    Triton pass takes them: on CUDA (or under TRITON_INTERPRET=1), bf16, a block of at least 16 (a tensor-core
+    product). None: the torch path."""
+    from h3direct.checkpoint.quant import hadamard
+
+    k = t.shape[-1]
+    if _triton_ok(t) and t.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
+        return hadamard.operands(k, t.device, torch.bfloat16)
+    return None
 
 
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
