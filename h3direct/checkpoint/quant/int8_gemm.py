@@ -113,7 +113,7 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_TUNED: dict = {}  # `_key`: (device index, N, K, M bucket) -> the fastest config
+_TUNED: dict = {}  # `_key`: (device index, N, K, M bucket, output dtype) -> the fastest config
 
 
 def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
@@ -132,20 +132,23 @@ def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.
         return _launch(config or INTERPRETED, *args)
     if config is not None:
         return _launch(config, *args)
-    key = _key(x8, w8)
+    key = _key(x8, w8, out_dtype)
     best = _TUNED.get(key)
     if best is None:
         best = _TUNED[key] = _autotune(args)
     return _launch(best, *args)
 
 
-def _key(x8: torch.Tensor, w8: torch.Tensor) -> tuple:
-    return x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length()
+def _key(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> tuple:
+    # the output dtype is part of the key: the epilogue's tile passes through shared memory, twice the bytes in fp32,
+    # so a tile shape that fits a 16-bit output can be out of shared memory for an fp32 one
+    return x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length(), out_dtype
 
 
-def tuned(x8: torch.Tensor, w8: torch.Tensor) -> tuple | None:
-    """The config autotuning chose for these operands' shapes on their GPU (None: not tuned yet, or interpreted)."""
-    return _TUNED.get(_key(x8, w8))
+def tuned(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> tuple | None:
+    """The config autotuning chose for these operands' shapes and output dtype on their GPU (None: not tuned yet, or
+    interpreted)."""
+    return _TUNED.get(_key(x8, w8, out_dtype))
 
 
 def _autotune(args) -> tuple:
