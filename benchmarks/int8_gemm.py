@@ -5,8 +5,9 @@ run on one GPU.
     python3 benchmarks/int8_gemm.py [--m M] [--out R.json] [--iters 50]
 
 Per shape (M tokens, the contract's S by default; the full DiT's block linears, `_common.block_gemm_shapes`: qkv
-5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 14,336 -> 5,376) and per GEMM: the median ms (triton's do_bench, operands made once per shape, int8 activations already
-quantized: the GEMM and its epilogue alone) and its rate (TOPS / TFLOP/s); then the block's four GEMMs summed, as
+5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 14,336 -> 5,376) and per GEMM: the median ms (triton's
+do_bench, operands made once per shape, int8 activations already quantized: the GEMM and its epilogue alone; the
+formats timed in turn, three rounds) and its rate (TOPS / TFLOP/s); then the block's four GEMMs summed, as
 ratios to bf16. The int8 kernel's output is checked bitwise against cuBLASLt's int32 product through the same
 epilogue on every shape (exact integer accumulation: the same bits or a bug), and every tile shape autotuning may pick
 is timed (`--all-configs`). Beside the GEMMs, the weight a `stream` 8-bit linear makes from its NVFP4 tensors on
@@ -144,10 +145,8 @@ def main(argv=None) -> int:
                                      torch.bfloat16)
         row = {"m": m, "k": k, "n": n, "bitwise_int8": bool(torch.equal(ours, ref)), "ms": {}, "rate": {}}
         ops = 2.0 * m * k * n
-        for what, fn in calls.items():
-            if dev == "cpu" and what != "int8_h3direct":
-                continue
-            ms = _time(fn, args.iters, dev)
+        timed = {what: fn for what, fn in calls.items() if dev == "cuda" or what == "int8_h3direct"}
+        for what, ms in _time_interleaved(timed, args.iters, dev).items():
             row["ms"][what], row["rate"][what] = ms, ops / ms / 1e9
         if args.all_configs and dev == "cuda":
             row["configs"] = {}
@@ -182,6 +181,20 @@ def main(argv=None) -> int:
     if args.out:
         C.write_result(args.out, result)
     return 0 if all(r["bitwise_int8"] and r["bitwise_rotated_weight"] for r in result["shapes"].values()) else 1
+
+
+def _time_interleaved(calls: dict, iters: int, dev: str, rounds: int = 3) -> dict:
+    """name -> median ms over `rounds` rounds, each timing every call once in turn: on a power-capped GPU the clocks
+    drift during a run, and rounds spread that drift over every format alike instead of charging it to the last."""
+    if dev == "cpu":
+        return {what: _time(fn, iters, dev) for what, fn in calls.items()}
+    from triton.testing import do_bench
+
+    times = {what: [] for what in calls}
+    for _ in range(rounds):
+        for what, fn in calls.items():
+            times[what].append(do_bench(fn, warmup=10, rep=iters))
+    return {what: statistics.median(t) for what, t in times.items()}
 
 
 def _time(fn, iters: int, dev: str) -> float:
