@@ -145,7 +145,7 @@ def _key(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> tuple:
     return x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length(), out_dtype
 
 
-def tuned(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> tuple | None:
+def tuned(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> tuple | None:
     """The config autotuning chose for these operands' shapes and output dtype on their GPU (None: not tuned yet, or
     interpreted)."""
     return _TUNED.get(_key(x8, w8, out_dtype))
