@@ -9,7 +9,8 @@ Rules (one line each, FAIL when broken): the result is not a --smoke run; it ran
 its workload (canvas, frames, text tokens, S), weights and timed-step count are the contract's; every path ran with
 the contract's settings (attention backend and options, FP8 linears; a tier path, `{"tier": NAME}`, its tier's
 options as the result records them from its tiers file, which was chosen on the device the result ran on, one file
-for every tier path); every ComfyUI configuration ran with the contract's settings. Targets (contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
+for every tier path); every ComfyUI configuration ran with the contract's settings. Targets
+(contract["targets"][path][metric], {"max": x} or {"min": x}), one line each:
 `x_comfyui_default` is ComfyUI's default configuration's s/step measured in the same run over the path's;
 `x_comfyui_best` the same with the fastest ComfyUI configuration of the path's class (exact or approximate);
 `x_comfyui_sage` the same with ComfyUI `--use-sage-attention`; `floor_ratio` the path's s/step over the hot floor

@@ -54,6 +54,11 @@ MARKERS = {
 }
 
 
+# the flags a tier sets (its options and its rule), with their defaults: given with --tier, one is an error
+TIER_SETS = {"--attention": "sdpa", "--option": [], "--fp8-linear": "off", "--fp8-linear-layers": None,
+             "--fp8-linear-format": "e4m3", "--fp8-linear-rotate": "none", "--sage-class": False}
+
+
 def pytest_addoption(parser):
     g = parser.getgroup("h3 parity")
     g.addoption("--trace-dir", action="append", default=None, metavar="DIR", help="trace directory (repeatable)")
@@ -65,18 +70,19 @@ def pytest_addoption(parser):
     g.addoption("--keep-traces", action="store_true",
                 help="live mode: keep the traces it recorded (default: removed at the end of the run; the report's "
                      "replay commands point at them)")
-    g.addoption("--attention", default="sdpa", help="h3direct attention backend to gate")
-    g.addoption("--option", action="append", default=[], metavar="NAME=VALUE",
+    g.addoption("--attention", default=TIER_SETS["--attention"], help="h3direct attention backend to gate")
+    g.addoption("--option", action="append", default=TIER_SETS["--option"], metavar="NAME=VALUE",
                 help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
     g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
     g.addoption("--device", default="cpu", help="cpu or cuda")
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
-    g.addoption("--fp8-linear", nargs="?", const="stream", default="off", choices=["off", "stream", "resident"],
+    g.addoption("--fp8-linear", nargs="?", const="stream", default=TIER_SETS["--fp8-linear"],
+                choices=["off", "stream", "resident"],
                 help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
-    g.addoption("--fp8-linear-layers", default=None, metavar="LIST",
+    g.addoption("--fp8-linear-layers", default=TIER_SETS["--fp8-linear-layers"], metavar="LIST",
                 help="with --fp8-linear: which linears of every block are FP8 (comma list of qkv_proj, out_proj, fc1, "
                      "fc2; default all four), the runtime's option fp8_linear_layers")
-    g.addoption("--fp8-linear-format", default="e4m3", choices=["e4m3", "int8"],
+    g.addoption("--fp8-linear-format", default=TIER_SETS["--fp8-linear-format"], choices=["e4m3", "int8"],
                 help="with --fp8-linear: the 8-bit number format (budgets keyed weights = int8_w8a8 for int8), the "
                      "runtime's option fp8_linear_format")
     g.addoption("--tier", default=None, metavar="NAME",
@@ -84,7 +90,7 @@ def pytest_addoption(parser):
                      "ComfyUI+sage, or its own baselines); not with --attention, --option or --fp8-linear")
     g.addoption("--tiers", default=None, metavar="FILE",
                 help="the tiers file --tier reads (default: $H3_TIERS, else <cache>/tiers.json)")
-    g.addoption("--fp8-linear-rotate", default="none", metavar="LIST",
+    g.addoption("--fp8-linear-rotate", default=TIER_SETS["--fp8-linear-rotate"], metavar="LIST",
                 help="with --fp8-linear-format int8: which int8 linears rotate their input and weight (none, or a "
                      "comma list), the runtime's option fp8_linear_rotate")
     g.addoption("--sage-class", action="store_true",
@@ -165,13 +171,7 @@ def _read_tier(config):
         if path is not None:
             raise pytest.UsageError("--tiers FILE: give --tier NAME too")
         return None
-    mixed = [f for f, given in (("--attention", config.getoption("--attention") != "sdpa"),
-                                ("--option", bool(config.getoption("--option"))),
-                                ("--fp8-linear", config.getoption("--fp8-linear") != "off"),
-                                ("--fp8-linear-layers", config.getoption("--fp8-linear-layers") is not None),
-                                ("--fp8-linear-format", config.getoption("--fp8-linear-format") != "e4m3"),
-                                ("--fp8-linear-rotate", config.getoption("--fp8-linear-rotate") != "none"),
-                                ("--sage-class", config.getoption("--sage-class"))) if given]
+    mixed = [f for f, default in TIER_SETS.items() if config.getoption(f) != default]
     if mixed:
         raise pytest.UsageError(f"--tier {name}: the tier sets the options and the rule; not with {mixed[0]}")
     try:

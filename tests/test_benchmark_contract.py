@@ -287,9 +287,14 @@ def test_the_committed_h100_result_holds_every_rule_and_misses_only_the_two_tier
     assert misses == ["fastest s_per_step", "sage_class s_per_step", "sage_class x_comfyui_sage"], p.stdout
     assert has(p.stdout, "7 of 10 targets met, 3 missed")
     result = json.loads(COMMITTED_H100.read_text())
-    tiers = json.loads((ROOT / "benchmarks" / "results" / "tiers-h100.json").read_text())["tiers"]
+    committed = json.loads((ROOT / "benchmarks" / "results" / "tiers-h100.json").read_text())
+    # the file it ran: chosen on the same machine and versions, over the same six cases
+    assert result["tiers"]["machine"] == committed["machine"]
+    assert result["tiers"]["made"]["cases"] == committed["made"]["cases"] == CASES
+    tiers = committed["tiers"]
     for name in ("exact", "sage_class", "fastest"):
         ran = result["paths"][name]["tier"]
+        assert ran["sha256"] == result["tiers"]["sha256"], name
         assert (ran["rule"], ran["options"]) == (tiers[name]["rule"], tiers[name]["options"]), name
         assert set(result["paths"][name]["quality"]["cases"]) == set(CASES), name
 

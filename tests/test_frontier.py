@@ -207,8 +207,8 @@ def test_a_candidate_that_fails_is_recorded_and_the_run_goes_on_then_exits_1(tmp
 
 
 def test_the_committed_tiers_file_is_what_the_runtime_reads():
-    """benchmarks/results/tiers-h100.json (the frontier of one H100 on the six structured cases, LOG.md) loads as the runtime loads a tiers
-    file, for that GPU only, and its choices are its candidates' figures."""
+    """benchmarks/results/tiers-h100.json (the frontier of one H100 on the six structured cases, LOG.md) loads as the
+    runtime loads a tiers file, for that GPU only, and its choices are its candidates' figures."""
     from h3direct.app import tiers
     from h3direct.errors import ConfigError
 

@@ -358,6 +358,10 @@ def test_a_rotated_int8_linear_is_the_rotated_product_and_its_option_is_checked(
     with pytest.raises(ConfigError, match="fp8_linear_rotate fc2: not among the 8-bit linears"):
         load_dit(FIX / "h3_fx_curve_nvfp4.safetensors", fp8_linear="stream", fp8_linear_format="int8",
                  fp8_linear_layers="fc1", fp8_linear_rotate="fc2")
+    from h3direct.dit.linear import apply_fp8_linears
+
+    with pytest.raises(ConfigError, match="fp8_linear_layers qkv_proj,out_proj,fc1,fc2"):  # every linear 8-bit
+        apply_fp8_linears(torch.nn.Sequential(), "stream", None, "int8", rotate=("proj_in",))
 
 
 _ROTATE_CHECK = textwrap.dedent("""

@@ -253,10 +253,11 @@ def apply_fp8_linears(model: nn.Module, mode: str, leaves: tuple[str, ...] | Non
     from h3direct.dit.options import FP8_LINEAR_LEAVES
     from h3direct.errors import ConfigError
 
-    idle = [leaf for leaf in rotate if leaf not in (FP8_LINEAR_LEAVES if leaves is None else leaves)]
+    eight_bit = FP8_LINEAR_LEAVES if leaves is None else leaves
+    idle = [leaf for leaf in rotate if leaf not in eight_bit]
     if idle:  # a rotation of a linear that stays the checkpoint's would do nothing, silently
         raise ConfigError(f"fp8_linear_rotate {','.join(idle)}: not among the 8-bit linears (fp8_linear_layers "
-                          f"{','.join(leaves)})")
+                          f"{','.join(eight_bit)})")
     names = block_linear_names(model, leaves)
     sources = {}
     for name in names:
