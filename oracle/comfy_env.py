@@ -113,6 +113,7 @@ class ComfyEnv:
             ck_version = None
         return {
             "comfy_root": str(self.root),
+            "python": sys.executable,  # ComfyUI's environment: the replay commands the gate prints run ComfyUI there
             "device": self.device,
             **self.gpu_fields(),
             "torch": torch.__version__,
@@ -199,6 +200,10 @@ def source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+class ComfyUnavailable(H3Error):
+    """ComfyUI does not import in this Python: a package it needs is missing here (`missing_package`)."""
+
+
 def missing_package(name: str) -> str:
     """One line for a package ComfyUI imports that this Python lacks: where ComfyUI should run instead."""
     return (f"ComfyUI needs the Python package {name!r}, which this Python ({sys.executable}) lacks: run ComfyUI in "
@@ -251,9 +256,7 @@ def open_comfy(
     try:
         cli_args = importlib.import_module("comfy.cli_args")
     except ModuleNotFoundError as exc:
-        raise H3Error(
-            missing_package(exc.name)
-        ) from None
+        raise ComfyUnavailable(missing_package(exc.name)) from None
     args = cli_args.args
     args.cpu = device == "cpu"
     oracle = settings == "oracle"
@@ -293,9 +296,7 @@ def open_comfy(
             mods[key] = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name and not exc.name.startswith("comfy"):
-                raise H3Error(
-                    missing_package(exc.name)
-                ) from None
+                raise ComfyUnavailable(missing_package(exc.name)) from None
             raise H3Error(f"ComfyUI checkout is incomplete: cannot import {name} ({exc})", path=root) from None
     if not oracle:  # main.py's start: cudnn.benchmark as its --fast flags say (off by default)
         mods["model_management"].set_cudnn_benchmark()

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from h3direct.errors import H3Error
-from oracle.replay_report import comfy_not_run, find_checkpoint, ratio_refs, report
+from oracle.replay_report import comfy_side, find_checkpoint, ratio_refs, report
 
 
 def _names(trace, layer: str) -> list[str]:
@@ -95,8 +95,10 @@ def _generation_comfy(trace, comfy_root: str) -> dict:
     return dict(items)
 
 
-def run(kind: str, args, trace, comfy_root: str | None, rule) -> tuple[dict[str, bool | None], str]:
-    names = _names(trace, args.layer)
+def run(kind: str, r) -> tuple[dict[str, bool | None], str]:
+    """`r`: the `oracle.replay_report.Replay` at work, on a VAE or a generation trace."""
+    req, trace = r.req, r.trace
+    names = _names(trace, req.layer)
     results: dict[str, bool | None] = {}
     files = None
     if kind == "vae":
@@ -107,23 +109,25 @@ def run(kind: str, args, trace, comfy_root: str | None, rule) -> tuple[dict[str,
             raise H3Error(problem)
     label = f"{kind} {trace.manifest.get('kind')}, {trace.manifest.get('compute_dtype') or 'fp32'}"
     runs = []
-    if comfy_root:
-        runs.append(("comfy", lambda: _vae_comfy(trace, files, comfy_root) if kind == "vae"
-                     else _generation_comfy(trace, comfy_root)))
+    if r.comfy_root:
+        runs.append(("comfy", lambda: comfy_side(r, lambda: _vae_comfy(trace, files, r.comfy_root) if kind == "vae"
+                                                 else _generation_comfy(trace, r.comfy_root))))
     else:
-        print(comfy_not_run(args))
-    if args.direct:
+        print(r.not_run())
+    if req.direct:
         runs.append(("h3direct", lambda: _vae_ours(trace, files) if kind == "vae"
-                     else _generation_ours(trace, args.device, args.attention)))
+                     else _generation_ours(trace, req.device, req.options.attention)))
+    refs = ratio_refs(names, trace, twin=r.twin) if req.rule.ratio is not None else None
     for side, make in runs:
         got = make()
+        if got is None:  # ComfyUI does not import here: said in one line
+            continue
         missing = [n for n in names if n not in got]
         if missing:
             print(f"[{side}] did not produce {', '.join(missing[:3])}")
             results[side] = False
             continue
-        refs = ratio_refs(names, trace, twin=args.twin) if rule.ratio is not None else None
-        ok, lines = report(side, [(n, got[n].detach().float().cpu()) for n in names], trace, rule, refs)
+        ok, lines = report(side, [(n, got[n].detach().float().cpu()) for n in names], trace, req.rule, refs)
         print("\n".join(lines))
         results[side] = ok
     return results, label

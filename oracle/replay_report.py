@@ -1,6 +1,7 @@
 """What every `oracle replay` shares, below both the DiT replay (`oracle.replay`, the command) and the VAE and
-generation replays (`oracle.replay_ops`): the rule a re-run is judged by, the report of re-run tensors against the
-recording, and the checkpoint a trace was recorded with."""
+generation replays (`oracle.replay_ops`): the request at work with its recordings (`Replay`), ComfyUI's side, the
+report of re-run tensors against the recording under the request's rule, and the checkpoint a trace was recorded
+with."""
 
 from __future__ import annotations
 
@@ -10,35 +11,43 @@ from pathlib import Path
 from typing import Any
 
 from h3direct.errors import H3Error
+from oracle.comfy_env import ComfyUnavailable
+from oracle.request import Figures, ReplayRequest, Rule, Verdict
 
 
 @dataclass(frozen=True)
-class Rule:
-    budget: float | None = None
-    ratio: float | None = None
-    floor: float = 0.0
+class Replay:
+    """One request at work: the request, its recordings loaded, and ComfyUI's side as this process runs it."""
 
-    def describe(self) -> str:
-        if self.ratio is not None:
-            return f"err vs fp32 ≤ {self.ratio:g}×ComfyUI's + {self.floor:g}"
-        if self.budget is not None:
-            return f"rel_l2 ≤ {self.budget:g}"
-        return "no rule given"
+    req: ReplayRequest
+    trace: object
+    twin: object | None
+    against: object | None
+    comfy_root: str | None  # None: ComfyUI is not run in this process
+    elsewhere: bool = False  # ComfyUI's side ran in its own environment (--comfy-python) before this
 
-    def judge(self, rel: float, local: tuple[float, float] | None) -> bool | None:
-        """None: nothing to judge by."""
-        if self.ratio is not None and local is not None:
-            return local[0] <= self.ratio * local[1] + self.floor
-        if self.budget is not None:
-            return rel <= self.budget
+    def not_run(self) -> str:
+        return comfy_not_run(self.req, self.elsewhere)
+
+
+def comfy_side(r: Replay, fn):
+    """ComfyUI's side of a replay, or None (one line said why) where ComfyUI does not import in this Python and
+    h3direct's side runs anyway: the command still re-runs its row."""
+    try:
+        return fn()
+    except ComfyUnavailable as exc:
+        if not r.req.direct:
+            raise
+        print(f"[comfy] not run: {exc}")
         return None
 
 
-def comfy_not_run(args) -> str:
-    """The line that says why this process re-ran nothing in ComfyUI."""
-    if getattr(args, "comfy_elsewhere", False):
+def comfy_not_run(req, elsewhere: bool = False) -> str:
+    """The line that says why this process re-ran nothing in ComfyUI (`req`: the ReplayRequest; `elsewhere`: its
+    ComfyUI side ran in ComfyUI's own environment)."""
+    if elsewhere:
         return "[comfy] ran in ComfyUI's own environment (--comfy-python): its lines are above"
-    if getattr(args, "no_comfy", False):
+    if req.no_comfy:
         return "[comfy] not run: --no-comfy"
     return "[comfy] not run: no --comfy-root (or $H3_COMFY_ROOT) given"
 
@@ -101,11 +110,16 @@ def judge(label: str, name: str, got, trace, rule: Rule, refs: dict | None = Non
     if refs and name in refs:
         fp32, comfy = refs[name]
         errs = (rel_l2(got, fp32), rel_l2(comfy, fp32))
-    passed = True if torch.equal(got, ref.float()) else rule.judge(c.rel_l2, errs)
     extra = f"  vs fp32: ours {errs[0]:.3e}, ComfyUI {errs[1]:.3e}" if errs else ""
-    if passed is None:
-        return None, f"[{label}] {c.line()}{extra}"
-    return passed, f"[{label}] {c.line()}{extra}  {'ok' if passed else 'OVER BUDGET'} ({rule.describe()})"
+    v = rule.judge(Figures(c.rel_l2, identical=torch.equal(got, ref.float()), errs=errs, cos=c.cosine))
+    return v.passed, f"[{label}] {c.line()}{extra}" + verdict_text(v)
+
+
+def verdict_text(v: Verdict) -> str:
+    """How a judged line ends: ok or OVER BUDGET with the rule's figure and limit; nothing without a rule."""
+    if v.passed is None:
+        return ""
+    return f"  {'ok' if v.passed else 'OVER BUDGET'} ({v.text})"
 
 
 def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
@@ -120,6 +134,6 @@ def report(label: str, outputs: list[tuple[str, Any]], trace, rule: Rule,
         lines.append(line)
     if False in verdicts:
         return False, lines
-    if None in verdicts or not verdicts and rule.budget is None and rule.ratio is None:
+    if None in verdicts or not verdicts and not rule.given:
         return None, lines
     return True, lines

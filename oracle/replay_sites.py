@@ -215,8 +215,10 @@ def replay_comfy_step(trace, *, comfy_root: str | None, checkpoint: str | None) 
 
 
 def tensor_names(trace, layer: str) -> list[str]:
-    """Recorded tensor(s) a --layer argument names: a tensor name itself, else `<layer>.out` / `.out.N`."""
-    if layer in trace and not re.search(r"\.in(\.\d+)?$", layer):
+    """Recorded tensor(s) a --layer argument names: a recorded tensor's name (an output, an input `<module>.in.N`,
+    an attention output `<...>.out_proj.in`, an explicit name), itself; else a module path, its outputs
+    `<layer>.out` / `.out.N`. A module path is never a recorded name: no recorded name lacks its suffix."""
+    if layer in trace:
         return [layer]
     return [name for name, _ in recorded_outputs(trace, layer)]
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3direct.errors import H3Error
+from h3direct.traces.metrics import drift_limit, ratio_limit
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "budgets.toml"
 KEYS = ("mode", "kind", "compute", "weights", "attention", "twin")
@@ -54,7 +55,7 @@ SIGNIFICAND_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11, 
                     "int64": 64, "int32": 64}  # integers: exact
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # product operands on a uniform grid under per-row scales (absolute rounding error, not relative): the site's rho is
-# then the expected relative error itself (`kernels.int8_rho`), and the bound is k·rho
+# then the expected relative error itself (`h3direct.traces.kernels.int8_rho`), and the bound is k·rho
 UNIFORM_GRIDS = ("int8",)
 LIMIT_FIELDS = ("rel_l2", "cosine", "sqnr_db", "psnr_db", "psnr_min_db", "ssim_mean", "ssim_min")
 FIELDS = set(KEYS) | set(LIMIT_FIELDS) | {"rule", "k", "reference", "dtype", "source", "provenance"}
@@ -75,7 +76,7 @@ def unit_roundoff(dtype: str) -> float:
 def product_unit(dtype: str) -> float:
     """The expected relative error of a quantized product per unit of its site's rho: u·sqrt(2/3) for a floating
     dtype (one rounding per operand, uniform in relative terms), 1 for a uniform grid (rho is then the expected
-    error itself, `kernels.int8_rho`)."""
+    error itself, `h3direct.traces.kernels.int8_rho`)."""
     return 1.0 if dtype in UNIFORM_GRIDS else unit_roundoff(dtype) * math.sqrt(2.0 / 3.0)
 
 
@@ -298,7 +299,7 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
             return Verdict(False, "the ratio rule needs ComfyUI's fp32 twin of this case, and none was found",
                            m.err, 0.0)
         ours, comfy = m.twin
-        limit = b.k * comfy + b.floor
+        limit = ratio_limit(b.k, comfy, b.floor)
         ok = ours <= limit
         text = (f"err vs fp32 {ours:.3e} ≤ {b.k:g}×ComfyUI's {comfy:.3e} + {b.floor:g}" if ok else
                 f"err vs fp32 {ours:.3e} > {b.k:g}×ComfyUI's {comfy:.3e} + {b.floor:g} (ratio rule)")
@@ -307,7 +308,7 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
         if m.baseline is None:
             return Verdict(False, "the drift rule needs the mode's recorded baseline", m.err, 0.0)
         r = max(m.scale or 0.0, b.floor)
-        limit = math.sqrt(m.baseline ** 2 + m.paths * (b.k * r) ** 2)
+        limit = drift_limit(m.baseline, m.scale, m.paths, b.k, b.floor)
         ok = m.err <= limit
         text = (f"err {m.err:.3e} {'≤' if ok else '>'} sqrt(baseline {m.baseline:.3e}² + {m.paths}·({b.k:g}·r "
                 f"{r:.3e})²) = {limit:.3e}" + ("" if ok else " (drift rule)"))
@@ -333,7 +334,7 @@ def verdict(b: Budget, m: Measured, *, roundings: int | None = None) -> Verdict:
         if m.twin is None:
             return Verdict(False, f"the contract compares with the {b.reference}, which was not computed", m.err, 0.0)
         ours, ref_err = m.twin
-        limit = b.k * ref_err + b.floor
+        limit = ratio_limit(b.k, ref_err, b.floor)
         if not ours <= limit:
             fails.append(f"err {ours:.3e} > {b.k:g}×{b.reference}'s {ref_err:.3e} + {b.floor:g}")
     if b.rel_l2 is not None:

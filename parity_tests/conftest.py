@@ -21,8 +21,22 @@ import shutil
 import pytest
 
 from parity_tests import session
-from parity_tests.discovery import FIXTURES, find_dit_cases, find_generate_cases, find_vae_cases, unused_files
-from parity_tests.plugin import gate_attention, gate_fp8, gate_sage_class, given_trace_dirs, trace_roots
+from parity_tests.discovery import (
+    FIXTURES,
+    find_dit_cases,
+    find_generate_cases,
+    find_vae_cases,
+    recording,
+    unused_files,
+)
+from parity_tests.plugin import (
+    gate_attention,
+    gate_fp8,
+    gate_sage_class,
+    given_trace_dirs,
+    replay_context,
+    trace_roots,
+)
 
 # What fixtures/ holds (checked when the gate runs on its default roots): deleting a fixture trace, or a discovery
 # change that stops pairing one, fails the run instead of shrinking it. Raise these when adding fixture traces.
@@ -38,6 +52,14 @@ class Cases:
 
     def of(self, kind: str) -> list:
         return {"dit": self.dit, "vae": self.vae, "generate": self.gen}[kind]
+
+    def recording(self, case) -> tuple[str, str]:
+        """(the recording `case` belongs to, what its rows judge): `discovery.recording` among its kind's cases."""
+        kind = next(k for k in session.KINDS if case in self.of(k))
+        return recording(case, self.of(kind))
+
+    def recordings(self, kind: str) -> int:
+        return len({self.recording(c)[0] for c in self.of(kind)})
 
     def shortfall(self, config) -> str | None:
         """One line when the roots hold no case at all, or fewer than the committed fixtures (default roots)."""
@@ -98,7 +120,8 @@ def _cases(config) -> Cases:
         gen, gen_problems = find_generate_cases(roots)
         config._h3_cases = Cases(dit, vae, gen, dit_problems + vae_problems + gen_problems, roots)
         run = session.of(config)
-        run.found = ({k: len(config._h3_cases.of(k)) for k in session.KINDS}, [str(r) for r in roots])
+        run.found = ({k: (config._h3_cases.recordings(k), len(config._h3_cases.of(k))) for k in session.KINDS},
+                     [str(r) for r in roots])
         run.problems = list(config._h3_cases.problems)
         run.unused = list(config._h3_cases.unused)
     return config._h3_cases
@@ -156,7 +179,7 @@ def pytest_runtest_makereport(item, call):
     if rep.when == "call" and not rep.skipped:
         for param, kind in KIND_OF_PARAM.items():
             if params.get(param) is not None:
-                session.of(item.config).ran[kind].add(params[param].id)
+                session.of(item.config).ran[kind].add(_cases(item.config).recording(params[param])[0])
     if rep.when == "call" and rep.failed and hasattr(gated, "id") and not getattr(item, "h3_concluded", False):
         # a case test that raised before it concluded (a kernel that does not build, say): a failed case run in the
         # report too, its error in place of a failing layer; pytest shows the traceback
@@ -182,7 +205,7 @@ def gate_options(request):
     c = request.config
     attention = gate_attention(c)
     return {"attention": attention, "attention_label": describe(attention), "device": c.getoption("--device"),
-            "budgets": load_budgets(c.getoption("--budgets")), "comfy_root": c.getoption("--comfy-root"),
+            "budgets": load_budgets(c.getoption("--budgets")), "replay": replay_context(c),
             "fp8_linear": gate_fp8(c), "no_twin": c.getoption("--no-twin"), "sage_class": gate_sage_class(c)}
 
 
@@ -197,6 +220,8 @@ def conclude(request):
     def end(result, history=None) -> None:
         request.node.h3_concluded = True  # (a case test that raises before this is reported by the makereport hook)
         run = session.of(request.config)
+        if result.case in _cases(request.config).dit + _cases(request.config).vae + _cases(request.config).gen:
+            result.recording, result.judges = _cases(request.config).recording(result.case)
         created = None
         if history is not None and result.first_failure is None and not result.pending:
             created = history.record(result, request.getfixturevalue("ndarrays_regression"))

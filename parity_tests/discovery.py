@@ -7,6 +7,7 @@ of such folders. Which inputs file and checkpoint a trace belongs to is the trac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,7 @@ class GenerateCase:
     checkpoint: Path
     inputs: Path
     manifest: dict = field(hash=False, compare=False)
+    twin_fp32: Path | None = None  # ComfyUI's fp32 recording of the same generation (a low-precision case's)
 
     @property
     def id(self) -> str:
@@ -227,7 +229,30 @@ def find_generate_cases(roots: list[Path]) -> tuple[list[GenerateCase], list[str
                 problems.append(problem)
                 continue
             cases.append(GenerateCase(st, ckpt, inputs, m))
+    same = ("checkpoint", "inputs", "sampler", "scheduler", "steps", "cache")
+    for i, c in enumerate(cases):
+        if c.compute != "fp32":
+            twin = next((o for o in cases if o.compute == "fp32" and o.trace.parent == c.trace.parent
+                         and all(o.manifest.get(k) == c.manifest.get(k) for k in same)), None)
+            cases[i] = dataclasses.replace(c, twin_fp32=twin.trace if twin else None)
     return cases, problems
+
+
+def recording(case, cases: list) -> tuple[str, str]:
+    """(the recording a case's trace belongs to, what the trace's rows judge). A low-precision trace and ComfyUI's
+    fp32 twin of it are one recording: the twin's rows hold h3direct's fp32 path to the fp32 rule, and are the
+    reference of the low-precision rows' ratio rule. `cases`: the cases of its kind found beside it."""
+    compute = getattr(case, "compute", None) if not isinstance(case, VaeCase) else case.dtype
+    if compute != "fp32":
+        if case.twin_fp32 is None:
+            return case.id, f"{compute}, no fp32 twin: h3direct {compute} vs ComfyUI {compute} by rounding bounds"
+        return case.id, (f"{compute}: h3direct {compute} vs ComfyUI {compute}, the ratio rule against its fp32 twin "
+                         f"({case.twin_fp32.stem})")
+    low = next((c for c in cases if getattr(c, "twin_fp32", None) == case.trace), None)
+    if low is not None:
+        return low.id, (f"its fp32 twin ({case.trace.stem}): h3direct fp32 vs ComfyUI fp32, the fp32 rule; the "
+                        f"ratio rule's reference")
+    return case.id, "fp32: h3direct fp32 vs ComfyUI fp32, the fp32 rule"
 
 
 def unused_files(roots: list[Path], dit: list[DitCase], vae: list[VaeCase], gen: list[GenerateCase],

@@ -21,6 +21,7 @@ own, like the traces beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -28,17 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from h3direct.traces.quality import Quantity
 from parity_tests.budgets import BudgetTable, Measured, verdict
 from parity_tests.results import CaseResult, LayerResult
 
 FOLDER = "baselines"
-
-
-@dataclass(frozen=True)
-class Quantity:
-    err: float  # rel-L2 of the mode against the quantity's reference
-    scale: float  # r: the reference's own low-precision rounding scale (0: none known; the rule's floor applies)
-    paths: int  # low-precision paths in the comparison: 1 against an fp32 reference, 2 against the exact path
 
 
 def slug(label: str) -> str:
@@ -62,13 +57,13 @@ class Store:
         return self.folder / f"{slug(label)}.npz"
 
     def load(self, label: str) -> dict[str, float] | None:
-        return _read(self.path(label))
+        return read_baseline(self.path(label))
 
     def modes(self) -> dict[str, dict[str, float]]:
         """Every mode baselined for this case on this device: {label: values}."""
         out = {}
         for p in sorted(self.folder.glob("*.npz")) if self.folder.is_dir() else []:
-            values = _read(p)
+            values = read_baseline(p)
             if values is not None:
                 out[str(values.pop("mode", p.stem))] = values
         return out
@@ -95,7 +90,7 @@ def store_for(case_dir: Path, case_stem: str, device: str, root: str | Path | No
     return Store(case_dir / FOLDER, kind, case_stem)
 
 
-def _read(path: Path) -> dict | None:
+def read_baseline(path: Path) -> dict | None:
     if not path.is_file():
         return None
     with np.load(path) as z:
@@ -132,10 +127,21 @@ def judge(result: CaseResult, store: Store, budgets: BudgetTable, *, regen: bool
         growth = q.err / before if before > 0 else math.inf
         info = f"baseline {before:.4e} → now {q.err:.4e} (×{growth:.3f}; {store.path(result.approx).name})"
         passed, text = (True, f"regenerating: {v.text}") if regen else (v.passed, v.text)
+        replay = _replay(result, store.path(result.approx), f"drift.{name}", b, v.limit)
         result.layers.append(LayerResult(f"drift.{name}", "drift", "free", q.err, _db(q.err),
-                                         _no_worst(), passed, text, b.provenance,
-                                         f"pytest --force-regen rewrites {store.path(result.approx)}",
+                                         _no_worst(), passed, text, b.provenance, replay,
                                          (q.err, before), v.error, v.limit, "drift", info))
+
+
+def _replay(result: CaseResult, baseline: Path, name: str, b, limit: float) -> str:
+    """The command that re-measures one drift row against the baseline it was held to (`result.drift_request`: the
+    mode's run, a ReplayRequest in drift mode or e2e_frames' FramesReplay)."""
+    from parity_tests.results import command
+
+    request = getattr(result, "drift_request", None)
+    if request is None:
+        return f"not replayable: this run of {result.approx} names no replay of its measured quantities"
+    return command(dataclasses.replace(request, baseline=baseline), name, b, limit)
 
 
 def record(result: CaseResult, store: Store, ndarrays_regression, *, regen: bool = False) -> str | None:

@@ -17,22 +17,19 @@ from h3direct.traces import metrics
 from parity_tests.budgets import Measured, verdict
 from parity_tests.discovery import GenerateCase
 from parity_tests.models import model, nvfp4_mode
-from parity_tests.results import CaseResult, LayerResult, Replay, attention_key
+from parity_tests.results import (
+    CaseResult,
+    LayerResult,
+    ReplayContext,
+    attention_key,
+    command,
+    replay_request,
+    run_options,
+)
 
 
-def twin_of(case: GenerateCase) -> GenerateCase | None:
-    """ComfyUI's fp32 recording of the same generation (checkpoint, inputs, sampler, steps), for a bf16 case."""
-    from parity_tests.discovery import find_generate_cases
-
-    if case.compute == "fp32":
-        return None
-    same = ("checkpoint", "inputs", "sampler", "scheduler", "steps", "cache")
-    cases, _ = find_generate_cases([case.trace.parent])
-    return next((c for c in cases if c.compute == "fp32" and all(c.manifest.get(k) == case.manifest.get(k)
-                                                                 for k in same)), None)
-
-
-def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu", trace=None) -> CaseResult:
+def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu", trace=None,
+                 replay: ReplayContext | None = None) -> CaseResult:
     """attention: a backend's name or AttentionOptions. `trace`: an in-memory ComfyUI trace to compare with instead
     of the file (sensitivity tests)."""
     from h3direct.dit.attention import as_options
@@ -45,22 +42,22 @@ def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu",
     dit = model(str(case.checkpoint), case.compute, nvfp4_mode(case), device)
     attention = as_options(attention)
     ours = short_generation(dit, load_inputs(case.inputs), case.manifest, backend=attention, device=device)
-    twin_case = twin_of(case)
-    twin = load_trace(twin_case.trace) if twin_case else None
+    twin = load_trace(case.twin_fp32) if case.twin_fp32 else None
     label = describe(attention)
     result = CaseResult(case, "e2e", label, title=f"{case.id} [e2e, {case.compute}, {case.weights}, {label}]",
                         unit="tensor")
     b = budgets.lookup(mode="e2e", kind="*", compute=case.compute, weights=case.weights,
                        attention=attention_key(attention), twin="yes" if twin is not None else "no")
+    redo = replay_request(case.trace, replay, options=run_options(attention), device=device,
+                          twin=case.twin_fp32)
     for name in trace.names_in_order():
         ref = trace.get(name)
         mine = ours.get(name)
-        redo = Replay(case.trace, attention=attention, device=device, twin=twin_case.trace if twin_case else None)
         if mine is None or tuple(mine.shape) != tuple(ref.shape):
             nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
             why = "not produced by h3direct" if mine is None else f"shape {tuple(mine.shape)} != {tuple(ref.shape)}"
             result.layers.append(LayerResult(name, "step", "e2e", math.inf, -math.inf, nan, False, why, "",
-                                             redo.command(name), error=math.inf, limit=0.0))
+                                             command(redo, name), error=math.inf, limit=0.0))
             continue
         mine = mine.detach().float().cpu()
         rel = metrics.rel_l2(mine, ref)
@@ -70,5 +67,5 @@ def run_e2e_case(case: GenerateCase, *, attention, budgets, device: str = "cpu",
         v = verdict(b, Measured(rel, identical=torch.equal(mine, ref.float()), twin=vs))
         result.layers.append(LayerResult(name, "step", "e2e", rel, metrics.sqnr_db(mine, ref),
                                          metrics.max_abs(mine, ref), v.passed, v.text, b.provenance,
-                                         redo.command(name, b, v.limit), vs, v.error, v.limit))
+                                         command(redo, name, b, v.limit), vs, v.error, v.limit))
     return result

@@ -31,6 +31,7 @@ kernel), or None: the bundled tiny models at the bundled default size (CPU tests
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -276,6 +277,35 @@ class E2ECase:
     weights: str
 
 
+@dataclass(frozen=True)
+class FramesReplay:
+    """How one row of the e2e frames gate is re-run (`python -m parity_tests.e2e_frames compare`): the model folder,
+    the path and its options, the device; for a drift row, the baseline it was held to and the drift rule (the
+    `oracle.request.ReplayRequest` protocol: `at`, `command`, `unreplayable`)."""
+
+    model: str  # a model folder, or "bundled"
+    path: str
+    device: str = "cpu"
+    options: dict = field(default_factory=dict)
+    layer: str = ""
+    baseline: Path | None = None
+    rule: object = None  # oracle.request.Rule
+    unreplayable: str = ""
+
+    def at(self, layer: str, rule=None) -> FramesReplay:
+        return dataclasses.replace(self, layer=layer, rule=rule)
+
+    def command(self) -> str:
+        import shlex
+
+        a = ["compare", "--model", self.model, "--path", self.path, "--device", self.device]
+        for item in assignments(self.options):
+            a += ["--option", item]
+        if self.baseline is not None:
+            a += ["--baseline", str(self.baseline)] + (self.rule.flags() if self.rule is not None else [])
+        return "python -m parity_tests.e2e_frames " + shlex.join(a)
+
+
 def mode_label(path: str, options: dict | None = None) -> str:
     """The label of a path with its options (`sol_attn+fp8_linear (sol_tau=2.5)`): its baseline's name."""
     spelled = assignments(options or {})
@@ -291,13 +321,13 @@ def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, *, comput
     if ours.frames.shape != ref.frames.shape:
         raise H3Error(f"{path}: frames {tuple(ours.frames.shape)} != exact {tuple(ref.frames.shape)}")
     case = E2ECase(model.id, compute, model.weights)
-    given = "".join(f" --option {a}" for a in assignments(options or {}))
     label = mode_label(path, options)
     result = CaseResult(case, "e2e", label, title=f"{model.id} [quality, {compute}, {model.weights}, {label} vs "
                         f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls,
                         approx=label)
-    redo = (f"python -m parity_tests.e2e_frames compare --model {model.root or 'bundled'} --path {path} "
-            f"--device {'cuda' if compute == 'bf16' else 'cpu'}{given}")
+    result.drift_request = FramesReplay(str(model.root or "bundled"), path, "cuda" if compute == "bf16" else "cpu",
+                                        dict(options or {}))
+    redo = result.drift_request.command()
     fm = frame_metrics(ours.frames, ref.frames)
     for name, a, e, m in (("frames", ours.frames, ref.frames, fm), ("waveform", ours.waveform, ref.waveform, None)):
         rel = metrics.rel_l2(a, e)
@@ -387,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--device", default="cpu")
     c.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
+    c.add_argument("--baseline", help="the path's recorded baseline (.npz): its frames and waveform are held to it")
+    c.add_argument("--drift", type=float, metavar="K", help="with --baseline: the drift rule's k")
+    c.add_argument("--floor", type=float, default=0.0, help="with --baseline: the drift rule's floor")
     args = p.parse_args(argv)
     try:
         if args.cmd == "build":
@@ -398,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         from h3direct.dit.options import parse_assignments
 
         options = parse_assignments(args.option, only="attention")
+        if args.baseline is not None and args.drift is None:
+            raise H3Error("--baseline holds the path to the drift rule: give --drift K (the gate's command has it)")
+        before = _baseline(args.baseline) if args.baseline else None
         model = E2EModel.load(None if args.model == "bundled" else args.model)
         result = compare_paths(model, args.path, device=args.device, options=options)
     except H3Error as exc:
@@ -406,7 +442,27 @@ def main(argv: list[str] | None = None) -> int:
     print(result.report())
     for r in result.layers:
         print(r.line())
-    return 0 if result.passed else 1
+    if before is None:
+        return 0 if result.passed else 1
+    from oracle.replay_report import verdict_text
+    from oracle.request import Figures, Rule
+
+    rule, held = Rule(drift=args.drift, floor=args.floor), []
+    for name, q in result.measured.items():
+        v = rule.judge(Figures(q.err, baseline=before.get(f"{name}.err"), scale=q.scale, paths=q.paths))
+        held.append(v.passed)
+        print(f"[drift] drift.{name}: now {q.err:.4e}, baseline {before.get(f'{name}.err', math.nan):.4e}"
+              + verdict_text(v))
+    return 0 if all(held) else 1
+
+
+def _baseline(path: str) -> dict:
+    from parity_tests.drift import read_baseline
+
+    values = read_baseline(Path(path))
+    if values is None:
+        raise H3Error("--baseline: no baseline file there", path=Path(path))
+    return values
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Plain Python (no pytest) so tests, the sensitivity checks and people at a prompt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -34,13 +35,14 @@ from h3direct.dit.options import AttentionOptions
 from h3direct.errors import H3Error
 from h3direct.traces import metrics
 from h3direct.traces.format import Trace
+from h3direct.traces.quality import EXACT_REFERENCE
+from h3direct.traces.quality import exact_backend as exact_of
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import compute_name, fp8_parts, model, nvfp4_mode, trace
-from parity_tests.results import CaseResult, LayerResult, Replay
+from parity_tests.results import CaseResult, LayerResult, ReplayContext, command, replay_request, run_options
 
 OUTPUT_PREFIXES = ("dit_inner.out.", "dit_forward.out.", "sampler.", "sample_out.")
-EXACT_REFERENCE = "sdpa"  # the exact backend that runs what an approximate mode does not compute
 
 
 class NoTwin(H3Error):
@@ -82,12 +84,12 @@ class Gate:
     """One case's comparisons under one budgets table: the keys every lookup shares, and the rows it appends."""
 
     def __init__(self, case: DitCase, result: CaseResult, budgets: BudgetTable, trace: Trace, twin: Trace | None,
-                 compute_key: str, comfy_root: str | None, no_twin: bool, *, exact_backend="sdpa",
+                 compute_key: str, context: ReplayContext | None, no_twin: bool, *, exact_backend="sdpa",
                  device: str = "cpu"):
         from h3direct.counts import CallCounts
 
         self.case, self.result, self.budgets, self.trace, self.twin = case, result, budgets, trace, twin
-        self.compute_key, self.comfy_root, self.no_twin = compute_key, comfy_root, no_twin
+        self.compute_key, self.context, self.no_twin = compute_key, context or ReplayContext(), no_twin
         self.exact_backend, self.device = exact_backend, device
         self.site_calls = CallCounts()  # the attention calls of the kernel sites (each counted on its own)
         self.sage_class = False  # run_dit_case(sage_class=True): the mode claims ComfyUI+sage's class
@@ -96,23 +98,29 @@ class Gate:
         return {"mode": mode, "kind": kind, "compute": self.compute_key, "weights": self.case.weights,
                 "attention": "exact", "twin": "yes" if self.twin is not None else "no", **over}
 
-    def replay(self, mode: str) -> Replay:
-        """How `oracle replay` re-runs this case's exact-path comparisons of `mode` (teacher | free)."""
+    def request(self, mode: str, *, options=None, fp8_linear: str = "off", **changes):
+        """How `oracle replay` re-runs this case's comparisons of `mode` (teacher | free | kernel | drift), an
+        `oracle.request.ReplayRequest`: h3direct's exact path unless `options` (the attention backend and its
+        options, a name or AttentionOptions) and `fp8_linear` (`models.fp8_spec`'s value) say otherwise; in another
+        dtype than the trace where the gate runs one; with the recording the ratio rule reads."""
         low = self.compute_key != self.case.compute  # h3direct in another dtype than the trace: "bf16@fp32"
         twin = self.twin.path if self.twin is not None and (mode == "free" or low) else None
-        return Replay(self.case.trace, self.comfy_root, mode, self.exact_backend, self.device,
-                      self.compute_key.split("@")[0] if low else None, twin=twin)
+        base = replay_request(self.case.trace, self.context, mode=mode,
+                              options=run_options(options if options is not None else self.exact_backend,
+                                                  fp8_linear),
+                              compute=self.compute_key.split("@")[0] if low else None, device=self.device, twin=twin)
+        return dataclasses.replace(base, **changes)
 
     def exact(self, name: str, kind: str, mode: str, ours: torch.Tensor, local: torch.Tensor | None = None) -> None:
         """Compare h3direct's exact-path tensor with ComfyUI's recorded one (part a); `local`: see `_measure`."""
         ref = self.trace.get(name)
         ours = ours.detach().cpu()
-        replay = self.replay(mode)
+        replay = self.request(mode)
         if ours.shape != ref.shape:
             nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
             self.result.layers.append(LayerResult(name, kind, mode, math.inf, -math.inf, nan, False,
                                                   f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}", "",
-                                                  replay.command(name), error=math.inf, limit=0.0))
+                                                  command(replay, name), error=math.inf, limit=0.0))
             return
         # a "model" site (the whole inner forward from its recorded inputs) accumulates drift like a free run
         b_mode, b_kind = ("free", "output") if kind == "model" else (mode, kind)
@@ -123,13 +131,13 @@ class Gate:
         v = verdict(b, m, roundings=n)
         self.result.layers.append(LayerResult(name, kind, mode, m.err, metrics.sqnr_db(ours, ref),
                                               metrics.max_abs(ours, ref), v.passed, v.text, b.provenance,
-                                              replay.command(name, b, v.limit),
+                                              command(replay, name, b, v.limit),
                                               m.twin, v.error, v.limit, "exact"))
 
 
 def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions = "sdpa", device: str = "cpu",
                  budgets: BudgetTable | None = None, trace: Trace | None = None,
-                 comfy_root: str | None = None, compute: str | None = None, fp8_linear: str = "off",
+                 replay: ReplayContext | None = None, compute: str | None = None, fp8_linear: str = "off",
                  no_twin: bool = False, sage_class: bool = False) -> CaseResult:
     """mode: teacher (every site fed recorded inputs) | free (whole step, every recorded tensor).
 
@@ -152,7 +160,7 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
     attention = as_options(attention)
     label = describe(attention)
     approx_attention = not is_exact(attention)
-    exact_backend = EXACT_REFERENCE if approx_attention else attention
+    exact_backend = exact_of(attention)
     low = compute is not None and compute != case.compute
     compute_key = f"{compute}@{case.compute}" if low else case.compute
     base_trace, inputs, loaded, cond = _setup(case, device, compute if low else None)
@@ -177,7 +185,7 @@ def run_dit_case(case: DitCase, *, mode: str, attention: str | AttentionOptions 
                         weights=weights_key if fp8_linear != "off" else None,
                         approx=(label + (f" + fp8_linear ({fp8_linear})" if fp8_linear != "off" else ""))
                         if approx else "")
-    gate = Gate(case, result, budgets, given_trace, twin, compute_key, comfy_root, no_twin,
+    gate = Gate(case, result, budgets, given_trace, twin, compute_key, replay, no_twin,
                 exact_backend=exact_backend, device=device)
     gate.sage_class = sage_class and approx
     if twin is None and compute_key != "fp32":
@@ -227,42 +235,39 @@ def _teacher(gate: Gate, dit, inputs, cond, device, exact_backend, approx_backen
         if approx_backend is not None and s.operands is not None:
             kernels.attention_site(gate, s, approx_backend, device)
         if s.name.removesuffix(".out") in fp8_names:
-            kernels.fp8_linear_site(gate, s, dit, fp8_model)
+            kernels.fp8_linear_site(gate, s, dit, fp8_model, fp8_linear)
     if no_bound:
         gate.result.notes.append(f"{len(no_bound)} sites without a rounding bound not gated (first: {no_bound[0]})")
 
 
 def _free(gate: Gate, dit, inputs, device, exact_backend, attention, fp8_linear, approx) -> None:
-    from h3direct.dit.tracing import Tracer
-    from h3direct.traces.evaluate import one_step
+    from h3direct.traces.evaluate import traced_step
 
-    with Tracer(dit) as tracer:
-        exact_out = one_step(dit, inputs, backend=exact_backend, device=device)
+    exact = traced_step(dit, inputs, backend=exact_backend, device=device)
     if gate.twin is None and gate.compute_key != "fp32":
         gate.result.notes.append("free run not gated: no fp32 twin (a free run has no rounding bound)")
     else:
         for name in gate.trace.names_in_order():
-            if name not in tracer.tensors:
+            if name not in exact:
                 gate.result.skipped.append(name)
                 continue
             kind = "output" if name.startswith(OUTPUT_PREFIXES) else "*"
-            gate.exact(name, kind, "free", tracer.tensors[name])
+            gate.exact(name, kind, "free", exact[name])
     if approx:
         from parity_tests import kernels
 
-        kernels.free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_linear,
-                                 {**tracer.tensors, **exact_out})
+        kernels.free_approximate(gate, dit, inputs, device, exact_backend, attention, fp8_linear, exact)
 
 
 def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Trace | None = None,
-                 attention: str = "sdpa", budgets: BudgetTable | None = None, comfy_root: str | None = None,
+                 attention: str = "sdpa", budgets: BudgetTable | None = None, replay: ReplayContext | None = None,
                  title: str = "") -> CaseResult:
     """Free-mode gate of already computed tensors (e.g. a trace that `h3direct trace` wrote under torchrun)
     against `reference` (default: the case's ComfyUI trace), at every tensor the reference records."""
     ref = reference or trace(str(case.trace))
     twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "free", attention, title=title)
-    gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, comfy_root, False,
+    gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, replay, False,
                 exact_backend=attention)
     for name in ref.names_in_order():
         if name not in ours:

@@ -18,13 +18,14 @@ import torch
 
 from h3direct.traces import metrics
 from h3direct.traces.format import Trace
+from h3direct.traces.quality import X0
 from parity_tests.budgets import Measured, verdict
 from parity_tests.discovery import DitCase, low_case
 from parity_tests.models import trace
-from parity_tests.results import LayerResult, Replay
+from parity_tests.results import LayerResult, command
 
 OUTPUTS = ("dit_inner.out.", "dit_forward.out.", "sampler.denoised.", "sample_out.")  # what the class rule gates
-LADDER = ("sampler.denoised.video", "sampler.denoised.audio")  # the columns of the ladder: the step's x0
+LADDER = X0  # the columns of the ladder: the step's x0
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ def measure(tensors: dict[str, torch.Tensor], refs: References) -> dict[str, Poi
     return out
 
 
-def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], budget, replay: Replay) -> None:
+def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], budget, request) -> None:
     """Part "class": each output held to the ratio rule against ComfyUI+sage (both against the fp32 twin); every
-    other tensor reported with its ratio. `replay`: how `oracle replay` re-runs the mode's free step."""
+    other tensor reported with its ratio. `request`: how `oracle replay` re-runs the mode's free step (a
+    ReplayRequest)."""
     for name, p in points.items():
         if math.isnan(p.sage):
             continue
@@ -98,7 +100,7 @@ def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], bu
             passed, text, error, limit = True, "reported (the class rule gates the outputs)", p.err, math.inf
         gate.result.layers.append(LayerResult(
             name, "output" if name.startswith(OUTPUTS) else "*", "free", p.err, metrics.sqnr_db(a, ref),
-            metrics.max_abs(a, ref), passed, text, budget.provenance, replay.command(name, budget, limit),
+            metrics.max_abs(a, ref), passed, text, budget.provenance, command(request, name, budget, limit),
             (p.err, p.sage), error, limit, "class",
             _times(p.err, p.sage, "ComfyUI+sage") + _times(p.err, p.comfy, f"ComfyUI {gate.refs.low_dtype}", ", ")))
 

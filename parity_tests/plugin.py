@@ -54,7 +54,8 @@ MARKERS = {
 }
 
 
-# the flags a tier sets (its options and its rule), with their defaults: given with --tier, one is an error
+# the flags a tier sets (its options and its rule), with their defaults. Their options default to None, so that a
+# flag given explicitly is seen as given even at its default value (`given`): with --tier, any of them is an error.
 TIER_SETS = {"--attention": "sdpa", "--option": [], "--fp8-linear": "off", "--fp8-linear-layers": None,
              "--fp8-linear-format": "e4m3", "--fp8-linear-rotate": "none", "--sage-class": False}
 
@@ -70,19 +71,19 @@ def pytest_addoption(parser):
     g.addoption("--keep-traces", action="store_true",
                 help="live mode: keep the traces it recorded (default: removed at the end of the run; the report's "
                      "replay commands point at them)")
-    g.addoption("--attention", default=TIER_SETS["--attention"], help="h3direct attention backend to gate")
-    g.addoption("--option", action="append", default=TIER_SETS["--option"], metavar="NAME=VALUE",
+    g.addoption("--attention", default=None, help="h3direct attention backend to gate (default sdpa)")
+    g.addoption("--option", action="append", default=None, metavar="NAME=VALUE",
                 help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
     g.addoption("--vae-dtype", default="all", choices=["all", "fp32", "fp16"], help="VAE dtype(s) to gate")
     g.addoption("--device", default="cpu", help="cpu or cuda")
     g.addoption("--budgets", default=None, help="budgets table (TOML)")
-    g.addoption("--fp8-linear", nargs="?", const="stream", default=TIER_SETS["--fp8-linear"],
+    g.addoption("--fp8-linear", nargs="?", const="stream", default=None,
                 choices=["off", "stream", "resident"],
                 help="gate FP8 W8A8 block linears (budgets keyed weights = fp8_w8a8)")
-    g.addoption("--fp8-linear-layers", default=TIER_SETS["--fp8-linear-layers"], metavar="LIST",
+    g.addoption("--fp8-linear-layers", default=None, metavar="LIST",
                 help="with --fp8-linear: which linears of every block are FP8 (comma list of qkv_proj, out_proj, fc1, "
                      "fc2; default all four), the runtime's option fp8_linear_layers")
-    g.addoption("--fp8-linear-format", default=TIER_SETS["--fp8-linear-format"], choices=["e4m3", "int8"],
+    g.addoption("--fp8-linear-format", default=None, choices=["e4m3", "int8"],
                 help="with --fp8-linear: the 8-bit number format (budgets keyed weights = int8_w8a8 for int8), the "
                      "runtime's option fp8_linear_format")
     g.addoption("--tier", default=None, metavar="NAME",
@@ -90,10 +91,10 @@ def pytest_addoption(parser):
                      "ComfyUI+sage, or its own baselines); not with --attention, --option or --fp8-linear")
     g.addoption("--tiers", default=None, metavar="FILE",
                 help="the tiers file --tier reads (default: $H3_TIERS, else <cache>/tiers.json)")
-    g.addoption("--fp8-linear-rotate", default=TIER_SETS["--fp8-linear-rotate"], metavar="LIST",
+    g.addoption("--fp8-linear-rotate", default=None, metavar="LIST",
                 help="with --fp8-linear-format int8: which int8 linears rotate their input and weight (none, or a "
                      "comma list), the runtime's option fp8_linear_rotate")
-    g.addoption("--sage-class", action="store_true",
+    g.addoption("--sage-class", action="store_const", const=True, default=None,
                 help="hold the approximate mode (any backend, options and linears) to the class rule against ComfyUI's "
                      "--use-sage-attention, as for sage2: what a mode that claims ComfyUI+sage's quality must meet")
     g.addoption("--e2e-path", default=None, help="approximate path of the e2e frames gate (default: --attention)")
@@ -171,7 +172,7 @@ def _read_tier(config):
         if path is not None:
             raise pytest.UsageError("--tiers FILE: give --tier NAME too")
         return None
-    mixed = [f for f, default in TIER_SETS.items() if config.getoption(f) != default]
+    mixed = [f for f in TIER_SETS if config.getoption(f) is not None]
     if mixed:
         raise pytest.UsageError(f"--tier {name}: the tier sets the options and the rule; not with {mixed[0]}")
     try:
@@ -181,11 +182,17 @@ def _read_tier(config):
     return tier
 
 
+def option(config, flag: str):
+    """A flag of TIER_SETS as given, else its default."""
+    value = config.getoption(flag)
+    return TIER_SETS[flag] if value is None else value
+
+
 def gate_sage_class(config) -> bool:
     """Whether the run's approximate mode is held to the class rule against ComfyUI+sage: --sage-class, or a tier
     whose rule is the class rule."""
     tier = gate_tier(config)
-    return bool(config.getoption("--sage-class") or (tier is not None and tier.rule == "class"))
+    return bool(option(config, "--sage-class") or (tier is not None and tier.rule == "class"))
 
 
 def gate_attention(config):
@@ -198,8 +205,8 @@ def gate_attention(config):
     if tier is not None:
         return Options.from_flat(tier.options).attention
     try:
-        given = parse_assignments(config.getoption("--option") or [], only="attention")
-        options = Options.from_flat({"attention": config.getoption("--attention"), **given})
+        given = parse_assignments(option(config, "--option"), only="attention")
+        options = Options.from_flat({"attention": option(config, "--attention"), **given})
         check_in_effect(options, given, spell=lambda n: f"--option {n}")
         return options.attention
     except H3Error as exc:
@@ -217,8 +224,8 @@ def gate_fp8(config) -> str:
     if tier is not None:
         k = Options.from_flat(tier.options).kernels
         return fp8_spec(k.fp8_linear, k.fp8_linear_layers, k.fp8_linear_format, k.fp8_linear_rotate)
-    mode, layers = config.getoption("--fp8-linear"), config.getoption("--fp8-linear-layers")
-    fmt, rotate = config.getoption("--fp8-linear-format"), config.getoption("--fp8-linear-rotate")
+    mode, layers = option(config, "--fp8-linear"), option(config, "--fp8-linear-layers")
+    fmt, rotate = option(config, "--fp8-linear-format"), option(config, "--fp8-linear-rotate")
     problem = fp8_flags_problem(mode, layers, fmt, rotate)
     if problem is not None:
         raise pytest.UsageError(problem)
@@ -238,6 +245,23 @@ def report_dir(config) -> Path:
 
 def comfy_root_of(config) -> str | None:
     return config.getoption("--comfy-root") or os.environ.get("H3_COMFY_ROOT") or None
+
+
+def replay_context(config):
+    """What every replay command of the run carries (`results.ReplayContext`): ComfyUI's checkout (--comfy-root or
+    $H3_COMFY_ROOT) and the Python of its own environment (--comfy-python or $H3_COMFY_PYTHON; else, per trace, the
+    Python that recorded it), or why no row can be re-run: the live gate's traces are removed at the end of the run
+    unless --keep-traces keeps them."""
+    from parity_tests.results import ReplayContext
+
+    gone = ""
+    if config.getoption("--comfy-root") and not config.getoption("--keep-traces"):
+        gone = "the live gate's traces are removed at the end of the run (--keep-traces keeps them)"
+    root = comfy_root_of(config)
+    python = config.getoption("--comfy-python") or os.environ.get("H3_COMFY_PYTHON") or None
+    if python and os.sep in python:  # a path, relative to where pytest was started: absolute in the commands
+        python = os.path.abspath(Path(config.invocation_params.dir) / python)
+    return ReplayContext(root, python, gone)
 
 
 def _deselect(config, items: list, drop: list) -> int:

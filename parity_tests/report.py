@@ -51,7 +51,8 @@ class ReportCollector:
             w = result.worst(part)
             if w is not None:
                 margins[part] = {"layer": w.name, "margin": _num(w.limit / w.error if w.error else math.inf)}
-        self.cases.append({"case": c.id, "title": result.title or c.id, "mode": result.mode,
+        self.cases.append({"case": c.id, "recording": result.recording or c.id, "judges": result.judges,
+                           "title": result.title or c.id, "mode": result.mode,
                            "compute": getattr(result, "compute", None) or getattr(c, "compute", None)
                            or getattr(c, "dtype", None), "weights": weights, "attention": result.attention,
                            "layers": len(result.layers), "passed": result.passed, "rows": span,
@@ -82,13 +83,26 @@ class ReportCollector:
 
     # ---- markdown ---------------------------------------------------------------------------------
 
+    def grouped(self) -> list[tuple[int, dict, bool]]:
+        """(index, case run, first of its case) in the order the cases were met, a case's rows together: one case is
+        one recording, its low-precision trace and ComfyUI's fp32 twin of it each gated teacher-forced and free."""
+        order: dict[str, list[int]] = {}
+        for i, c in enumerate(self.cases):
+            order.setdefault(c.get("recording") or c["case"], []).append(i)
+        return [(i, self.cases[i], j == 0) for rows in order.values() for j, i in enumerate(rows)]
+
     def markdown(self) -> str:
-        lines = ["# Parity report", "", "| case | mode | compute | weights | attention | compared | result | "
-                 "margin a / b / c / d |", "|---|---|---|---|---|---|---|---|"]
-        for c in self.cases:
+        n = len({c.get("recording") or c["case"] for c in self.cases})
+        lines = ["# Parity report", "", f"{n} case{'s' if n != 1 else ''}, {len(self.cases)} rows: a row is one trace "
+                 "of a case, teacher-forced or free-running; a low-precision recording and ComfyUI's fp32 twin of it "
+                 "are one case.", "",
+                 "| case | row: what it judges | mode | compute | weights | attention | compared | result "
+                 "| margin a / b / c / d |", "|---|---|---|---|---|---|---|---|---|"]
+        for _, c, first in self.grouped():
             res = "pass" if c["passed"] else f"FAIL at `{c['first_failure']}`" if c["first_failure"] else _not_passed(c)
-            lines.append(f"| {c['case']} | {c['mode']} | {c['compute']} | {c['weights']} | {c['attention']} | "
-                         f"{c['layers']} | {res} | {_margins(c)} |")
+            lines.append(f"| {c.get('recording', c['case']) if first else ''} | {_row_label(c)} | {c['mode']} | "
+                         f"{c['compute']} | {c['weights']} | {c['attention']} | {c['layers']} | {res} | "
+                         f"{_margins(c)} |")
         laddered = [c for c in self.cases if c.get("ladder")]
         if laddered:
             lines += ["", "## Ladder: output error against ComfyUI's fp32 twin, × ComfyUI's own low-precision error",
@@ -129,11 +143,15 @@ class ReportCollector:
         return "\n".join(out)
 
     def _case_table(self) -> str:
-        head = ("<table><tr><th>case</th><th>mode</th><th>compute</th><th>weights</th><th>attention</th>"
-                "<th>compared</th><th>result</th>" + "".join(f"<th>margin {PART_TITLE[p]}</th>" for p in MARGIN_PARTS)
-                + "</tr>")
+        head = ("<table><tr><th>case</th><th>row: what it judges</th><th>mode</th><th>compute</th><th>weights</th>"
+                "<th>attention</th><th>compared</th><th>result</th>"
+                + "".join(f"<th>margin {PART_TITLE[p]}</th>" for p in MARGIN_PARTS) + "</tr>")
         body = []
-        for i, c in enumerate(self.cases):
+        rows_of: dict[str, int] = {}
+        for c in self.cases:
+            key = c.get("recording") or c["case"]
+            rows_of[key] = rows_of.get(key, 0) + 1
+        for i, c, first in self.grouped():
             res = ("<span class=ok>pass</span>" if c["passed"] else
                    f"<span class=bad>FAIL</span> at <code>{_e(c['first_failure'])}</code>" if c["first_failure"] else
                    f"<span class=bad>{_e(_not_passed(c))}</span>")
@@ -143,7 +161,9 @@ class ReportCollector:
                 cells.append("<td>–</td>" if m is None else
                              f"<td class={'ok' if _margin_ok(m['margin']) else 'bad'}>{_fmt_margin(m['margin'])}"
                              f" <small>{_e(m['layer'])}</small></td>")
-            body.append(f"<tr><td><a href='#case{i}'>{_e(c['case'])}</a></td><td>{_e(c['mode'])}</td>"
+            key = c.get("recording") or c["case"]
+            name = f"<td rowspan={rows_of[key]}>{_e(key)}</td>" if first else ""
+            body.append(f"<tr>{name}<td><a href='#case{i}'>{_e(_row_label(c))}</a></td><td>{_e(c['mode'])}</td>"
                         f"<td>{_e(c['compute'])}</td><td>{_e(c['weights'])}</td><td>{_e(c['attention'])}</td>"
                         f"<td>{c['layers']}</td><td>{res}</td>{''.join(cells)}</tr>")
         return head + "".join(body) + "</table>"
@@ -198,6 +218,11 @@ def ladder_html(ladder: dict) -> str:
     body = [f"<tr{' class=this' if row.get('this') else ''}><td>{_e(row['mode'])}</td>"
             + "".join(f"<td>{_e(c)}</td>" for c in _ladder_cells(ladder, row)) + "</tr>" for row in ladder["rows"]]
     return head + "".join(body) + "</table>"
+
+
+def _row_label(c: dict) -> str:
+    """A row's trace and what it judges (the trace alone where the run named nothing more)."""
+    return c.get("judges") or c["case"]
 
 
 def _not_passed(c: dict) -> str:

@@ -14,7 +14,6 @@ Every part of the gate appends `LayerResult` rows to a `CaseResult`, tagged with
 from __future__ import annotations
 
 import math
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +67,9 @@ class CaseResult:
     approx: str = ""  # the approximate mode's label (attention and its options, + fp8_linear); "" on an exact path
     measured: dict = field(default_factory=dict)  # the approximate mode's quality: drift.py's quantities
     ladder: dict = field(default_factory=dict)  # ladder.py: {"comfy": {output: r}, "rows": [every mode's × r]}
+    recording: str = ""  # the recording its trace belongs to (a low-precision trace and its fp32 twin are one)
+    judges: str = ""  # what this trace's rows judge (`discovery.recording`)
+    drift_request: object = None  # how its drift rows are re-measured (`drift._replay`); None: no approximate run
     # why the case cannot pass though nothing failed: its baseline was created by this run, it was not run, what it
     # compares is missing, or it raised (the report shows this text in place of a failure)
     pending: str = ""
@@ -104,71 +106,83 @@ class CaseResult:
                 f"  {self.action}: {f.replay}{notes}")
 
 
-@dataclass(frozen=True)
-class Replay:
-    """How `python -m oracle replay` re-runs a comparison as the gate ran it: the trace, the mode (teacher: the one
-    layer from its recorded inputs; free: the whole step from the inputs file, every recorded tensor up to the layer),
-    h3direct's options (attention and its options, the 8-bit linears, its dtype where it differs from the trace's),
-    the device, and the recordings the ratio rule reads (`twin`: ComfyUI's other recording of the case, its fp32 twin
-    or its low-precision trace; `against`: the recording whose own error scales the limit, ComfyUI+sage for the class
-    rule)."""
-
-    trace: Path
-    comfy_root: str | None = None
-    mode: str = "teacher"
-    attention: object = None  # a backend's name or AttentionOptions; None: sdpa
-    device: str = "cpu"
-    compute: str | None = None  # h3direct's dtype where it differs from the trace's (budget key "bf16@fp32")
-    fp8_linear: str = "off"  # `models.fp8_spec`'s value
-    twin: Path | None = None
-    against: Path | None = None
-
-    def command(self, layer: str, b=None, limit: float = math.inf) -> str:
-        """The command for `layer` (a recorded tensor name), with the rule of entry `b` at `limit` when given."""
-        q = shlex.quote
-        cmd = f"python -m oracle replay --trace {q(str(self.trace))} --layer {q(layer)}"
-        cmd += f" --comfy-root {q(self.comfy_root)}" if self.comfy_root else ""
-        cmd += " --direct" + (f" --mode {self.mode}" if self.mode != "teacher" else "")
-        cmd += attention_flags(self.attention) if self.attention is not None else ""
-        cmd += f" --compute-dtype {self.compute}" if self.compute else ""
-        cmd += fp8_flags(self.fp8_linear)
-        cmd += f" --device {self.device}" if self.device != "cpu" else ""
-        cmd += f" --twin {q(str(self.twin))}" if self.twin is not None and b is not None and b.rule == "ratio" else ""
-        cmd += f" --against {q(str(self.against))}" if self.against is not None else ""
-        return cmd + (rule_flags(b, limit) if b is not None else "")
-
-
-def rule_flags(b, limit: float) -> str:
-    """`oracle replay`'s flags for the rule an entry applied (`--ratio K --floor F` or `--budget REL`)."""
-    if b.rule == "ratio":
-        return f" --ratio {b.k:g} --floor {b.floor:g}"
-    if b.rule == "fp32":
-        return f" --budget {b.floor:g}"
-    if math.isfinite(limit) and limit > 0:
-        return f" --budget {limit:.3g}"
-    return ""
-
-
-def fp8_flags(spec: str) -> str:
-    """`oracle replay`'s flags for the gate's 8-bit linears (`models.fp8_spec`'s value; "off": none)."""
+def run_options(attention, fp8_linear: str = "off"):
+    """h3direct's options of a gated run as the runtime types them (`Options`): the attention backend (a name or
+    AttentionOptions) and the 8-bit block linears of `models.fp8_spec`'s value."""
+    from h3direct.dit.attention import as_options
+    from h3direct.dit.options import Options
     from parity_tests.models import fp8_parts
 
-    if spec == "off":
-        return ""
-    mode, layers, fmt, rotate = fp8_parts(spec)
-    return (f" --fp8-linear {mode}" + (f" --fp8-linear-layers {layers}" if layers else "")
-            + (f" --fp8-linear-format {fmt}" if fmt != "e4m3" else "")
-            + (f" --fp8-linear-rotate {rotate}" if rotate != "none" else ""))
+    mode, layers, fmt, rotate = fp8_parts(fp8_linear or "off")
+    fp8 = {"fp8_linear": mode, "fp8_linear_format": fmt, "fp8_linear_rotate": rotate}
+    return Options.from_flat({**fp8, **({"fp8_linear_layers": layers} if layers else {})},
+                             base=Options(as_options(attention)))
 
 
-def attention_flags(attention) -> str:
-    """` --attention NAME` and ` --option NAME=VALUE` for each of its options off its default (sdpa: none)."""
-    from h3direct.dit.attention import as_options
-    from h3direct.dit.options import assignments, changed_options
+@dataclass(frozen=True)
+class ReplayContext:
+    """What every replay command of a gate run shares: ComfyUI's side as the run was given it (its checkout, the
+    Python of its own environment) and, where the run's recordings do not outlive it, why no row can be re-run."""
 
-    opts = as_options(attention)
-    flags = f" --attention {opts.backend}" if opts.backend != "sdpa" else ""
-    return flags + "".join(f" --option {a}" for a in assignments(changed_options(opts)))
+    comfy_root: str | None = None
+    comfy_python: str | None = None
+    unreplayable: str = ""
+
+
+def replay_request(trace: Path, context: ReplayContext | None = None, **fields):
+    """The `oracle.request.ReplayRequest` of a case's trace under the run's `context`. Without the Python of
+    ComfyUI's environment, the Python that recorded the trace (its manifest's `environment.python`) where it is on
+    this machine, so that the printed command runs ComfyUI where it runs."""
+    from oracle.request import ReplayRequest
+
+    context = context or ReplayContext()
+    python = context.comfy_python
+    if context.comfy_root and not python:
+        python = recorded_python(Path(trace))
+    return ReplayRequest(Path(trace), comfy_root=context.comfy_root, comfy_python=python,
+                         unreplayable=context.unreplayable, **fields)
+
+
+def recorded_python(trace: Path) -> str | None:
+    """The Python a trace was recorded with (`environment.python`), where it is on this machine and not this one."""
+    import json
+    import os
+    import sys
+
+    try:
+        python = json.loads(trace.with_suffix(".json").read_text()).get("environment", {}).get("python")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not python or not os.access(python, os.X_OK) or os.path.abspath(python) == os.path.abspath(sys.executable):
+        return None
+    return python
+
+
+def command(request, layer: str, b=None, limit: float = math.inf) -> str:
+    """The command that re-runs one row: `request` (an `oracle.request.ReplayRequest`, the case's) at `layer` with
+    the rule of entry `b` at `limit`; a row that cannot be replayed says why in its place (`request.unreplayable`)."""
+    if request.unreplayable:
+        return f"not replayable: {request.unreplayable}"
+    return request.at(layer, rule_of(b, limit) if b is not None else None).command()
+
+
+def rule_of(b, limit: float):
+    """The replay's rule for budget entry `b` applied at `limit` (`oracle.request.Rule`): fp32 and rounding rules and
+    a contract's rel-L2 as `--budget`, the ratio rule (and a contract held k times a reference implementation's
+    error) as `--ratio K --floor F`, a contract's cosine as `--cosine`, the drift rule as `--drift K --floor F`."""
+    from oracle.request import Rule
+
+    if b.rule == "ratio" or (b.rule == "contract" and b.k is not None):
+        return Rule(ratio=b.k, floor=b.floor)
+    if b.rule == "drift":
+        return Rule(drift=b.k, floor=b.floor)
+    if b.rule == "fp32":
+        return Rule(budget=b.floor)
+    if b.rule == "contract" and b.cosine is not None:
+        return Rule(cosine=b.cosine)
+    if math.isfinite(limit) and limit > 0:
+        return Rule(budget=limit)
+    return Rule()
 
 
 def attention_key(backend) -> str:

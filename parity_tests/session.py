@@ -27,7 +27,8 @@ class ParityRun:
 
         self.collector = ReportCollector()
         self.ran: dict[str, set[str]] = defaultdict(set)
-        self.found: tuple[dict[str, int], list[str]] | None = None  # ({kind: cases found}, roots)
+        # ({kind: (cases, traces) found}, roots): a low-precision trace and its fp32 twin are one case, two traces
+        self.found: tuple[dict[str, tuple[int, int]], list[str]] | None = None
         self.problems: list[str] = []  # traces the gate could not pair with their files, one line each (red)
         self.unused: list[str] = []  # other files of the trace folders that no case uses, one line each
         self.baselines: list[str] = []  # "baseline created: PATH" lines of this run
@@ -142,8 +143,12 @@ def summary(config, terminalreporter) -> list[tuple[str, dict]]:
     lines: list[tuple[str, dict]] = []
     if run.found is not None:
         found, roots = run.found
-        ran = ", ".join(f"{k} {len(run.ran[k])}/{found[k]}" for k in KINDS)
-        lines.append((f"parity cases run (of found): {ran}; roots: {', '.join(roots)}", {}))
+        ran = ", ".join(f"{k} {len(run.ran[k])}/{found[k][0]}"
+                        + (f" ({found[k][1]} traces)" if found[k][1] != found[k][0] else "") for k in KINDS)
+        twins = any(found[k][1] != found[k][0] for k in KINDS)
+        lines.append((f"parity cases run (of found): {ran}; roots: {', '.join(roots)}"
+                      + ("; a low-precision recording and ComfyUI's fp32 twin of it are one case" if twins else ""),
+                      {}))
     for p in run.problems + run.unused:
         lines.append((f"not gated: {p}", {"yellow": True}))
     if run.baselines:
@@ -160,7 +165,9 @@ def summary(config, terminalreporter) -> list[tuple[str, dict]]:
         passed = sum(bool(c["passed"]) for c in cases)
         counts = pytest_counts(terminalreporter)
         agree = counts["passed"] == passed and counts["failed"] == len(cases) - passed
-        what = (f"{len(cases)} gated case runs: {passed} passed, {len(cases) - passed} failed"
+        n = len({c.get("recording") or c["case"] for c in cases})
+        what = (f"{n} case{'s' if n != 1 else ''}, {len(cases)} gated row{'s' if len(cases) != 1 else ''} (a row: one "
+                f"trace of a case, teacher-forced or free-running): {passed} passed, {len(cases) - passed} failed"
                 + (", as pytest counts them" if agree else "")
                 + (f"; {counts['skipped']} skipped" if counts["skipped"] else ""))
         lines.append((f"parity report: {run.report / 'report.html'} ({what})", {"bold": True}))

@@ -28,7 +28,7 @@ def test_dit_layers(dit_case, mode, gate_options, conclude, request):
                                    pending="not run"))
     try:
         result = run_dit_case(dit_case, mode=mode, attention=gate_options["attention"], device=gate_options["device"],
-                              budgets=gate_options["budgets"], comfy_root=gate_options["comfy_root"],
+                              budgets=gate_options["budgets"], replay=gate_options["replay"],
                               compute=compute, fp8_linear=gate_options.get("fp8_linear", "off"),
                               no_twin=gate_options["no_twin"], sage_class=gate_options["sage_class"])
     except NoTwin as exc:

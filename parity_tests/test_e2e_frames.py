@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from parity_tests import e2e_frames as E
+from parity_tests.plugin import gate_attention
 
 pytestmark = pytest.mark.parity
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.parity
 def pytest_generate_tests(metafunc):
     if "e2e_path" in metafunc.fixturenames:
         c = metafunc.config
-        path = c.getoption("--e2e-path") or c.getoption("--attention")
+        path = c.getoption("--e2e-path") or gate_attention(c).backend
         if E.kind_of(path) == "exact":  # deselected by the plugin: nothing approximate to compare
             metafunc.parametrize("e2e_path", [None], ids=[f"{path}-exact"])
         else:
@@ -39,7 +40,7 @@ def e2e_model(request, gate_options, tmp_path_factory):
     head_dim 128, 4,509 tokens, so that its kernel runs, not its fallback); else the bundled tiny models."""
     c = request.config
     given = c.getoption("--e2e-model")
-    sol = E.split_path(c.getoption("--e2e-path") or c.getoption("--attention"))[0] == "sol_attn"
+    sol = E.split_path(c.getoption("--e2e-path") or gate_attention(c).backend)[0] == "sol_attn"
     if given is None and sol and torch.device(gate_options["device"]).type == "cuda" and torch.cuda.is_available():
         given = str(tmp_path_factory.mktemp("e2e_model"))
         E.build(Path(given))

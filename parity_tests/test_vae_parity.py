@@ -11,4 +11,5 @@ pytestmark = pytest.mark.parity
 
 
 def test_vae_keys(vae_case, gate_options, conclude):
-    conclude(run_vae_case(vae_case, attention=gate_options["attention_label"], budgets=gate_options["budgets"]))
+    conclude(run_vae_case(vae_case, attention=gate_options["attention_label"], budgets=gate_options["budgets"],
+                          replay=gate_options["replay"]))

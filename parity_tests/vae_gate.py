@@ -26,7 +26,7 @@ from h3direct.traces import metrics
 from h3direct.traces.format import Trace, load_trace
 from parity_tests.budgets import BudgetTable, Measured, load_budgets, verdict
 from parity_tests.discovery import VaeCase
-from parity_tests.results import CaseResult, LayerResult, Replay
+from parity_tests.results import CaseResult, LayerResult, ReplayContext, command, replay_request
 
 FINAL_SUFFIXES = (".vae_decode.out", ".vae_encode.out")
 
@@ -78,14 +78,14 @@ def _info(case: VaeCase, name: str, ours: torch.Tensor, ref: torch.Tensor) -> st
     return ""
 
 
-def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
+def _key_result(name, ours, ref, twin, budgets, case, context) -> LayerResult:
     kind = "output" if name.endswith(FINAL_SUFFIXES) else "module"
-    replay = Replay(case.trace, twin=case.twin_fp32)
+    replay = replay_request(case.trace, context, twin=case.twin_fp32)
     if ours is None or ours.shape != ref.shape:
         what = ("not produced by h3direct" if ours is None
                 else f"shape {tuple(ours.shape)} != ComfyUI {tuple(ref.shape)}")
         nan = metrics.MaxAbs(math.inf, (), math.nan, math.nan)
-        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", replay.command(name),
+        return LayerResult(name, kind, "vae", math.inf, -math.inf, nan, False, what, "", command(replay, name),
                            error=math.inf,
                            limit=0.0)
     b = budgets.lookup(mode="vae", kind=kind, compute=case.dtype, weights="vae", attention="exact",
@@ -97,12 +97,13 @@ def _key_result(name, ours, ref, twin, budgets, case, attention) -> LayerResult:
         vs = (metrics.rel_l2(ours, base), metrics.rel_l2(ref, base))
     v = verdict(b, Measured(rel, identical=torch.equal(ours, ref), twin=vs))
     return LayerResult(name, kind, "vae", rel, metrics.sqnr_db(ours, ref), metrics.max_abs(ours, ref), v.passed,
-                       v.text, b.provenance, replay.command(name, b, v.limit), vs, v.error, v.limit, "exact",
+                       v.text, b.provenance, command(replay, name, b, v.limit), vs, v.error, v.limit, "exact",
                        _info(case, name, ours, ref))
 
 
 def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable | None = None,
-                 trace: Trace | None = None, ours: Trace | None = None) -> CaseResult:
+                 trace: Trace | None = None, ours: Trace | None = None,
+                 replay: ReplayContext | None = None) -> CaseResult:
     """Compare h3direct with ComfyUI on every key of one VAE trace (`trace` / `ours` override for tests)."""
     budgets = budgets or load_budgets()
     ref_trace = trace or _trace(str(case.trace))
@@ -114,5 +115,5 @@ def run_vae_case(case: VaeCase, *, attention: str = "sdpa", budgets: BudgetTable
     for name in ref_trace.names_in_order():
         ref = ref_trace.get(name)
         mine = ours.get(name) if name in ours else None
-        result.layers.append(_key_result(name, mine, ref, twin, budgets, case, attention))
+        result.layers.append(_key_result(name, mine, ref, twin, budgets, case, replay))
     return result

@@ -120,7 +120,7 @@ def test_sol_rows_before_the_video_attend_exactly(rows_backend):
 def test_sol_algorithm_has_the_exact_rows_whichever_backend_computes_them():
     """The gate's reference (comfy-kitchen's eager Sol-Attn under the backend's options) keeps the query blocks before
     the video exact for every rows backend: the kernel is judged against the algorithm, not against a routed one."""
-    from parity_tests.kernels import sol_algorithm
+    from h3direct.traces.kernels import sol_algorithm
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 640, 128, generator=g) for _ in range(3))

@@ -31,7 +31,7 @@ HEADS = 8
 
 def _judge(backend: str, q, k, v, prefix: int | None):
     from h3direct.counts import counting
-    from parity_tests.kernels import exact_attention, ran_backend, sol_algorithm
+    from h3direct.traces.kernels import exact_attention, ran_backend, sol_algorithm
 
     with counting() as calls, A.sequence_hints(prefix):
         out = A.attention(q, k, v, backend)[0].float()

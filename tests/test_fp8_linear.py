@@ -420,9 +420,9 @@ def test_scaled_mm_path_is_its_cpu_emulation_at_the_block_shapes(name, accum):
     outside. Fast accumulation (the tensor cores' accumulator over the whole K) adds its own error: it is held to the
     gate's rule for FP8 linears (the product of the unquantized operands, k·u·sqrt(2/3)·ρ with u of e4m3), the rule
     every FP8 linear site of a trace is judged by, and must change the result (the option reached the GEMM)."""
+    from h3direct.traces.kernels import gemm_rho
     from h3direct.traces.metrics import rel_l2
     from parity_tests.budgets import Measured, load_budgets, verdict
-    from parity_tests.kernels import gemm_rho
 
     k, n = BLOCK_LINEARS[name]
     x = _tokens(256, k, seed=k + n)

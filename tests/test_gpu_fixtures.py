@@ -88,8 +88,8 @@ def test_sol_algorithm_is_exact_attention_on_the_short_gpu_fixture():
     from h3direct.traces.evaluate import conditioning_of
     from h3direct.traces.format import load_trace
     from h3direct.traces.inputs import load_inputs
+    from h3direct.traces.kernels import exact_attention, sol_algorithm
     from h3direct.traces.replay import available_sites
-    from parity_tests.kernels import exact_attention, sol_algorithm
 
     trace = load_trace(GPU / "trace_gpu_small_bf16_ref2va_bf16.safetensors")
     inputs = load_inputs(GPU / "inputs_gpu_ref2va.safetensors")

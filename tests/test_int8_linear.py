@@ -17,7 +17,7 @@ from h3direct.checkpoint.quant.nvfp4 import quantize_nvfp4
 from h3direct.counts import counting
 from h3direct.dit.linear import FP8Linear
 from h3direct.dit.loader import load_dit
-from parity_tests import kernels
+from h3direct.traces import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
@@ -74,7 +74,7 @@ def test_the_emulated_product_is_exact_integer_arithmetic_then_one_epilogue():
 
 @pytest.mark.parametrize("tails", [1.0, 4.0])
 def test_the_rounding_bound_predicts_the_error_and_fails_coarser_grids(tails):
-    """`kernels.int8_rho` (uniform noise of variance s²/12 per code) is the expected error itself: the measured
+    """`h3direct.traces.kernels.int8_rho` (uniform noise of variance s²/12 per code) is the expected error itself: the measured
     error of the product lies near it (Gaussian rows, and rows with a few large elements), inside the gate's
     k = 1.5 bound; the same product with a grid four times coarser (scales amax / 31) breaks the bound."""
     from parity_tests.budgets import Measured, load_budgets, verdict

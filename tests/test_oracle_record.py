@@ -68,7 +68,7 @@ def test_record_reproduces_shared_mask_trace_and_replays(tmp_path: Path, comfy_r
 
 def test_replay_report_fails_on_injected_error() -> None:
     from h3direct.traces.format import Trace
-    from oracle.replay import Rule
+    from oracle.request import Rule
 
     ref = torch.randn(8, 4)
     trace = Trace(Path("x.safetensors"), {"x.out": ref}, {})

@@ -79,6 +79,18 @@ def one_step(model: H3DiT, inputs: H3Inputs, *, backend: str | Options = DEFAULT
     return out
 
 
+def traced_step(model: H3DiT, inputs: H3Inputs, *, backend: str | Options = DEFAULT_BACKEND,
+                device="cpu") -> dict[str, torch.Tensor]:
+    """One denoiser evaluation (`one_step`) traced: {recorded name: tensor} of every tensor the model's tracer
+    records (on the CPU) and the sampler-level ones. What a free-running row of the gate compares, and what `oracle
+    replay --mode free` re-runs for it."""
+    from h3direct.dit.tracing import Tracer
+
+    with torch.no_grad(), Tracer(model) as tracer:
+        out = one_step(model, inputs, backend=backend, device=device)
+    return {**tracer.tensors, **out}
+
+
 def _manifest_sampling(m: dict):
     """(sampler, scheduler, steps, shift, cache settings or None) of a generation trace's manifest, each checked by
     the rules a request's fields follow; a missing or malformed field is a one-line H3Error."""

@@ -122,3 +122,17 @@ def bit_mismatch(x: torch.Tensor, ref: torch.Tensor) -> str | None:
     first = tuple(int(i) for i in torch.unravel_index(torch.nonzero(differ.reshape(-1))[0, 0], differ.shape))
     got, want = (t.detach()[first].to("cpu", torch.float64).item() for t in (x, ref))
     return f"{n} of {differ.numel()} values differ, first at {list(first)}: got {got!r}, reference {want!r}"
+
+
+# ---- the limits of the rules every comparison is judged by (the gate's budgets and `oracle replay` alike) -------
+
+def ratio_limit(k: float, reference_err: float, floor: float) -> float:
+    """The ratio rule: an error against the fp32 reference may be k times the reference's own error, plus a floor."""
+    return k * reference_err + floor
+
+
+def drift_limit(baseline: float, scale: float, paths: int, k: float, floor: float) -> float:
+    """The drift rule: a recorded error may grow by what a correct change can add, k times the rounding scale r
+    (at least the floor) on each of `paths` low-precision paths, in quadrature."""
+    r = max(scale or 0.0, floor)
+    return math.sqrt(baseline ** 2 + paths * (k * r) ** 2)

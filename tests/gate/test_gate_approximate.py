@@ -15,58 +15,21 @@ and the stand-ins within their contracts pass everywhere.
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from h3direct.dit import attention as A
 from parity_tests.discovery import FIXTURES, find_dit_cases
+from tests.gate.plants import stand_in_backend
 
 BACKENDS = ["sage2", "ck_int8", "fa3_fp8", "sol_attn"]
 SMALL, LARGE = 2e-4, 0.2  # relative error of the stand-in: well inside every contract / far outside
 
 
-def _noise(out: torch.Tensor, eps: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(out.numel())
-    n = torch.randn(out.shape, generator=g, dtype=torch.float32)
-    return (out.float() + eps * n * (out.float().norm() / n.norm())).to(out.dtype)
-
-
-def stand_in(backend: str, eps: float):
-    """[B, H, S, D] -> [B, H, S, D]: what the gate's reference for `backend` computes, plus a relative error eps."""
-    def exact(q, k, v):
-        return _noise(F.scaled_dot_product_attention(q, k, v), eps)
-
-    def fp8(q, k, v):
-        from h3direct.dit.fp8_attention import fp8_attention_reference
-
-        return _noise(fp8_attention_reference(q, k, v).to(q.dtype), eps)
-
-    def sol(q, k, v, opts):
-        from parity_tests.kernels import sol_algorithm
-
-        prefix = A._PREFIX_ROWS.get()
-        out = sol_algorithm(q, k, v, prefix, opts.sol_attn).reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-        return _noise(out.transpose(1, 2).to(q.dtype), eps)
-
-    return {"fa3_fp8": fp8, "sol_attn": sol}.get(backend, exact)
-
-
 @pytest.fixture
 def approximate(monkeypatch):
-    """install(backend, eps, half_only=False): the backend's registry entry runs the CPU stand-in, available on the
-    CPU in any dtype, or (half_only) in bf16/fp16 only, as the real kernels."""
+    """install(backend, eps, half_only=False): the backend's registry entry runs its CPU stand-in (`plants.py`),
+    available on the CPU in any dtype, or (half_only) in bf16/fp16 only, as the real kernels."""
     def install(backend: str, eps: float, half_only: bool = False):
-        avail = A._half_only if half_only else A._always
-        fn = stand_in(backend, eps)
-        if half_only:
-            def fn(q, k, v, inner=fn):  # as SageAttention asserts: never handed fp32
-                assert q.dtype in (torch.float16, torch.bfloat16), f"{backend} handed {q.dtype}"
-                return inner(q, k, v)
-        options = A._REGISTRY[backend].options if backend == "sol_attn" else None  # the stand-in takes them
-        if options is not None:
-            def avail(like, opts, inner=avail):
-                return inner(like)
-        monkeypatch.setitem(A._REGISTRY, backend, A.Backend(backend, fn, avail, exact=False, options=options))
+        monkeypatch.setitem(A._REGISTRY, backend, stand_in_backend(backend, eps, half_only))
     return install
 
 
@@ -122,7 +85,7 @@ def test_a_degraded_kernel_fails_at_the_attention_site(case, approximate, backen
     assert first is not None and first.part == "kernel", result.report()
     assert first.name == "token_refiner.blocks.0.attn.out_proj.in", result.report()
     assert all(r.passed for r in result.layers if r.part == "exact")
-    assert "--attention " + backend in first.replay and "--budget" in first.replay
+    assert "--mode kernel" in first.replay and "--attention " + backend in first.replay
 
 
 @pytest.mark.parametrize("backend", ["sage2", "sol_attn"])
@@ -186,7 +149,7 @@ def test_the_backends_options_reach_the_kernel_and_its_reference(case, approxima
     algorithm it is held against too, at every kernel site and in the quality run; the report and the replay
     commands name the option."""
     from h3direct.dit.options import Options
-    from parity_tests import kernels
+    from h3direct.traces import kernels
     from parity_tests.gate import run_dit_case
 
     approximate("sol_attn", SMALL)

@@ -178,7 +178,8 @@ def test_a_mode_records_its_baseline_then_holds_to_it_and_a_planted_growth_fails
     # (pytest's short summary repeats the message whole where it runs on CI, so lines are counted, not substrings)
     said = [line for line in first.stdout.splitlines() if line.startswith("baseline created: ")]
     assert len(said) == 1 and "Traceback" not in first.stdout, first.stdout[-3000:]
-    assert "(1 gated case runs: 0 passed, 1 failed, as pytest counts them)" in first.stdout, first.stdout[-3000:]
+    assert "1 gated row (a row: one trace of a case, teacher-forced or free-running): 0 passed, 1 failed, as pytest " \
+        "counts them)" in first.stdout, first.stdout[-3000:]
     again = _pytest(args, tmp_path)
     assert again.returncode == 0 and "1 passed" in again.stdout, again.stdout[-3000:]
     planted = _pytest(args, tmp_path, plugins={"coarse_fp8_scales": PLANT})

@@ -129,7 +129,8 @@ def test_a_case_run_that_raises_is_a_failed_case_in_the_report_too(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 1, out[-3000:]
     assert "RuntimeError: planted: the int8 kernel did not build" in out, out[-3000:]
-    assert "gated case runs: 1 passed, 1 failed, as pytest counts them" in out, out[-3000:]
+    assert "2 gated rows (a row: one trace of a case, teacher-forced or free-running): 1 passed, 1 failed, as pytest " \
+        "counts them" in out, out[-3000:]
     assert "count the case tests differently" not in out, out[-3000:]
     for name in ("report.md", "report.html"):
         assert "raised RuntimeError: planted: the int8 kernel did not build" in (tmp_path / "report" / name).read_text()
