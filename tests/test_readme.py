@@ -691,7 +691,22 @@ def test_recording_commands_run_as_written_on_a_fresh_clone(tmp_path, comfy_root
         r = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, f"{line}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         if " pytest " in line:
-            assert "dit 2/2" in r.stdout and "parity report: " in r.stdout, r.stdout[-3000:]
+            assert "dit 1/1 (2 traces)" in r.stdout and "parity report: " in r.stdout, r.stdout[-3000:]
+    # a failure planted in h3direct (its block 1 fc1 off by 1 %): the teacher-forced replay the gate prints runs as
+    # printed in this shell, ComfyUI's side in ComfyUI's own environment (the recording's Python), and reproduces
+    from tests.gate import plants
+
+    planted = {**plants.environment(tmp_path / "plants", "fc1"), **{k: env[k] for k in ("PATH", "H3_COMFY_ROOT")}}
+    r = subprocess.run(["bash", "-c", recording_commands()[2]], cwd=clone, env=planted, capture_output=True, text=True,
+                       timeout=1800)
+    replays = [c for c in re.findall(r"^\s+replay: (.+)$", r.stdout, re.M) if " --mode " not in c]
+    assert r.returncode == 1 and replays, r.stdout[-3000:]
+    assert "--comfy-python" in replays[0], replays[0]
+    r = subprocess.run(["bash", "-c", replays[0]], cwd=tmp_path, env=planted, capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 1, f"{replays[0]}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert re.search(r"^\[comfy\] blocks\.1\.mlp\.fc1\.out: .*  ok \(", r.stdout, re.M), r.stdout[-3000:]
+    assert re.search(r"^\[h3direct\] blocks\.1\.mlp\.fc1\.out: .*OVER BUDGET", r.stdout, re.M), r.stdout[-3000:]
     probe = subprocess.run([sys.executable, "-c", "from importlib.metadata import version as v; "
                             "print(v('comfy-kitchen'))"], capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == kitchen

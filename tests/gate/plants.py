@@ -21,6 +21,7 @@ in that compute dtype) or `NAME=ARGUMENT`:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -165,12 +166,13 @@ def _plant_vae() -> None:
 
 def environment(folder: Path, spec: str) -> dict:
     """The environment of a Python that starts with the plants of `spec` installed: a `sitecustomize` in `folder`
-    (written here) on PYTHONPATH, with this checkout for `tests.gate.plants`."""
+    (written here) on PYTHONPATH, with this checkout for `tests.gate.plants`. Only this Python installs them: ComfyUI's
+    own environment (`--comfy-python`) runs as it is."""
     repo = Path(__file__).resolve().parents[2]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
-        "import os\n"
-        f"if os.environ.get({ENV!r}):\n"
+        "import os\nimport sys\n"
+        f"if os.environ.get({ENV!r}) and sys.prefix == {sys.prefix!r}:\n"
         "    from tests.gate.plants import install\n"
         f"    install(os.environ[{ENV!r}])\n")
     path = os.pathsep.join(p for p in (str(folder), str(repo), os.environ.get("PYTHONPATH")) if p)
