@@ -109,6 +109,9 @@ def _run_teacher(r: Replay) -> tuple[dict[str, bool | None], str]:
     if low and r.twin is None:
         raise H3Error(f"--compute-dtype {req.compute} against a {dtype} trace needs --twin: ComfyUI's own "
                       f"{req.compute} recording of the case (its dtypes and the ratio rule's reference)")
+    if req.rule.ratio is not None and dtype == "fp32" and not low:
+        raise H3Error("--ratio judges a low-precision layer against its own fp32 evaluation; this trace is fp32: its "
+                      "rule is the fp32 rule (--budget), or give --compute-dtype and --twin")
     names = tensor_names(trace, req.layer)
     results: dict[str, bool | None] = {}
     module = module_of(names[0])

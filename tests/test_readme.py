@@ -585,8 +585,8 @@ def test_readme_cheap_forms_run_on_the_fixtures(tmp_path):
             {"T": fx["trace_fx_bf16_ref2va_fp32.safetensors"], "NAME": "blocks.1.mlp.fc1"},
             ("--comfy-root", "--comfy-python")),
         "python -m oracle replay --trace T --layer blocks.1.mlp.fc1": (
-            {"T": fx["trace_fx_bf16_ref2va_fp32.safetensors"]}, ("--comfy-root",)),
-        "python -m oracle replay --trace T --layer blocks.1.mlp.fc2.out --direct --mode free": (
+            {"T": fx["trace_fx_bf16_ref2va_bf16.safetensors"]}, ("--comfy-root",)),
+        "python -m oracle replay --trace T --layer blocks.1.in.0 --direct --mode free": (
             {"T": fx["trace_fx_bf16_ref2va_bf16.safetensors"], "T32": fx["trace_fx_bf16_ref2va_fp32.safetensors"]},
             ()),
         "h3direct trace --checkpoint C --inputs I --compute-dtype fp32|bf16": (
