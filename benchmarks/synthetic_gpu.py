@@ -20,7 +20,7 @@ down_proj; the vision tower's attn.proj, mlp.linear_fc2) scaled by 1/sqrt(2 x de
 O(1) over the layers; biases ~ N(0, 0.02^2); norm weights 1 + N(0, 0.05^2); token embeddings N(0, 1); the vision
 position table 0.5 N(0, 1).
 
-CLI (a build check): `python3 benchmarks/synthetic_gpu.py --preset tiny --device cpu --weights bf16,nvfp4 [--vae]
+CLI (a build check): `python -m benchmarks.synthetic_gpu --preset tiny --device cpu --weights bf16,nvfp4 [--vae]
 [--text-encoder]`.
 """
 
@@ -28,13 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
-
+from benchmarks import _common as C
 from h3direct.checkpoint.keys import BLOCK_LINEARS as NVFP4_LINEARS  # noqa: E402
 from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS  # noqa: E402
 
