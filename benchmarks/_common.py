@@ -1,9 +1,6 @@
-"""What the benchmark scripts share: presets, the workload geometry, timing, memory, JSON output, and what the two
-contract runners (`run_contract.py`, `run_e2e.py`) share.
-
-The scripts are modules of the `benchmarks` package: run them from the repository root as `python -m
-benchmarks.<name>`.
-"""
+"""What the benchmark scripts (modules of the `benchmarks` package: `python -m benchmarks.<name>`) share: presets,
+the workload geometry, timing, memory, JSON output, and what the two contract runners (`run_contract.py`,
+`run_e2e.py`) share."""
 
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from h3direct.app.frontier.report import jsonable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -184,20 +183,6 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
     t2 = time.perf_counter()
     return {"warmup_s": t1 - t0, "times_s": times, "median_s": statistics.median(times) if times else float("nan"),
             "wall_s": t2 - t1}
-
-
-def bits(t):
-    """A 16- or 32-bit float tensor's bit patterns (a view as int16 / int32), for bitwise comparisons."""
-    import torch
-
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_bits(a, b) -> bool:
-    """Bit for bit, NaNs included (16- or 32-bit floats)."""
-    import torch
-
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # ---------------------------------------------------------------- clocks and power while a measurement runs
@@ -376,7 +361,7 @@ def package_versions() -> dict:
 
 def write_result(path, result: dict) -> None:
     """A result (or a ComfyUI worker's part of one) as JSON."""
-    Path(path).write_text(json.dumps(_jsonable(result), indent=1, default=str))
+    Path(path).write_text(json.dumps(jsonable(result), indent=1, default=str))
 
 
 def comfy_provenance(env) -> dict:
@@ -533,7 +518,7 @@ class Run:
             return
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out_path.with_name(self.out_path.name + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(self.data), indent=1, sort_keys=False))
+        tmp.write_text(json.dumps(jsonable(self.data), indent=1, sort_keys=False))
         os.replace(tmp, self.out_path)
 
 
@@ -558,18 +543,6 @@ class _Phase:
         phases[key] = dt
         log(f"   {self.name}: {dt:.2f} s (elapsed {self.run.elapsed():.1f} s)")
         return False
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, int | float | str | bool) or x is None:
-        return x
-    return str(x)
 
 
 def log(msg: str) -> None:

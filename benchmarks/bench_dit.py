@@ -42,7 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel ceilings")
     ap.add_argument("--kernel-iters", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the workload, S, FLOP per step and the time estimates; build nothing")
+                    help="print the workload, S and FLOP per step; build nothing")
     args = ap.parse_args(argv)
     from h3direct.dit.options import parse_assignments
     from h3direct.errors import H3Error
@@ -52,27 +52,6 @@ def parse_args(argv=None):
     except H3Error as exc:
         ap.error(str(exc))
     return args
-
-
-# ---------------------------------------------------------------- estimates
-
-def print_estimates(flops: dict, wl: dict, device, n_weights: int, n_backends: int) -> dict:
-    """Rough expected GPU-side phase times (H200) so the caller can budget; CPU runs print nothing useful."""
-    step = flops["total_tflop"] / 500.0 + 0.3  # ~500 TFLOP/s blended + elementwise
-    est = {
-        "cuda_init_s": 5.0,
-        "kernels_s": 20.0,
-        "build_nvfp4_s": 25.0,
-        "build_bf16_s": 15.0,
-        "warmup_step_s": step + 3.0,
-        "timed_step_s": step,
-    }
-    per_config = est["warmup_step_s"] + 3 * step
-    est["total_s"] = (est["cuda_init_s"] + est["kernels_s"] + est["build_nvfp4_s"] + est["build_bf16_s"]
-                      + n_weights * n_backends * per_config)
-    if C.is_cuda(device) and wl["seq_len"] > 10000:
-        C.log("expected on one H200 (rough): " + ", ".join(f"{k} ~{v:.0f}" for k, v in est.items()))
-    return est
 
 
 # ---------------------------------------------------------------- kernels
@@ -327,7 +306,6 @@ def main(argv=None) -> int:
     flops = C.step_flops(config, wl["seq_len"])
     run.data.update(env=C.env_info(dev), config=config.comfy_dict(), workload=wl, flops_per_step=flops,
                     reference=C.reference(C.env_info(dev).get("gpu")), kernels={}, builds=[], configs=[])
-    run.data["estimates"] = print_estimates(flops, wl, dev, len(weights_list), len(args.attention_list))
     C.log(f"workload {wl['width']}x{wl['height']}x{wl['frames']} (frame count {wl['frame_count']}): video latent "
           f"{wl['video_latent']}, audio latent {wl['audio_latent']}, ref latent {wl['ref_latent']}, "
           f"rows {wl['rows']} -> S = {wl['seq_len']:,}")
@@ -341,7 +319,7 @@ def main(argv=None) -> int:
         refs = [{"kind": "image", "latent_h": wl["ref_latent"][3], "latent_w": wl["ref_latent"][4]}]
         wl["seq_len_layout"] = build_layout(wl["text_len"], t, h + h % 2, w + w % 2, wl["audio_latent"][-1],
                                             refs=refs).seq_len
-        C.log(f"S from h3direct's packed layout: {wl['seq_len_layout']:,}; estimates: {run.data['estimates']}")
+        C.log(f"S from h3direct's packed layout: {wl['seq_len_layout']:,}")
         run.save()
         return 0
 
@@ -367,9 +345,7 @@ def main(argv=None) -> int:
 
     est_config = None  # measured cost of one config, for the budget check
     for weights in weights_list:
-        est_build = run.data["estimates"]["build_nvfp4_s" if weights == "nvfp4" else "build_bf16_s"] \
-            if C.is_cuda(dev) and wl["seq_len"] > 10000 else 0.0
-        if run.over_budget(est_build + (est_config or 0.0)):
+        if run.over_budget(est_config or 0.0):
             for b in args.attention_list:
                 run.data["configs"].append({"weights": weights, "attention": b, "status": "skipped",
                                             "reason": "budget"})

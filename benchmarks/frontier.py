@@ -1,23 +1,13 @@
-"""The speed/quality frontier measured on the machine at hand, and the tiers chosen from it.
+"""The frontier's measurements on the machine at hand, and the tiers chosen from them (README, "Choosing tiers on
+your GPU"; the grid, the choice and the report: `h3direct.app.frontier`).
 
     python -m benchmarks.frontier --trace-dir DIR --comfy-root R --out OUT [--case NAME ...] [--candidate NAME ...]
         [--contract C] [--steps 3] [--device cuda] [--install]
 
-1. **Candidates** (`h3direct.app.frontier.grid`: attention × 8-bit block linears, resolved here): each one that cannot
-   run here is left out with one line saying why (its backend unavailable, an 8-bit GEMM that would be emulated).
-2. **Quality**, on every structured case of the validation set (`parity_tests.validation.structured()`: local
-   attention, S >= 5,000, where the approximate modes engage), built and recorded by ComfyUI into `--trace-dir` where
-   missing (`--comfy-root`), and on the user's own cases there (`validation.own_cases`: a bf16 recording with its fp32
-   twin and its sage recording, S >= 5,000; each other folder one line): each candidate's x0 against ComfyUI's fp32
-   twin, the worse of video and audio, as × ComfyUI+sage's error and × ComfyUI bf16's (`quality.py`).
-3. **Speed**: s/step at the benchmark contract's workload (`run_contract.py`: full-size synthetic weights), in the same
-   run as ComfyUI's default and `--use-sage-attention`.
-4. **Tiers**: chosen from these measurements by `h3direct.app.frontier.choice` (the bounds of `h3direct.app.tiers`).
-
-Writes OUT/frontier.json (the measurements and the choice), OUT/tiers.json (what the runtime reads: `h3direct generate
---tier NAME --tiers OUT/tiers.json`; `--install` also copies it to h3direct's cache, the default), OUT/frontier.png
-and OUT/report.html (`h3direct.app.frontier.report`). `h3direct choose-tiers --frontier OUT/frontier.json` chooses
-again from them. `--smoke`: tiny sizes on any device (plumbing).
+Each candidate of the grid that runs here (one line for each that does not): its quality on every structured case of
+the validation set (built and recorded by ComfyUI where missing) and the user's own cases in DIR (`quality.py`), its
+s/step at the contract's workload in the same run as ComfyUI's (`run_contract.py`). OUT gets frontier.json,
+tiers.json (`--install`: also the runtime's default), frontier.png and report.html. `--smoke`: tiny sizes (plumbing).
 """
 
 from __future__ import annotations

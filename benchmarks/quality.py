@@ -14,11 +14,8 @@ case that is missing). The path's figures on a case are the worse of its two out
 `parity_tests.validation.structured()`) they are the worst case, and a case that was not measured leaves the path
 without a figure (`h3direct.app.frontier.cases`, the format the frontier shares). ComfyUI's configurations get the same measurement from their recordings: the default is
 ComfyUI bf16 (1 by definition), sage its sage recording.
-
-`run_contract --quality-dir DIR` runs this after the timings, in the same process and on the same GPU, on the
-contract's cases; `compare` checks the targets `error_x_comfyui_bf16` and `error_x_comfyui_sage` on the worst of
-them. This CLI measures any number of cases (default: the contract's) and paths (a frontier: a contract file of
-candidate paths).
+`run_contract --quality-dir DIR` and the frontier run this after their timings, on the same GPU; this CLI measures
+any cases (default: the contract's) and paths.
 """
 
 from __future__ import annotations

@@ -31,17 +31,7 @@ import json
 import time
 
 from benchmarks import _common as C
-from h3direct.checkpoint.keys import BLOCK_LINEARS as NVFP4_LINEARS  # noqa: E402
-from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS  # noqa: E402
-
-
-def dit_formats(config, weights: str) -> dict[str, str]:
-    """layer path -> 'nvfp4' for the DiT block linears ({} for bf16)."""
-    if weights == "bf16":
-        return {}
-    if weights != "nvfp4":
-        raise ValueError(f"weights must be bf16 or nvfp4, got {weights!r}")
-    return {f"blocks.{i}.{name}": "nvfp4" for i in range(config.num_layers) for name in NVFP4_LINEARS}
+from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS
 
 
 def build_dit(config, weights: str, device, *, compute_dtype=None, nvfp4_mode: str = "w4a16", seed: int = 0,

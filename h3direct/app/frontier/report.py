@@ -171,19 +171,22 @@ def write(frontier: dict, tiers: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"frontier": out / "frontier.json", "tiers": out / "tiers.json", "plot": out / "frontier.png",
              "report": out / "report.html"}
-    paths["frontier"].write_text(json.dumps(_jsonable(frontier), indent=1))
-    paths["tiers"].write_text(json.dumps(_jsonable(tiers), indent=1))
+    paths["frontier"].write_text(json.dumps(jsonable(frontier), indent=1))
+    paths["tiers"].write_text(json.dumps(jsonable(tiers), indent=1))
     plot(frontier["candidates"], frontier["comfyui"], frontier["choices"], paths["plot"])
     paths["report"].write_text(report_html(frontier, paths["plot"]))
     return paths
 
 
-def _jsonable(x):
-    """JSON's values of a result: inf as "inf", NaN as null."""
+def jsonable(x):
+    """A result as JSON holds it (the benchmarks' results too): keys as strings, tuples as lists, inf as "inf", NaN as
+    null, anything else not JSON's as its str."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return x
+    if isinstance(x, int | float | str | bool) or x is None:
+        return x
+    return str(x)
