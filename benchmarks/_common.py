@@ -1,8 +1,6 @@
-"""Shared pieces of the benchmark scripts: presets, the workload geometry, timing, memory, JSON output.
-
-Scripts run as `python3 benchmarks/<name>.py` from the repository root (no install needed): importing this
-module puts the repository root on `sys.path`.
-"""
+"""What the benchmark scripts (modules of the `benchmarks` package: `python -m benchmarks.<name>`) share: presets,
+the workload geometry, timing, memory, JSON output, and what the two contract runners (`run_contract.py`,
+`run_e2e.py`) share."""
 
 from __future__ import annotations
 
@@ -19,25 +17,30 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3direct.app.frontier.report import jsonable
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+RESULTS = Path(__file__).resolve().parent / "results"
 
 GIB = 1024 ** 3
 
-# ComfyUI on one H200, same synthetic weights, same workload (../shared/PERFORMANCE.md): a fixed reference for the
-# quick scripts; the contract (run_contract.py) measures ComfyUI in the same run and holds the targets
-ANCHOR = {
-    "comfyui_s_per_step": 3.06,
-    "comfyui_peak_gib_nvfp4": 14.36,
-    "comfyui_resident_gib_nvfp4": 11.73,
-    "comfyui_peak_gib_bf16": 40.10,
-    "comfyui_resident_gib_bf16": 37.61,
-    "floor_s_per_step": 2.07,  # bf16 GEMMs + cuDNN attention, 50 blocks
-    "floor_fp8_s_per_step": 1.58,
-    "block_linears_tflop": 772.6,
-    "attention_tflop": 576.3,
-}
+
+def reference(device: str | None) -> dict:
+    """ComfyUI's default s/step and the hot floor as the benchmark contract measured them, for the quick scripts'
+    "x ComfyUI" and "/ floor" (not same-run: the contract measures both in its own run and judges them): the committed
+    contract result of `device` (torch's name of the GPU), else the newest committed one, named in `source`."""
+    found = []
+    for p in sorted(RESULTS.glob("contract-*.json")):
+        r = json.loads(p.read_text())
+        comfy = ((r.get("comfyui") or {}).get("configs") or {}).get("default") or {}
+        floor = r.get("hot_floor") or {}
+        if comfy.get("status") == "ok" and floor.get("status") == "ok":
+            found.append((r.get("device") == device, r.get("date") or "", p.name, r.get("device"),
+                          comfy["s_per_step"], floor["s_per_step"]))
+    if not found:
+        return {"comfyui_s_per_step": None, "floor_s_per_step": None, "source": "no committed contract result"}
+    _, date, name, dev, comfy, floor = max(found)
+    return {"comfyui_s_per_step": comfy, "floor_s_per_step": floor, "source": f"results/{name} ({dev}, {date})"}
 
 
 @dataclass(frozen=True)
@@ -182,20 +185,6 @@ def time_calls(fn, device, warmup: int = 1, iters: int = 3) -> dict:
             "wall_s": t2 - t1}
 
 
-def bits(t):
-    """A 16- or 32-bit float tensor's bit patterns (a view as int16 / int32), for bitwise comparisons."""
-    import torch
-
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def same_bits(a, b) -> bool:
-    """Bit for bit, NaNs included (16- or 32-bit floats)."""
-    import torch
-
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
 # ---------------------------------------------------------------- clocks and power while a measurement runs
 
 POWER_CAP_BIT = 0x4  # nvidia-smi clocks_throttle_reasons: "SW power cap" (the board holds its power limit)
@@ -338,56 +327,6 @@ def check_run_flags(args) -> None:
         usage_error(f"--steps {args.steps}: at least 1")
 
 
-def path_options(spec: dict):
-    """A contract path's typed options (`h3direct.dit.options.Options`): its attention backend, its FP8 linears and
-    its "options" under their flat names (`sol_tau`, `fused`, ...); a name that is not an option is an error."""
-    from h3direct.dit.options import Options
-
-    return Options.from_flat({"attention": spec["attention"], "fp8_linear": spec.get("fp8_linear", "off"),
-                              **spec.get("options", {})})
-
-
-def number(x) -> float | None:
-    """x as a float when it is a finite JSON number (not a bool, a string, inf or NaN), else None."""
-    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-        return None
-    return float(x)
-
-
-def tier_spec(flat: dict) -> dict:
-    """A tier's flat options (`h3direct.app.tiers.Tier.options`) as a contract path's attention, FP8 linears and
-    options (an option the tier does not name takes its default, as `Options.from_flat` gives it)."""
-    from h3direct.dit.options import DEFAULT_BACKEND
-
-    options = dict(flat)
-    return {"attention": options.pop("attention", DEFAULT_BACKEND), "fp8_linear": options.pop("fp8_linear", "off"),
-            "options": options}
-
-
-def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str):
-    """(contract, tiers record) with each of `names` whose path names a tier (`{"tier": NAME, "class": ...}`) given
-    that tier's options from the tiers file at `tiers_path` (None: the runtime's default), which must have been chosen
-    on `device`'s kind of device. The record (file, sha256, machine, made) goes into the result; None when no path of
-    `names` names a tier. A missing, malformed or foreign file, or a tier it lacks, is one line and exit 2."""
-    wanted = [n for n in names if "tier" in contract["paths"][n]]
-    if not wanted:
-        return contract, None
-    from h3direct.app import tiers as T
-    from h3direct.errors import H3Error
-
-    try:
-        found = T.load_for(tiers_path, device)
-        chosen = {n: found.get(contract["paths"][n]["tier"]) for n in wanted}
-    except H3Error as exc:
-        usage_error(f"--tiers: {exc}")
-    paths = dict(contract["paths"])
-    for n, tier in chosen.items():
-        paths[n] = {**paths[n], **tier_spec(tier.options), "tier_record": tier.provenance(found)}
-    record = {"file": str(found.path.resolve()), "sha256": found.sha256, "machine": found.machine,
-              "made": {k: found.made.get(k) for k in ("commit", "tree", "date", "cases")}}
-    return {**contract, "paths": paths}, record
-
-
 def path_settings(model, options, build: dict, like) -> dict:
     """Everything of one path that changes its numbers (the one place a result records them): the typed options it
     ran with, every one under its flat name (`options`), and what they came to on this machine: the attention
@@ -422,7 +361,7 @@ def package_versions() -> dict:
 
 def write_result(path, result: dict) -> None:
     """A result (or a ComfyUI worker's part of one) as JSON."""
-    Path(path).write_text(json.dumps(_jsonable(result), indent=1, default=str))
+    Path(path).write_text(json.dumps(jsonable(result), indent=1, default=str))
 
 
 def comfy_provenance(env) -> dict:
@@ -579,7 +518,7 @@ class Run:
             return
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out_path.with_name(self.out_path.name + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(self.data), indent=1, sort_keys=False))
+        tmp.write_text(json.dumps(jsonable(self.data), indent=1, sort_keys=False))
         os.replace(tmp, self.out_path)
 
 
@@ -604,18 +543,6 @@ class _Phase:
         phases[key] = dt
         log(f"   {self.name}: {dt:.2f} s (elapsed {self.run.elapsed():.1f} s)")
         return False
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, int | float | str | bool) or x is None:
-        return x
-    return str(x)
 
 
 def log(msg: str) -> None:

@@ -1,7 +1,7 @@
 """Attention backends at the benchmark shape: time per call, error vs fp32, the kernels that ran.
 
-    python3 benchmarks/attention_kernels.py --device cuda --out attn.json            # S = 20,050, 56 heads x 128
-    python3 benchmarks/attention_kernels.py --device cpu --seq 256 --heads 2         # smoke (sdpa only runs)
+    python -m benchmarks.attention_kernels --device cuda --out attn.json            # S = 20,050, 56 heads x 128
+    python -m benchmarks.attention_kernels --device cpu --seq 256 --heads 2         # smoke (sdpa only runs)
 
 Two input sets, both [1, H, S, 128] bf16 (`h3direct.dit.attention_inputs`): `structured` (attention local in time
 and space, at the workload's real (t, h, w) positions) and `random` (i.i.d.: no locality, pessimistic for quantized
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
 

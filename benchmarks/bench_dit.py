@@ -6,19 +6,16 @@ For each weight format (nvfp4 = W4A16 on Hopper, bf16) x attention backend (sdpa
 weights resident. Kernel ceilings measured in the same run: bf16 matmul 8192^3, the four block GEMMs at S,
 attention alone at S (56 heads x 128) per backend, the NVFP4 -> bf16 dequantization of one step.
 
-    python3 benchmarks/bench_dit.py --preset full --device cuda          # the H200 run
-    python3 benchmarks/bench_dit.py --preset tiny --device cpu           # validation, seconds
+    python -m benchmarks.bench_dit --preset full --device cuda          # the H200 run
+    python -m benchmarks.bench_dit --preset tiny --device cpu           # validation, seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
 
 ATTENTION_DEFAULT = "sdpa,cudnn_sdpa,ck_int8"
 WEIGHTS_DEFAULT = "nvfp4,bf16"
@@ -37,32 +34,24 @@ def parse_args(argv=None):
     ap.add_argument("--mlp-chunks", type=int, default=1)
     ap.add_argument("--fp8-linear", nargs="?", const="stream", default="off", choices=("off", "stream", "resident"),
                     help="FP8 W8A8 block linears (opt-in approximate path; bare flag = stream)")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an option by its flat name (repeatable), e.g. --option sol_tau=1.3")
+    ap.add_argument("--profile", nargs="?", type=int, const=25, default=0, metavar="TOP",
+                    help="one more step of each config under torch.profiler: its TOP kernels (default 25) and the "
+                         "GPU time by kind (GEMM, attention, dequantization, ...)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel ceilings")
     ap.add_argument("--kernel-iters", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true",
-                    help="print the workload, S, FLOP per step and the time estimates; build nothing")
-    return ap.parse_args(argv)
+                    help="print the workload, S and FLOP per step; build nothing")
+    args = ap.parse_args(argv)
+    from h3direct.dit.options import parse_assignments
+    from h3direct.errors import H3Error
 
-
-# ---------------------------------------------------------------- estimates
-
-def print_estimates(flops: dict, wl: dict, device, n_weights: int, n_backends: int) -> dict:
-    """Rough expected GPU-side phase times (H200) so the caller can budget; CPU runs print nothing useful."""
-    step = flops["total_tflop"] / 500.0 + 0.3  # ~500 TFLOP/s blended + elementwise
-    est = {
-        "cuda_init_s": 5.0,
-        "kernels_s": 20.0,
-        "build_nvfp4_s": 25.0,
-        "build_bf16_s": 15.0,
-        "warmup_step_s": step + 3.0,
-        "timed_step_s": step,
-    }
-    per_config = est["warmup_step_s"] + 3 * step
-    est["total_s"] = (est["cuda_init_s"] + est["kernels_s"] + est["build_nvfp4_s"] + est["build_bf16_s"]
-                      + n_weights * n_backends * per_config)
-    if C.is_cuda(device) and wl["seq_len"] > 10000:
-        C.log("expected on one H200 (rough): " + ", ".join(f"{k} ~{v:.0f}" for k, v in est.items()))
-    return est
+    try:
+        args.options = parse_assignments(args.option)
+    except H3Error as exc:
+        ap.error(str(exc))
+    return args
 
 
 # ---------------------------------------------------------------- kernels
@@ -217,7 +206,7 @@ def run_config(run: C.Run, model, context, cond, video, audio, backend: str, arg
     from h3direct.dit.options import Options
 
     dev = args.device
-    options = Options.from_flat({"attention": backend, "mlp_chunks": args.mlp_chunks})
+    options = Options.from_flat({"attention": backend, "mlp_chunks": args.mlp_chunks, **args.options})
     den = Denoiser(model, context, cond, audio_scale=audio_scale_of(model), options=options)
     sigma = torch.tensor([args.sigma], dtype=torch.float32, device=dev)
     last = {}
@@ -244,9 +233,55 @@ def run_config(run: C.Run, model, context, cond, video, audio, backend: str, arg
     }
     if C.is_cuda(dev):
         res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / C.GIB
-    res["vs_comfyui_speedup"] = C.ANCHOR["comfyui_s_per_step"] / t
-    res["vs_floor_ratio"] = t / C.ANCHOR["floor_s_per_step"]
+    ref = run.data["reference"]
+    res["vs_comfyui_speedup"] = ref["comfyui_s_per_step"] / t if ref["comfyui_s_per_step"] else None
+    res["vs_floor_ratio"] = t / ref["floor_s_per_step"] if ref["floor_s_per_step"] else None
+    if args.profile:
+        res["profile"] = profile_step(step, dev, args.profile)
     return res
+
+
+# first match wins, on the lower-cased kernel name
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention", "sm90_xmma_fprop", "sage", "int8_attn", "sol_",
+                   "prep_q", "prep_k", "prep_reduce_kv", "prep_pooled", "vquant_transpose")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "ampere_", "cublas")),
+    ("8-bit quant", ("quant_rows", "nvfp4_e4m3")),  # W8A8: activation quantization, NVFP4 -> e4m3 (stream)
+    ("dequant", ("dequant", "nvfp4")),
+    ("norm/rope", ("rms", "norm", "rope")),
+    ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "silu", "mul", "add", "triton", "swiglu")),
+)
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in n for k in keys)), "other")
+
+
+def profile_step(step, dev, top: int) -> dict:
+    """One more step under torch.profiler: the GPU's kernels only (an operator's row repeats the device time of the
+    kernels it launched), the top `top` by time and their sum per `CATEGORIES`, in ms; printed too."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if C.is_cuda(dev) else [])
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        step()
+        C.sync(dev)
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    by_cat: dict[str, float] = {}
+    for e in events:
+        by_cat[category(e.key)] = by_cat.get(category(e.key), 0.0) + e.self_device_time_total / 1e3
+    kernels = [{"ms": e.self_device_time_total / 1e3, "calls": e.count, "category": category(e.key), "name": e.key}
+               for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]]
+    total = sum(by_cat.values())
+    C.print_table(f"profile: top {top} kernels, GPU total {total:.1f} ms", ["ms", "calls", "category", "kernel"],
+                  [[k["ms"], k["calls"], k["category"], k["name"][:100]] for k in kernels])
+    C.print_table("profile: by category (ms per step)", ["category", "ms"],
+                  sorted(([c, ms] for c, ms in by_cat.items()), key=lambda r: -r[1]))
+    return {"gpu_ms": total, "by_category": by_cat, "top": kernels}
 
 
 def main(argv=None) -> int:
@@ -270,8 +305,7 @@ def main(argv=None) -> int:
     wl = C.workload(args.width, args.height, args.frames, args.text_len)
     flops = C.step_flops(config, wl["seq_len"])
     run.data.update(env=C.env_info(dev), config=config.comfy_dict(), workload=wl, flops_per_step=flops,
-                    anchor=C.ANCHOR, kernels={}, builds=[], configs=[])
-    run.data["estimates"] = print_estimates(flops, wl, dev, len(weights_list), len(args.attention_list))
+                    reference=C.reference(C.env_info(dev).get("gpu")), kernels={}, builds=[], configs=[])
     C.log(f"workload {wl['width']}x{wl['height']}x{wl['frames']} (frame count {wl['frame_count']}): video latent "
           f"{wl['video_latent']}, audio latent {wl['audio_latent']}, ref latent {wl['ref_latent']}, "
           f"rows {wl['rows']} -> S = {wl['seq_len']:,}")
@@ -285,7 +319,7 @@ def main(argv=None) -> int:
         refs = [{"kind": "image", "latent_h": wl["ref_latent"][3], "latent_w": wl["ref_latent"][4]}]
         wl["seq_len_layout"] = build_layout(wl["text_len"], t, h + h % 2, w + w % 2, wl["audio_latent"][-1],
                                             refs=refs).seq_len
-        C.log(f"S from h3direct's packed layout: {wl['seq_len_layout']:,}; estimates: {run.data['estimates']}")
+        C.log(f"S from h3direct's packed layout: {wl['seq_len_layout']:,}")
         run.save()
         return 0
 
@@ -307,13 +341,11 @@ def main(argv=None) -> int:
                 run.error("kernels", exc)
         run.save()
 
-    from synthetic_gpu import build_dit
+    from benchmarks.synthetic_gpu import build_dit
 
     est_config = None  # measured cost of one config, for the budget check
     for weights in weights_list:
-        est_build = run.data["estimates"]["build_nvfp4_s" if weights == "nvfp4" else "build_bf16_s"] \
-            if C.is_cuda(dev) and wl["seq_len"] > 10000 else 0.0
-        if run.over_budget(est_build + (est_config or 0.0)):
+        if run.over_budget(est_config or 0.0):
             for b in args.attention_list:
                 run.data["configs"].append({"weights": weights, "attention": b, "status": "skipped",
                                             "reason": "budget"})
@@ -404,8 +436,10 @@ def report(run: C.Run) -> None:
             rows.append([c["weights"], c["attention"], None, None, None, None, None, None, None,
                          f"{c.get('status')}: {(c.get('reason') or c.get('error') or '')[:40]}"])
     wl, fl = d["workload"], d["flops_per_step"]
+    ref = d["reference"]
     C.print_table(f"DiT step, S={wl['seq_len']:,} ({fl['total_tflop']:.1f} TFLOP/step); ComfyUI "
-                  f"{C.ANCHOR['comfyui_s_per_step']} s/step, floor {C.ANCHOR['floor_s_per_step']} s",
+                  f"{C.fmt(ref['comfyui_s_per_step'])} s/step, floor {C.fmt(ref['floor_s_per_step'])} s "
+                  f"(the contract: {ref['source']})",
                   ["weights", "attention", "s/step", "TFLOP/s", "x ComfyUI", "/ floor", "peak GiB", "resident GiB",
                    "warm-up s", "status"], rows)
     if run.out_path:

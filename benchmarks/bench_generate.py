@@ -9,19 +9,16 @@ Two drivers: `pipeline` (default: `H3Pipeline(...).generate` on the built models
 (the same calls driven here, stage by stage). The DiT stays resident during the decodes (as a warm server;
 `--free-dit` frees it, pieces driver only).
 
-    python3 benchmarks/bench_generate.py --preset full --device cuda --steps 2
-    python3 benchmarks/bench_generate.py --preset tiny --device cpu
+    python -m benchmarks.bench_generate --preset full --device cuda --steps 2
+    python -m benchmarks.bench_generate --preset tiny --device cpu
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
 
 # stages summed into end_to_end_s, per driver (pipeline stage names are mapped onto these)
 E2E_STAGES = {
@@ -116,8 +113,8 @@ def reference_conditioning(wl: dict, video_vae, audio_vae, vae_dtype: str, seed:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from synthetic_gpu import build_audio_vae, build_dit, build_video_vae
 
+    from benchmarks.synthetic_gpu import build_audio_vae, build_dit, build_video_vae
     from h3direct.config import H3Config
     from h3direct.dit.attention import check_backend
 
@@ -130,7 +127,7 @@ def main(argv=None) -> int:
     flops = C.step_flops(config, wl["seq_len"])
     driver = args.driver
     run.data.update(env=C.env_info(dev), config=config.comfy_dict(), workload=wl, flops_per_step=flops,
-                    anchor=C.ANCHOR, builds={}, driver=driver, outputs={})
+                    reference=C.reference(C.env_info(dev).get("gpu")), builds={}, driver=driver, outputs={})
     C.log(f"Ref2VA {wl['width']}x{wl['height']}x{wl['frames']}, {args.steps} steps, {args.weights} weights, "
           f"attention {args.attention}, S = {wl['seq_len']:,}, driver {driver}")
     if C.is_cuda(dev) and wl["seq_len"] > 10000:

@@ -1,8 +1,8 @@
 """What the text encoder's residency policies cost per request: the moves of `--text-encoder-policy` offload and
 unload, timed on a full-size synthetic encoder.
 
-    python3 benchmarks/bench_residency.py --device cuda [--weights nvfp4,bf16] [--policies offload,unload]
-    python3 benchmarks/bench_residency.py --preset tiny --device cpu
+    python -m benchmarks.bench_residency --device cuda [--weights nvfp4,bf16] [--policies offload,unload]
+    python -m benchmarks.bench_residency --preset tiny --device cpu
 
 Per weight format, the preset's synthetic Qwen3-VL encoder (`synthetic_gpu.text_encoder_tensors`, ComfyUI's file layout)
 is written to a safetensors file in `--dir` (timed; unload reads it back), then served under each policy by
@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
 
 POLICIES = ("offload", "unload")
 WEIGHTS = ("nvfp4", "bf16")
@@ -57,7 +55,8 @@ def parse_args(argv=None):
 def write_encoder(name: str, weights: str, device, seed: int, folder: Path) -> tuple[Path, dict]:
     """The synthetic encoder as a safetensors file in `folder`: (path, {"write_s", "file_gib"})."""
     from safetensors.torch import save_file
-    from synthetic_gpu import text_encoder_config, text_encoder_tensors
+
+    from benchmarks.synthetic_gpu import text_encoder_config, text_encoder_tensors
 
     t = time.perf_counter()
     sd = {k: v.contiguous() for k, v in text_encoder_tensors(text_encoder_config(name), weights, device, seed)}

@@ -14,8 +14,8 @@ Steps (each timed, all logged to OUT/bench_serve.log, the results to OUT/bench_s
      size, audio stream);
   4. GET /ready again, then SIGTERM: the server must exit 0.
 
-    python3 benchmarks/bench_serve.py --preset full --device cuda --out $OUT      # on a GPU
-    python3 benchmarks/bench_serve.py --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about 10 s
+    python -m benchmarks.bench_serve --preset full --device cuda --out $OUT      # on a GPU
+    python -m benchmarks.bench_serve --preset tiny --device cpu --out /tmp/serve  # CPU dry run, about 10 s
 
 Exit status: 0 when every step passed, 1 when one failed (the JSON says which), 2 on bad flags.
 """

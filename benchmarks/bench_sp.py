@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism (`h3direct.dit.parallel`): DiT s/step on 1 and N GPUs, scaling efficiency,
 all-to-all time and bytes per step, full-size synthetic weights (`synthetic_gpu.build_dit`), Ref2VA geometry.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp.py            # H200 x2: S = 20,050 and 38,974
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_sp.py --preset tiny --device cpu   # gloo check
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_sp            # H200 x2: S = 20,050 and 38,974
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_sp --preset tiny --device cpu   # gloo check
 
 Per geometry: N-rank steps first (every rank in lockstep), then one step with the collectives synchronized to
 time the all-to-alls (`CommStats.timed`), then the same step on rank 0 alone (the model detached from the
@@ -17,10 +17,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
 
 GEOMETRIES = {"full": "960x544x124,1344x768x124", "tiny": "64x64x22,96x64x22"}
 ROCE_GBPS = 200.0  # two DGX Sparks, ConnectX-7 RoCE
@@ -73,9 +71,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     import torch.distributed as dist
-    from bench_dit import make_inputs
-    from synthetic_gpu import build_dit
 
+    from benchmarks.bench_dit import make_inputs
+    from benchmarks.synthetic_gpu import build_dit
     from h3direct.config import H3Config
     from h3direct.dit import parallel
     from h3direct.dit.denoiser import Denoiser, audio_scale_of

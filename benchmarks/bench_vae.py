@@ -5,20 +5,17 @@ video encode of one reference image at the target canvas. Synthetic weights buil
 Each part: a small warm-up call (kernel/library initialisation), then `--repeats` timed full-size calls
 (wall clock with device synchronisation), peak memory (max_memory_allocated, reset per part).
 
-    python3 benchmarks/bench_vae.py --preset full --device cuda
-    python3 benchmarks/bench_vae.py --preset tiny --device cpu
+    python -m benchmarks.bench_vae --preset full --device cuda
+    python -m benchmarks.bench_vae --preset tiny --device cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
 
 PARTS = ("video_decode", "video_encode_image", "audio_decode")
 VIDEO_PARTS = ("video_decode", "video_encode_image")  # share one video VAE
@@ -76,8 +73,8 @@ def bench_video_decode(run, args, vae, info, wl) -> dict:
 
 def bench_audio_decode(run, args, preset, wl) -> dict:
     import torch
-    from synthetic_gpu import build_audio_vae
 
+    from benchmarks.synthetic_gpu import build_audio_vae
     from h3direct.vae import decode_audio
 
     dev = args.device
@@ -131,7 +128,8 @@ def main(argv=None) -> int:
         vae = None
         try:
             import torch
-            from synthetic_gpu import build_video_vae
+
+            from benchmarks.synthetic_gpu import build_video_vae
 
             dtype = torch.float16 if args.vae_dtype == "fp16" else torch.float32
             with run.phase("build video VAE"):

@@ -41,8 +41,18 @@ import math
 import sys
 from pathlib import Path
 
-from benchmarks._common import number, tier_spec
-from benchmarks.quality import METRICS, cases_of, worst
+from benchmarks.quality import cases_of
+from h3direct.app.frontier.cases import METRICS, number, worst
+
+
+def tier_spec(flat: dict) -> dict:
+    """A tier's flat options (`h3direct.app.tiers.Tier.options`) as a contract path's attention, FP8 linears and
+    options (an option the tier does not name takes its default, as `Options.from_flat` gives it)."""
+    from h3direct.dit.options import DEFAULT_BACKEND
+
+    options = dict(flat)
+    return {"attention": options.pop("attention", DEFAULT_BACKEND), "fp8_linear": options.pop("fp8_linear", "off"),
+            "options": options}
 
 
 def _load(path: str, what: str) -> dict:

@@ -12,13 +12,10 @@ ComfyUI bf16's own error against the same twin (`x_comfyui_bf16`) and of ComfyUI
 case that is missing). The path's figures on a case are the worse of its two outputs; over the contract's cases
 (`contract["quality"]["cases"]`: a list of names, or "structured" for every structured case of the validation set,
 `parity_tests.validation.structured()`) they are the worst case, and a case that was not measured leaves the path
-without a figure (`worst`). ComfyUI's configurations get the same measurement from their recordings: the default is
+without a figure (`h3direct.app.frontier.cases`, the format the frontier shares). ComfyUI's configurations get the same measurement from their recordings: the default is
 ComfyUI bf16 (1 by definition), sage its sage recording.
-
-`run_contract --quality-dir DIR` runs this after the timings, in the same process and on the same GPU, on the
-contract's cases; `compare` checks the targets `error_x_comfyui_bf16` and `error_x_comfyui_sage` on the worst of
-them. This CLI measures any number of cases (default: the contract's) and paths (a frontier: a contract file of
-candidate paths).
+`run_contract --quality-dir DIR` and the frontier run this after their timings, on the same GPU; this CLI measures
+any cases (default: the contract's) and paths.
 """
 
 from __future__ import annotations
@@ -26,46 +23,40 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
+from benchmarks import _common as C
+from h3direct.app.frontier.cases import by_path
+from h3direct.app.frontier.grid import options_of
 
 OUTPUTS = ("video", "audio")
 PROG = "benchmarks.quality"
 
 
-def recorded_case(root: Path, name: str, comfy_root: str | None, device: str):
-    """(the bf16 case `root/name` with ComfyUI's fp32 twin and sage recording, None) or (None, why not); a case of
-    the validation set that is missing is built and recorded first where `comfy_root` is given."""
+def record_missing(root: Path, names: list[str], comfy_root: str, device: str) -> None:
+    """Build and record, all at once, the cases of `names` that are cases of the validation set and are not recorded
+    in `root` with their fp32 twin and sage recording (bf16, fp32 twin, --use-sage-attention; ComfyUI at `comfy_root`)."""
     from parity_tests import validation
 
     known = {c.name for c in validation.CASES}
-    case = find_case(root, name)
-    if case is None and comfy_root and name in known:
-        validation.build(root, device=device, only=[name])
-        validation.record(root, comfy_root, device=device, jobs=3, only=[name], sage=True)
-        case = find_case(root, name)
+    missing = [n for n in names if n in known and getattr(validation.recorded(root / n), "sage_twin", None) is None]
+    if missing:
+        validation.build(root, device=device, only=missing)
+        validation.record(root, comfy_root, device=device, jobs=8, only=missing, sage=True)
+
+
+def recorded_case(root: Path, name: str):
+    """(the bf16 case `root/name` with ComfyUI's fp32 twin and sage recording, None) or (None, why not)."""
+    from parity_tests import validation
+
+    case = validation.recorded(root / name)
     if case is None:
-        how = "record it: --comfy-root" if name in known else "not a case of the validation set either"
+        known = name in {c.name for c in validation.CASES}
+        how = "record it: --comfy-root" if known else "not a case of the validation set either"
         return None, f"{root / name}: no ComfyUI bf16 trace with its fp32 twin ({how})"
     if case.sage_twin is None:
         return None, f"{root / name}: no ComfyUI --use-sage-attention recording (SageAttention must be importable)"
     return case, None
-
-
-def find_case(root: Path, name: str):
-    """The bf16 DitCase of validation case `name` with its fp32 twin, or None."""
-    from parity_tests.discovery import find_dit_cases
-
-    if not (root / name).is_dir():
-        return None
-    cases, _ = find_dit_cases([root / name])
-    return next((c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None), None)
 
 
 def _figures(points: dict, key: str) -> dict:
@@ -121,9 +112,6 @@ def comfy_quality(case) -> dict:
             "sage": {"case": case.trace.parent.name, **_figures(points, "sage")}}
 
 
-METRICS = ("error_x_comfyui_bf16", "error_x_comfyui_sage")
-
-
 def cases_of(spec: dict | None) -> list[str]:
     """The case names of a contract's "quality" entry: its "cases" (a list of names, or "structured": every
     structured case of the validation set). ValueError when it names none."""
@@ -137,70 +125,28 @@ def cases_of(spec: dict | None) -> list[str]:
     return cases
 
 
-def worst(entry, cases: list[str], metric: str) -> tuple[float | None, str]:
-    """(the worst of `metric` over `cases`, where it was) of one path's quality over cases (`over_cases`), or (None,
-    why not): a case without a finite figure leaves none, since the worst case may be the one missing."""
-    if not isinstance(entry, dict):
-        return None, "quality not measured"
-    per_case = entry.get("cases")
-    if not isinstance(per_case, dict):
-        status = entry.get("status", "ok")
-        return None, status if status != "ok" else "no figure per case (a result of a one-case contract)"
-    values = {}
-    for case in cases:
-        raw = (per_case.get(case) or {}).get(metric)
-        values[case] = C.number(raw)
-        if values[case] is None:
-            why = (per_case.get(case) or {}).get("status") or f"{metric} {raw!r} is not a finite number"
-            return None, f"case {case}: {why}"
-    case = max(values, key=values.get)
-    return values[case], f"worst case {case}"
-
-
-def over_cases(per_case: dict[str, dict]) -> dict:
-    """One path's (or ComfyUI configuration's) quality over cases: {case: its figures on it} (a case's status where
-    it was not measured), the worst of each metric and where; status ok only when every case was measured."""
-    cases = {c: ({k: q[k] for k in ("x_comfyui_bf16", "x_comfyui_sage", *METRICS)} if q.get("status", "ok") == "ok"
-                 else {"status": q.get("status")}) for c, q in per_case.items()}
-    out = {"cases": cases}
-    for metric in METRICS:
-        v, where = worst(out, list(cases), metric)
-        out[metric] = v
-        if v is None:
-            out["status"] = where
-        else:
-            out.setdefault("worst_case", {})[metric] = where.removeprefix("worst case ")
-    out.setdefault("status", "ok")
-    return out
-
-
 def measure_cases(contract: dict, names: list[str], root: Path, cases: list[str], device: str,
                   comfy_root: str | None = None) -> dict:
-    """Every path of `names` and every ComfyUI configuration on every case of `cases` (`measure`), and over them
-    (`over_cases`): {"cases", "status", "per_case": {case: measure's}, "paths": {name: ...}, "comfyui": {...}}."""
-    per_case = {c: measure(contract, names, root, c, device, comfy_root) for c in cases}
+    """Every path of `names` and every ComfyUI configuration on every case of `cases` (`measure`; with `comfy_root`
+    the validation set's cases not recorded yet are first built and recorded), and over them (`h3direct.app.frontier.cases`):
+    {"cases", "status", "per_case": {case: measure's}, "paths": {name: ...}, "comfyui": {...}}."""
+    if comfy_root:
+        record_missing(root, cases, comfy_root, device)
+    per_case = {c: measure(contract, names, root, c, device) for c in cases}
     missing = [f"{c}: {q['status']}" for c, q in per_case.items() if q.get("status") != "ok"]
-
-    def of(kind: str, name: str) -> dict:
-        return {c: (q[kind].get(name) or {"status": "not measured"}) if q.get("status") == "ok" else
-                {"status": q["status"]} for c, q in per_case.items()}
-
-    configs = sorted({n for q in per_case.values() for n in q.get("comfyui", {})})
     return {"cases": cases, "status": "ok" if not missing else "not measured on " + "; ".join(missing),
-            "per_case": per_case, "paths": {n: over_cases(of("paths", n)) for n in names},
-            "comfyui": {n: over_cases(of("comfyui", n)) for n in configs}}
+            "per_case": per_case, "paths": by_path(per_case, "paths", names), "comfyui": by_path(per_case, "comfyui")}
 
 
-def measure(contract: dict, names: list[str], root: Path, case_name: str, device: str,
-            comfy_root: str | None = None) -> dict:
+def measure(contract: dict, names: list[str], root: Path, case_name: str, device: str) -> dict:
     """{"case", "paths": {name: quality}, "comfyui": {config: quality}} or {"status": why not}."""
-    case, problem = recorded_case(root, case_name, comfy_root, device)
+    case, problem = recorded_case(root, case_name)
     if problem is not None:
         return {"case": case_name, "status": f"not measured: {problem}"}
     out = {"case": case_name, "status": "ok", "paths": {}, "comfyui": comfy_quality(case)}
     for name in names:
         try:
-            res = measure_path(case, C.path_options(contract["paths"][name]), device)
+            res = measure_path(case, options_of(contract["paths"][name]), device)
         except Exception as exc:  # noqa: BLE001  one path's failure is its result; the other paths are still measured
             res = {"status": C.failed(exc)}
             C.free_memory(device)
@@ -241,7 +187,9 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             C.usage_error("--device cuda: no CUDA device here", PROG)
-    results = [measure(contract, names, args.trace_dir, c, args.device, args.comfy_root) for c in cases]
+    if args.comfy_root:
+        record_missing(args.trace_dir, cases, args.comfy_root, args.device)
+    results = [measure(contract, names, args.trace_dir, c, args.device) for c in cases]
     if args.out:
         C.write_result(args.out, {"contract": contract.get("contract"), "cases": results})
     for r in results:

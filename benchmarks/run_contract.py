@@ -30,12 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
-from compare import ratios  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.compare import ratios, tier_spec
+from h3direct.app.frontier.grid import options_of
 
 # ComfyUI attention names (oracle.comfy_env.ATTENTION_FLAGS) -> the package the flag needs, when not ComfyUI's own
 ATTENTION_PACKAGES = {"sage": "sageattention", "flash": "flash_attn"}
@@ -105,12 +102,12 @@ def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict |
     from h3direct.errors import H3Error
 
     floor_path, _ = _floor(contract, args)
-    contract, tiers = C.resolve_tier_paths(contract, list(dict.fromkeys(names + ([floor_path] if floor_path else []))),
+    contract, tiers = resolve_tier_paths(contract, list(dict.fromkeys(names + ([floor_path] if floor_path else []))),
                                            args.tiers or read_tiers(), dev)
 
     for n in names:
         try:
-            C.path_options(contract["paths"][n])
+            options_of(contract["paths"][n])
         except H3Error as exc:
             _fail(f"--contract: path {n}: {exc}")
     modes = {contract["paths"][n].get("fp8_linear", "off") for n in names} - {"off"}
@@ -118,7 +115,7 @@ def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict |
         _fail(f"one fp8_linear mode per run, the paths ask {sorted(modes)} (run them with --paths in two runs)")
     C.check_run_flags(args)
     if contract.get("quality") or args.quality_dir is not None:
-        import quality
+        from benchmarks import quality
 
         try:
             quality.cases_of(contract.get("quality"))
@@ -128,6 +125,30 @@ def _check_args(args, contract: dict, dev: str) -> tuple[list[str], dict, dict |
         if args.quality_dir.exists() and not args.quality_dir.is_dir():
             _fail(f"--quality-dir {args.quality_dir}: not a directory")
     return names, contract, tiers
+
+
+def resolve_tier_paths(contract: dict, names: list[str], tiers_path, device: str):
+    """(contract, tiers record) with each of `names` whose path names a tier (`{"tier": NAME, "class": ...}`) given
+    that tier's options from the tiers file at `tiers_path` (None: the runtime's default), which must have been chosen
+    on `device`'s kind of device. The record (file, sha256, machine, made) goes into the result; None when no path of
+    `names` names a tier. A missing, malformed or foreign file, or a tier it lacks, is one line and exit 2."""
+    wanted = [n for n in names if "tier" in contract["paths"][n]]
+    if not wanted:
+        return contract, None
+    from h3direct.app import tiers as T
+    from h3direct.errors import H3Error
+
+    try:
+        found = T.load_for(tiers_path, device)
+        chosen = {n: found.get(contract["paths"][n]["tier"]) for n in wanted}
+    except H3Error as exc:
+        _fail(f"--tiers: {exc}")
+    paths = dict(contract["paths"])
+    for n, tier in chosen.items():
+        paths[n] = {**paths[n], **tier_spec(tier.options), "tier_record": tier.provenance(found)}
+    record = {"file": str(found.path.resolve()), "sha256": found.sha256, "machine": found.machine,
+              "made": {k: found.made.get(k) for k in ("commit", "tree", "date", "cases")}}
+    return {**contract, "paths": paths}, record
 
 
 def _floor(contract: dict, args) -> tuple[str | None, float]:
@@ -161,9 +182,9 @@ def _load_time(model, options) -> None:
 
 def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) -> tuple[dict, dict, dict | None]:
     import torch
-    from bench_dit import make_inputs
-    from synthetic_gpu import build_dit
 
+    from benchmarks.bench_dit import make_inputs
+    from benchmarks.synthetic_gpu import build_dit
     from h3direct.config import H3Config
 
     w = contract["weights"]
@@ -171,7 +192,7 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     model, build = build_dit(config, w["dit"], dev, nvfp4_mode=w.get("nvfp4_mode", "w4a16"), seed=w.get("seed", 0))
     inputs = make_inputs(config, wl, dev, w.get("seed", 0))
     like = torch.empty(0, device=dev, dtype=model.compute_dtype)
-    opts = {n: C.path_options(contract["paths"][n]) for n in names}
+    opts = {n: options_of(contract["paths"][n]) for n in names}
     paths = {}
     # the exact paths first; then the block linears become FP8 once, in place, for the FP8 paths
     for name in sorted(names, key=lambda n: opts[n].kernels.fp8_linear != "off"):
@@ -188,7 +209,7 @@ def run_h3direct(contract: dict, args, names: list[str], wl: dict, preset, dev) 
     floor_path, seconds = _floor(contract, args)
     if floor_path is not None:
         exact = contract["paths"][floor_path]
-        floor = hot_floor(config, wl["seq_len"], C.path_options(exact), dev, seconds, w.get("seed", 0))
+        floor = hot_floor(config, wl["seq_len"], options_of(exact), dev, seconds, w.get("seed", 0))
         C.log(f"hot floor ({exact['attention']}): {floor.get('s_per_step', floor.get('status'))}")
     if not args.no_vae:
         vae_s = vae_decode(contract, preset, wl, dev)
@@ -295,8 +316,8 @@ def hot_floor(config, seq_len: int, options, dev, seconds: float, seed: int) -> 
 
 def vae_decode(contract: dict, preset, wl: dict, dev) -> float:
     import torch
-    from synthetic_gpu import build_audio_vae, build_video_vae
 
+    from benchmarks.synthetic_gpu import build_audio_vae, build_video_vae
     from h3direct.vae import decode_audio, decode_video
 
     name = contract.get("vae_dtype", "fp16")
@@ -347,8 +368,8 @@ def comfy_worker(args, contract: dict) -> int:
 
 def _comfy_steps(env, contract: dict, args, wl: dict, preset, dev) -> dict:
     import torch
-    from bench_dit import make_inputs
 
+    from benchmarks.bench_dit import make_inputs
     from h3direct.config import H3Config
 
     w = contract["weights"]
@@ -434,7 +455,7 @@ def merge_comfy(contract: dict, rounds: list[dict]) -> dict:
 def add_quality(contract: dict, args, names: list[str], dev, result: dict) -> None:
     """The quality axis (benchmarks/quality.py): each path's and each ComfyUI configuration's output error on every
     case of the contract's quality entry and the worst of them, after the timings, on the same device."""
-    import quality
+    from benchmarks import quality
 
     spec = contract.get("quality")
     if not spec:
@@ -457,7 +478,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     contract = _contract(args.contract)
     if contract.get("kind") == "e2e":
-        import run_e2e
+        from benchmarks import run_e2e
 
         if args.quality_dir is not None:
             _fail("--quality-dir: the e2e contract has no quality axis (the DiT contract has)")

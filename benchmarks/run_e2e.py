@@ -39,12 +39,9 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
-from compare import e2e_ratios  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.compare import e2e_ratios
+from h3direct.app.frontier.grid import options_of
 
 DIT_ONLY = {"paths": None, "floor_seconds": None, "no_vae": False, "comfy_rounds": 2}  # run_contract flags of the DiT contract alone
 TOKENIZER = "comfy/text_encoders/qwen25_tokenizer"  # the Qwen2 tokenizer's files in a ComfyUI checkout
@@ -119,7 +116,7 @@ def _check_args(args, contract: dict) -> tuple[list[str], object]:
               f"({', '.join(contract['configs'])})")
     C.check_run_flags(args)
     try:
-        C.path_options(contract["h3direct"])
+        options_of(contract["h3direct"])
     except H3Error as exc:
         _fail(f"--contract: h3direct: {exc}")
     tokenizer = args.tokenizer or (str(Path(args.comfy_root) / TOKENIZER) if args.comfy_root else None)
@@ -177,8 +174,8 @@ class _Counted:
 def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokenizer) -> dict:
     """One configuration through `app.generate.clip` (H3Pipeline.generate + the streamed mp4) on synthetic models."""
     import torch
-    from synthetic_gpu import build_audio_vae, build_dit, build_text_encoder, build_video_vae
 
+    from benchmarks.synthetic_gpu import build_audio_vae, build_dit, build_text_encoder, build_video_vae
     from h3direct.app.generate import clip
     from h3direct.app.pipeline import H3Pipeline
     from h3direct.app.request import GenerateRequest
@@ -188,7 +185,7 @@ def run_h3direct(contract: dict, args, name: str, wl: dict, preset, dev, tokeniz
     from h3direct.text.load import make_tokenizer
 
     spec, side, seed = contract["configs"][name], contract["h3direct"], contract["weights"].get("seed", 0)
-    options = C.path_options(side)
+    options = options_of(side)
     cuda = C.is_cuda(dev)
     vae_name = side.get("vae_dtype", "fp16") if cuda else "fp32"  # the CPU runs the video VAE in fp32 (ComfyUI too)
     vae_dtype = {"fp16": torch.float16, "fp32": torch.float32}[vae_name]
@@ -315,8 +312,7 @@ def _comfy_text_encoder(env, config, weights: str, seed: int, device):
     (ComfyUI tells the H3 encoder by its 50th layer)."""
     import importlib
 
-    from synthetic_gpu import text_encoder_tensors
-
+    from benchmarks.synthetic_gpu import text_encoder_tensors
     from h3direct.text.qwen import PRESETS
 
     options, detected = {}, contextlib.nullcontext()
@@ -353,8 +349,8 @@ def comfy_generation(env, contract: dict, name: str, wl: dict, preset, dev) -> d
     import importlib
 
     import torch
-    from synthetic_gpu import build_audio_vae, build_video_vae, text_encoder_config
 
+    from benchmarks.synthetic_gpu import build_audio_vae, build_video_vae, text_encoder_config
     from h3direct.config import H3Config
     from h3direct.vae import AUDIO_PRESETS, VIDEO_PRESETS
     from oracle.record_vae import sized_classes

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # h3direct on one CUDA machine: the GPU test lane, the speed benchmarks and the benchmark contract, each part under
-# its own hard time limit, logs and JSON under $OUT, the summary table last. Needs the project installed with the
+# its own hard time limit, logs and JSON under $OUT. Needs the project installed with the
 # GPU lane's extras (README "GPU test lane"); runs from anywhere.
 #
-#   bash benchmarks/run_gpu.sh                    # tests dit vae generate, then the summary
+#   bash benchmarks/run_gpu.sh                    # tests dit vae generate
 #   bash benchmarks/run_gpu.sh contract           # the contract (ComfyUI in the same run when COMFY_ROOT is set)
 #   E2E_CONFIGS=nvfp4 bash benchmarks/run_gpu.sh e2e   # the end-to-end contract, one weight format
 #   bash benchmarks/run_gpu.sh tests dit          # any parts, in the order given
@@ -55,11 +55,11 @@ for p in "${PARTS[@]}"; do
   # shellcheck disable=SC2086
   case "$p" in
     tests) part tests "${TESTS_TIMEOUT:-900}" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or gpu2" ;;
-    dit) part bench_dit "${DIT_TIMEOUT:-290}" "$PY" benchmarks/bench_dit.py --preset "$PRESET" \
+    dit) part bench_dit "${DIT_TIMEOUT:-290}" "$PY" -m benchmarks.bench_dit --preset "$PRESET" \
            --budget-seconds $(( ${DIT_TIMEOUT:-290} - 60 )) ${DIT_ARGS:-} ;;
-    vae) part bench_vae "${VAE_TIMEOUT:-100}" "$PY" benchmarks/bench_vae.py --preset "$PRESET" \
+    vae) part bench_vae "${VAE_TIMEOUT:-100}" "$PY" -m benchmarks.bench_vae --preset "$PRESET" \
            --budget-seconds $(( ${VAE_TIMEOUT:-100} - 25 )) ${VAE_ARGS:-} ;;
-    generate) part bench_generate "${GEN_TIMEOUT:-140}" "$PY" benchmarks/bench_generate.py --preset "$PRESET" \
+    generate) part bench_generate "${GEN_TIMEOUT:-140}" "$PY" -m benchmarks.bench_generate --preset "$PRESET" \
            --budget-seconds $(( ${GEN_TIMEOUT:-140} - 25 )) ${GEN_ARGS:-} ;;
     contract)  # the tier paths' options: the frontier part's tiers file when it ran, else $H3_TIERS or the cache's
       tiers=(); [ -f "$OUT/frontier/tiers.json" ] && tiers=(--tiers "$OUT/frontier/tiers.json")
@@ -68,7 +68,7 @@ for p in "${PARTS[@]}"; do
         --quality-dir "${QUALITY_DIR:-$OUT/validation}" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${CONTRACT_ARGS:-}
       part compare 60 "$PY" -m benchmarks.compare --contract benchmarks/ref2va-960x544-124f.json \
         --result "$OUT/contract.json" ;;
-    int8) part int8_gemm "${INT8_TIMEOUT:-240}" "$PY" benchmarks/int8_gemm.py --all-configs --out "$OUT/int8-gemm.json" ;;
+    int8) part int8_gemm "${INT8_TIMEOUT:-240}" "$PY" -m benchmarks.int8_gemm --all-configs --out "$OUT/int8-gemm.json" ;;
     frontier) part frontier "${FRONTIER_TIMEOUT:-600}" "$PY" -m benchmarks.frontier \
         --trace-dir "${QUALITY_DIR:-$OUT/validation}" --out "$OUT/frontier" ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} \
         ${FRONTIER_ARGS:-} ;;
@@ -90,7 +90,5 @@ for p in "${PARTS[@]}"; do
   esac
 done
 
-echo
-"$PY" benchmarks/summarize.py "$OUT" 2>&1 | tee "$OUT/summary.log"
 echo "total $(( $(date +%s) - T0 ))s; results in $OUT"
 exit "$FAILED"

@@ -20,7 +20,7 @@ down_proj; the vision tower's attn.proj, mlp.linear_fc2) scaled by 1/sqrt(2 x de
 O(1) over the layers; biases ~ N(0, 0.02^2); norm weights 1 + N(0, 0.05^2); token embeddings N(0, 1); the vision
 position table 0.5 N(0, 1).
 
-CLI (a build check): `python3 benchmarks/synthetic_gpu.py --preset tiny --device cpu --weights bf16,nvfp4 [--vae]
+CLI (a build check): `python -m benchmarks.synthetic_gpu --preset tiny --device cpu --weights bf16,nvfp4 [--vae]
 [--text-encoder]`.
 """
 
@@ -28,24 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402  (puts the repo root on sys.path)
-
-from h3direct.checkpoint.keys import BLOCK_LINEARS as NVFP4_LINEARS  # noqa: E402
-from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS  # noqa: E402
-
-
-def dit_formats(config, weights: str) -> dict[str, str]:
-    """layer path -> 'nvfp4' for the DiT block linears ({} for bf16)."""
-    if weights == "bf16":
-        return {}
-    if weights != "nvfp4":
-        raise ValueError(f"weights must be bf16 or nvfp4, got {weights!r}")
-    return {f"blocks.{i}.{name}": "nvfp4" for i in range(config.num_layers) for name in NVFP4_LINEARS}
+from benchmarks import _common as C
+from h3direct.text.load import NVFP4_LINEARS as TEXT_NVFP4_LINEARS
 
 
 def build_dit(config, weights: str, device, *, compute_dtype=None, nvfp4_mode: str = "w4a16", seed: int = 0,

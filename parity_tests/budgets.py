@@ -275,7 +275,15 @@ def table_of(entries: list[dict], rules: dict | None = None, roundings: dict | N
     rules["roundings"] = dict(roundings or {})
     out = []
     for i, e in enumerate(entries):
+        stated = e
+        if e.get("mode") == "class" and e.get("rule") == "ratio":  # k: the class tier's bound, stated in app.tiers
+            from h3direct.app.tiers import CLASS_BOUND
+
+            e = {**e, "k": CLASS_BOUND}
         _check(i, e, rules, path)
+        if e.get("mode") == "class" and "k" in stated:
+            raise BudgetError(f"budget entry {i}: a class entry states no k (its k is the class tier's bound, "
+                              f"h3direct.app.tiers.TIERS)", path=path)
         limits = {f: e.get(f) for f in LIMIT_FIELDS}
         out.append(Budget(match={k: str(e.get(k, "*")) for k in KEYS}, rule=e["rule"], k=e.get("k"), **limits,
                           reference=e.get("reference"), dtype=e.get("dtype"), source=e.get("source", ""),

@@ -91,6 +91,39 @@ def structured() -> list[Case]:
     return [c for c in CASES if c.structured]
 
 
+def recorded(folder: Path):
+    """The bf16 case (`discovery.DitCase`) recorded in `folder` with ComfyUI's fp32 twin, or None."""
+    from parity_tests.discovery import find_dit_cases
+
+    if not folder.is_dir():
+        return None
+    cases, _ = find_dit_cases([folder])
+    return next((c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None), None)
+
+
+def own_cases(root: Path) -> tuple[list[str], dict[str, str]]:
+    """The user's own cases in `root` beside the validation set's (any folder of `root` that is not a case of
+    `CASES`, recorded with ComfyUI as `python -m oracle record` records one): (the names of those judged with the
+    structured cases: a bf16 trace with its fp32 twin and its --use-sage-attention recording, S >=
+    STRUCTURED_MIN_TOKENS), {name: why not} of the others."""
+    known = {c.name for c in CASES}
+    counted, not_counted = [], {}
+    for folder in sorted(d for d in root.iterdir() if d.is_dir() and d.name not in known) if root.is_dir() else []:
+        case = recorded(folder)
+        if case is None:
+            not_counted[folder.name] = "no ComfyUI bf16 trace with its fp32 twin"
+            continue
+        if case.sage_twin is None:
+            not_counted[folder.name] = "no ComfyUI --use-sage-attention recording (`oracle record --sage-twin`)"
+            continue
+        s = json.loads(case.trace.with_suffix(".json").read_text()).get("layout", {}).get("seq_len")
+        if not isinstance(s, int) or s < STRUCTURED_MIN_TOKENS:
+            not_counted[folder.name] = f"S = {s}, below {STRUCTURED_MIN_TOKENS:,} (the approximate modes' range)"
+            continue
+        counted.append(folder.name)
+    return counted, not_counted
+
+
 def seq_len(case: Case) -> int:
     """The packed sequence length of a case (h3direct's layout, as ComfyUI packs it)."""
     from h3direct.dit.sequence import build_layout

@@ -29,7 +29,7 @@ def _compare(result, contract: Path = CONTRACT, tmp: Path | None = None) -> subp
 
 QUALITY = {"exact": (0.95, 0.5), "sage_class": (2.2, 1.2), "fastest": (4.0, 2.5), "approximate_1s": (11.0, 6.0),
            "sage2": (1.9, 1.0)}  # made-up worst-case error_x_comfyui_bf16 / error_x_comfyui_sage per path
-# made-up tiers of a tiers file chosen on the result's GPU (flat options, as benchmarks/frontier.py writes them)
+# made-up tiers of a tiers file chosen on the result's GPU (flat options, as the frontier writes them)
 TIERS = {"exact": {"attention": "fa3"},
          "sage_class": {"attention": "sol_attn", "sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3"},
          "fastest": {"attention": "sol_attn", "sol_tau": 1.3, "sol_rows_backend": "fa3", "sol_fallback": "fa3",
@@ -303,7 +303,7 @@ def test_contract_workload_is_the_performance_workload(tmp_path):
     """The contract's S is what the benchmarks' workload geometry gives for its canvas (`bench_dit.py --dry-run`)."""
     w = json.loads(CONTRACT.read_text())["workload"]
     out = tmp_path / "dry.json"
-    p = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--dry-run", "--device", "cpu", "--width",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_dit", "--dry-run", "--device", "cpu", "--width",
                         str(w["width"]), "--height", str(w["height"]), "--frames", str(w["frames"]), "--text-len",
                         str(w["text_tokens"]), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

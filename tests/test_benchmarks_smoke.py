@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
 
 
 def _run(script: str, tmp_path: Path, *extra: str, preset: str = "tiny") -> dict:
     out = tmp_path / f"{script}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "--preset", preset, "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--preset", preset, "--device", "cpu",
                            "--out", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.is_file(), proc.stdout[-2000:]
@@ -147,7 +146,7 @@ def test_bench_residency_tiny(tmp_path):
 @pytest.mark.parametrize("flags", [("--weights", "fp8"), ("--policies", "resident"), ("--cycles", "0"),
                                    ("--dir", "/nonexistent/h3")])
 def test_bench_residency_bad_flags(flags, tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_residency.py"), "--preset", "tiny", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_residency", "--preset", "tiny", "--device", "cpu",
                            "--out", str(tmp_path / "r.json"), *flags], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -162,7 +161,7 @@ def test_bench_serve_tiny(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_serve.py"), "--preset", "tiny", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_serve", "--preset", "tiny", "--device", "cpu",
                            "--requests", "sdpa", "--out", str(out), "--work", str(tmp_path / "work")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -198,7 +197,7 @@ def test_shell_scripts_parse_and_run_directly(script):
 
 def test_attention_kernels_cpu(tmp_path):
     out = tmp_path / "attn.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "attention_kernels.py"), "--device", "cpu", "--seq", "256",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_kernels", "--device", "cpu", "--seq", "256",
                            "--heads", "2", "--backends", "sdpa,fa3", "--iters", "2", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -214,7 +213,7 @@ def test_int8_gemm_smoke_times_the_gemms_and_the_stream_weights(tmp_path):
     bitwise its torch reference on every block shape (small, through Triton's interpreter), each timing finite."""
     pytest.importorskip("triton", reason="triton is not installed (the test extra has it on x86_64 Linux)")
     out = tmp_path / "i8.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "int8_gemm.py"), "--smoke", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.int8_gemm", "--smoke", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())

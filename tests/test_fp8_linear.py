@@ -385,7 +385,7 @@ def test_bench_dit_tiny_with_fp8_linear(tmp_path):
     out = tmp_path / "b.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_dit.py"), "--preset", "tiny", "--device",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_dit", "--preset", "tiny", "--device",
                            "cpu", "--out", str(out), "--attention", "sdpa", "--steps", "1", "--no-kernels",
                            "--fp8-linear"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

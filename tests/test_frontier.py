@@ -1,7 +1,8 @@
-"""The frontier and the choice of tiers (`benchmarks/frontier.py`), on the CPU: the choice on a synthetic frontier
-(the fastest candidate inside the bound, the margin from the cases held out, a tier no candidate qualifies for),
-the tiers file it writes read back by the runtime, the plot rendered and its pixels looked at, and the command run
-end to end at tiny sizes on stand-in cases."""
+"""Choosing tiers (`h3direct/app/frontier/`, `benchmarks/frontier.py`), on the CPU: the grid its axes expand to (the
+hand-written grid it replaces; the grid without fa3), the choice on a synthetic frontier (the fastest candidate inside
+the bound, the margin from the cases held out, a tier no candidate qualifies for), the tiers file it writes read back
+by the runtime, the plot rendered and its pixels looked at, the report's order and wording, the user's own cases
+found, and the command run end to end at tiny sizes on stand-in cases."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from h3direct.app.frontier import choice as F
+from h3direct.app.frontier import grid, report
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import frontier as F  # noqa: E402
-
-BOUNDS = {"exact": {"rule": "exact", "bound": None}, "sage_class": {"rule": "class", "bound": 1.5},
-          "fastest": {"rule": "drift", "bound": 3.0}}
+BOUNDS = {"exact": ("exact", None), "sage_class": ("class", 1.5), "fastest": ("drift", 3.0)}
 
 
 def row(s, exact=False, **x_sage):
-    return {"s_per_step": s, "exact": exact, "x_sage": x_sage, "x_bf16": {k: 2 * v for k, v in x_sage.items()},
-            "options": {"attention": "sdpa"}}
+    """A candidate's measurements as the frontier keeps them: its speed and its quality over the cases."""
+    cases = {c: {"error_x_comfyui_sage": x, "error_x_comfyui_bf16": 2 * x} for c, x in x_sage.items()}
+    return {"s_per_step": s, "exact": exact, "options": {"attention": "sdpa"}, "status": "ok",
+            "quality": {"cases": cases, "error_x_comfyui_bf16": 2 * max(x_sage.values()),
+                        "error_x_comfyui_sage": max(x_sage.values())}}
 
 
 ROWS = {
@@ -36,6 +38,59 @@ ROWS = {
     "fastest": row(0.8, a=4.0, b=3.5, c=5.0),
     "slow_exact": row(2.4, exact=True, a=0.5, b=0.5, c=0.5),
 }
+
+# the hand-written grid the axes replace (benchmarks/frontier-candidates.json before the axes), with the exact
+# backend that runs on an H100 (fa3) in place of `{exact}`
+SOL = {"attention": "sol_attn", "options": {"sol_rows_backend": "fa3", "sol_fallback": "fa3"}}
+I8, MLP, ALL = {"fp8_linear_format": "int8"}, {"fp8_linear_layers": "fc1,fc2"}, "qkv_proj,out_proj,fc1,fc2"
+ROT_MLP, ROT_ALL = {**I8, **MLP, "fp8_linear_rotate": "fc1,fc2"}, {**I8, "fp8_linear_rotate": ALL}
+
+
+def _sol(tau, **linears):
+    path = {**SOL, "options": {"sol_tau": tau, **SOL["options"], **linears}}
+    return {**path, "fp8_linear": "stream"} if linears else path
+
+
+def _lin(attention="fa3", **options):
+    return {"attention": attention, "fp8_linear": "stream", "options": options}
+
+
+HAND_WRITTEN = {
+    "exact_fa3": {"attention": "fa3"}, "exact_cudnn_sdpa": {"attention": "cudnn_sdpa"},
+    "exact_sdpa": {"attention": "sdpa"}, "sage2": {"attention": "sage2"}, "ck_int8": {"attention": "ck_int8"},
+    "fa3_fp8": {"attention": "fa3_fp8"}, "sol_1.0": _sol(1.0), "sol_1.3": _sol(1.3), "sol_1.8": _sol(1.8),
+    "sol_2.5": _sol(2.5), "int8_mlp": _lin(**I8, **MLP), "int8_all": _lin(**I8),
+    "e4m3_mlp": _lin(**MLP, fp8_accum="fast"), "e4m3_all": _lin(fp8_accum="fast"), "int8_mlp_rot": _lin(**ROT_MLP),
+    "int8_all_rot": _lin(**ROT_ALL), "int8_mlp_rot+sol_1.0": _sol(1.0, **ROT_MLP),
+    "int8_mlp_rot+sol_1.3": _sol(1.3, **ROT_MLP), "int8_all_rot+sol_1.3": _sol(1.3, **ROT_ALL),
+    "int8_all_rot+sol_1.8": _sol(1.8, **ROT_ALL), "e4m3_mlp+sol_1.3": _sol(1.3, **MLP, fp8_accum="fast"),
+    "e4m3_all+sol_2.5": _sol(2.5, fp8_accum="fast"), "int8_mlp_rot+fa3_fp8": _lin("fa3_fp8", **ROT_MLP),
+}
+
+
+def test_the_axes_expand_to_the_hand_written_grid():
+    """Where every backend runs (an H100 with fa3): the 23 candidates of the hand-written grid, path for path."""
+    got = grid.expand(lambda backend: None)
+    assert set(got) == set(HAND_WRITTEN)
+    for name, path in HAND_WRITTEN.items():
+        assert got[name] == path, name
+
+
+def test_the_grid_without_fa3_keeps_its_combinations_on_what_runs():
+    """Without fa3 (a GB10: fa3 and fa3_fp8 unavailable), the exact role is cuDNN's SDPA, the 8-bit linears' 8-bit
+    attention is sage2, and nothing the grid measures names fa3; without cuDNN either, PyTorch's SDPA."""
+    no_fa3 = grid.expand(lambda b: "planted: not built for this GPU" if b.startswith("fa3") else None)
+    assert "int8_mlp_rot+fa3_fp8" not in no_fa3
+    assert no_fa3["int8_mlp_rot+sage2"] == _lin("sage2", **ROT_MLP)
+    for tau in (1.0, 1.3):
+        assert no_fa3[f"int8_mlp_rot+sol_{tau}"]["options"] == {
+            "sol_tau": tau, "sol_rows_backend": "cudnn_sdpa", "sol_fallback": "cudnn_sdpa", **ROT_MLP}
+    assert no_fa3["int8_mlp"]["attention"] == no_fa3["e4m3_all"]["attention"] == "cudnn_sdpa"
+    runs_here = {n: p for n, p in no_fa3.items() if n not in ("exact_fa3", "fa3_fp8")}  # left out, each by reason
+    assert "fa3" not in json.dumps(runs_here), runs_here
+    assert len(no_fa3) == len(HAND_WRITTEN)
+    sdpa_only = grid.expand(lambda b: None if b in ("sdpa", "sage2", "sol_attn") else "planted: unavailable")
+    assert sdpa_only["sol_1.0"]["options"]["sol_fallback"] == "sdpa" and sdpa_only["int8_all"]["attention"] == "sdpa"
 
 
 def test_the_choice_is_the_fastest_candidate_inside_the_bound():
@@ -84,7 +139,8 @@ def test_the_tiers_file_reads_back_in_the_runtime(tmp_path):
     rows = {n: {**r, "options": {**Options().flat(), "attention": "sdpa", "mlp_chunks": i + 1}}
             for i, (n, r) in enumerate(ROWS.items())}
     choices = F.choose_tiers(rows, BOUNDS, ["a", "b", "c"])
-    data = F.tiers_file({"device_name": "cpu"}, rows, choices, {"sage": {"s_per_step": 2.0}}, {"commit": "x"})
+    data = F.tiers_file({"machine": {"device_name": "cpu"}, "made": {"commit": "x"}}, rows, choices,
+                        {"sage": {"s_per_step": 2.0}})
     path = tmp_path / "tiers.json"
     path.write_text(json.dumps(data))
     got = tiers.load(path)
@@ -94,17 +150,18 @@ def test_the_tiers_file_reads_back_in_the_runtime(tmp_path):
     assert t.options == {"attention": "sdpa", "mlp_chunks": chosen["options"]["mlp_chunks"]}  # only what differs
     assert t.rule == "drift" and t.bound == 3.0 and t.figures["margin"] == choices["fastest"]["margin"]
     assert t.figures["x_comfyui_sage"] == pytest.approx(2.0 / chosen["s_per_step"])
-    assert t.figures["error_x_comfyui_sage"] == F.worst(chosen)
+    assert t.figures["error_x_comfyui_sage"] == max(c["error_x_comfyui_sage"] for c in chosen["quality"]["cases"].values())
 
 
 def test_the_plot_shows_the_points_the_bounds_and_the_choices(tmp_path):
-    """Rendered and looked at: the Pareto points in blue, the bounds' dashed green lines, ComfyUI's orange squares."""
+    """Rendered and looked at: the Pareto points in blue, the bounds' green lines (nominal and effective), ComfyUI's
+    orange squares."""
     import numpy as np
     from PIL import Image
 
     choices = F.choose_tiers(ROWS, BOUNDS, ["a", "b", "c"])
     comfy = {"default": {"s_per_step": 3.0, "worst_x_sage": 0.7}, "sage": {"s_per_step": 2.2, "worst_x_sage": 1.0}}
-    png = F.plot(ROWS, comfy, choices, tmp_path / "f.png")
+    png = report.plot(ROWS, comfy, choices, tmp_path / "f.png")
     img = np.asarray(Image.open(png).convert("RGB")).astype(int)
 
     def pixels(hex_color, tol=12):
@@ -114,7 +171,7 @@ def test_the_plot_shows_the_points_the_bounds_and_the_choices(tmp_path):
     assert pixels("#1f6fb2") > 200, "no Pareto points drawn"
     assert pixels("#d9480f") > 100, "no ComfyUI reference points drawn"
     assert pixels("#2b8a3e") > 300, "no bound lines or chosen rings drawn"
-    empty = F.plot({}, {}, {}, tmp_path / "empty.png")
+    empty = report.plot({}, {}, {}, tmp_path / "empty.png")
     e = np.asarray(Image.open(empty).convert("RGB")).astype(int)
     assert int((np.abs(e - np.array([0x1f, 0x6f, 0xb2])).max(axis=-1) <= 12).sum()) == 0
 
@@ -134,17 +191,12 @@ def stand_in_cases(tmp_path_factory) -> Path:
 def test_the_command_writes_frontier_tiers_plot_and_report(tmp_path, stand_in_cases):
     """End to end at tiny sizes (--smoke, CPU): a GPU-only candidate is left out with its reason, the rest measured on
     both cases, the tiers file read back by `h3direct generate --tier`."""
-    grid = json.loads((ROOT / "benchmarks" / "frontier-candidates.json").read_text())
-    grid["candidates"] = {"exact_fa3": {"attention": "fa3"}, "exact_sdpa": {"attention": "sdpa"},
-                          "int8_mlp": {"attention": "{exact}", "fp8_linear": "stream",
-                                       "options": {"fp8_linear_format": "int8", "fp8_linear_layers": "fc1,fc2"}},
-                          "e4m3_all": {"attention": "{exact}", "fp8_linear": "stream"}}
-    (tmp_path / "grid.json").write_text(json.dumps(grid))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("H3_")}, "OMP_NUM_THREADS": "1",
            "H3_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-m", "benchmarks.frontier", "--trace-dir", str(stand_in_cases), "--out",
-                        str(out), "--candidates", str(tmp_path / "grid.json"), "--case", "case_a", "--case", "case_b",
+                        str(out), *(a for n in ("exact_fa3", "exact_sdpa", "int8_mlp", "e4m3_all") for a in
+                                    ("--candidate", n)), "--case", "case_a", "--case", "case_b",
                         "--device", "cpu", "--smoke", "--steps", "1", "--install"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -152,7 +204,8 @@ def test_the_command_writes_frontier_tiers_plot_and_report(tmp_path, stand_in_ca
     frontier = json.loads((out / "frontier.json").read_text())
     assert set(frontier["candidates"]) == {"exact_sdpa", "int8_mlp", "e4m3_all"}
     for r in frontier["candidates"].values():
-        assert set(r["x_sage"]) == {"case_a", "case_b"} and math.isfinite(r["s_per_step"])
+        assert r["quality"]["status"] == "ok" and set(r["quality"]["cases"]) == {"case_a", "case_b"}
+        assert math.isfinite(r["s_per_step"])
     assert (out / "frontier.png").stat().st_size > 10_000 and "data:image/png;base64," in (out / "report.html").read_text()
     assert (tmp_path / "cache" / "tiers.json").read_bytes() == (out / "tiers.json").read_bytes()
     chosen = frontier["choices"]["exact"]["chosen"]
@@ -169,13 +222,8 @@ def test_a_candidate_that_fails_is_recorded_and_the_run_goes_on_then_exits_1(tmp
                                                                              capsys):
     """One candidate raising in its quality step and its timed steps (a kernel that does not compile, say) is its
     result, named with its error; the other candidates are measured and chosen from, and the command exits 1."""
-    import quality
-    import run_contract
+    from benchmarks import frontier, quality, run_contract
 
-    grid = json.loads((ROOT / "benchmarks" / "frontier-candidates.json").read_text())
-    grid["candidates"] = {"exact_sdpa": {"attention": "sdpa"}, "broken": {"attention": "sdpa", "fp8_linear": "stream",
-                                                                            "options": {"fp8_linear_format": "int8"}}}
-    (tmp_path / "grid.json").write_text(json.dumps(grid))
     monkeypatch.setenv("H3_CACHE_DIR", str(tmp_path / "cache"))
     measure_path, run_path = quality.measure_path, run_contract._run_path
 
@@ -185,25 +233,26 @@ def test_a_candidate_that_fails_is_recorded_and_the_run_goes_on_then_exits_1(tmp
         return measure_path(case, options, device)
 
     def timed_steps(contract, args, name, *rest):
-        if name == "broken":
+        if name == "int8_all":
             raise RuntimeError("planted: the kernel did not compile")
         return run_path(contract, args, name, *rest)
 
     monkeypatch.setattr(quality, "measure_path", quality_step)
     monkeypatch.setattr(run_contract, "_run_path", timed_steps)
     out = tmp_path / "out"
-    rc = F.main(["--trace-dir", str(stand_in_cases), "--out", str(out), "--candidates", str(tmp_path / "grid.json"),
-                 "--case", "case_a", "--case", "case_b", "--device", "cpu", "--smoke", "--steps", "1"])
+    rc = frontier.main(["--trace-dir", str(stand_in_cases), "--out", str(out), "--candidate", "exact_sdpa",
+                        "--candidate", "int8_all", "--case", "case_a", "--case", "case_b", "--device", "cpu", "--smoke",
+                        "--steps", "1"])
     assert rc == 1
     logged = capsys.readouterr().out
-    assert "candidate broken failed: RuntimeError: planted: the kernel did not compile (not chosen" in logged, logged
-    frontier = json.loads((out / "frontier.json").read_text())
-    broken, ok = frontier["candidates"]["broken"], frontier["candidates"]["exact_sdpa"]
+    assert "candidate int8_all failed: RuntimeError: planted: the kernel did not compile (not chosen" in logged, logged
+    written = json.loads((out / "frontier.json").read_text())
+    broken, ok = written["candidates"]["int8_all"], written["candidates"]["exact_sdpa"]
     assert broken["status"] == "failed: RuntimeError: planted: the kernel did not compile"
-    assert set(broken["failed"]) == {"case_a", "case_b"} and broken["x_sage"] == {}
-    assert math.isinf(float(broken["s_per_step"])) and math.isfinite(ok["s_per_step"])
-    assert set(ok["x_sage"]) == {"case_a", "case_b"}
-    assert {c["chosen"] for c in frontier["choices"].values()} <= {"exact_sdpa", None}
+    assert set(F.failed_cases(broken)) == {"case_a", "case_b"} and broken["quality"]["error_x_comfyui_sage"] is None
+    assert broken["s_per_step"] == "inf" and math.isfinite(ok["s_per_step"])
+    assert ok["quality"]["status"] == "ok" and set(ok["quality"]["cases"]) == {"case_a", "case_b"}
+    assert {c["chosen"] for c in written["choices"].values()} <= {"exact_sdpa", None}
 
 
 def test_the_committed_tiers_file_is_what_the_runtime_reads():
@@ -223,3 +272,99 @@ def test_the_committed_tiers_file_is_what_the_runtime_reads():
         assert t.figures["error_x_comfyui_sage"] * t.figures["margin"] <= (t.bound or math.inf)
     with pytest.raises(ConfigError, match="chosen on NVIDIA H100 80GB HBM3, this device is cpu"):
         got.check_device("cpu")
+
+
+def test_the_report_sorts_by_speed_and_says_what_it_means(tmp_path):
+    """The candidates' table fastest first (one without a speed last), each case a column; the exact tier's lack of
+    a bound and an unknown or changed commit said in words, never as None / unknown; each bounded tier's effective
+    bound (its bound over its margin) given beside the nominal one."""
+    rows = {**ROWS, "broken": {**row(0.1, a=0.1, b=0.1, c=0.1), "s_per_step": math.inf, "status": "failed: x"}}
+    choices = F.choose_tiers(rows, BOUNDS, ["a", "b", "c"])
+    png = report.plot(rows, {}, choices, tmp_path / "f.png")
+    frontier = {"candidates": rows, "choices": choices, "machine": {"device_name": "cpu"}, "left_out": {},
+                "made": {"commit": "unknown", "tree": "2b5a2fae07c8e5b4c3f6", "cases": ["a", "b", "c"]}}
+    page = report.report_html(frontier, png)
+    table = page[page.index("<table>"):]
+    order = sorted((table.index(f"<tr><td>{n}</td>"), n) for n in rows)
+    assert [n for _, n in order] == ["fastest", "fast", "risky", "sage", "exact", "slow_exact", "broken"]
+    assert "None" not in page and "unknown" not in page
+    assert "commit not known (the measuring checkout had no git history)" in page and "git tree 2b5a2fae07c8" in page
+    assert "exact_fa3" not in page and "the exact rules (no error bound" in page
+    m = choices["sage_class"]["margin"]
+    assert f"margin ×{m:.3f}: effective bound ×{1.5 / m:.3f}" in page
+    changed = report.report_html({**frontier, "made": {**frontier["made"], "commit": "e1694bfa5172+changes"}}, png)
+    assert "commit e1694bfa5172 with uncommitted changes" in changed
+
+
+def test_no_two_labels_of_the_plot_overlap():
+    """Crowded points (the exact backends on top of each other, as on an H100) and two tiers' bounds close together:
+    every label placed overlaps no other and no point; a label with no room is left off, not drawn over another."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    pts = [(1.0 + 0.01 * i, 2.0 + 0.005 * i) for i in range(12)] + [(2.0, 1.5), (2.05, 1.5)]
+    ax.scatter(*zip(*pts, strict=True))
+    ax.set_xlim(0.5, 3)
+    ax.set_ylim(1, 3)
+    labels = [(f"candidate_{i}", p, {"fontsize": 8}) for i, p in enumerate(pts)]
+    placed = report.place_labels(ax, labels, pts)
+    renderer = fig.canvas.get_renderer()
+    boxes = [a.get_window_extent(renderer) for a in placed]
+    assert 2 <= len(placed) < len(labels)  # some fit, not all twelve of the crowd
+    for i, a in enumerate(boxes):
+        assert not any(a.overlaps(b) for b in boxes[i + 1:])
+    plt.close(fig)
+
+
+def test_choosing_again_from_the_committed_frontier_gives_the_committed_tiers(tmp_path):
+    """`h3direct choose-tiers` on the H100's committed measurements (benchmarks/results/frontier-h100.json) chooses
+    what that run chose (tiers-h100.json, written by the frontier of the day), with the same margins and figures."""
+    from h3direct.app import cli
+
+    committed = json.loads((ROOT / "benchmarks" / "results" / "tiers-h100.json").read_text())["tiers"]
+    assert cli.main(["choose-tiers", "--frontier", str(ROOT / "benchmarks" / "results" / "frontier-h100.json"),
+                     "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "tiers.json").read_text())["tiers"]
+    assert set(got) == set(committed)
+    for name, t in committed.items():
+        assert got[name]["candidate"] == t["candidate"] and got[name]["options"] == t["options"]
+        for key in ("margin", "error_x_comfyui_sage", "s_per_step"):
+            assert got[name][key] == pytest.approx(t[key], rel=1e-12), (name, key)
+    assert cli.main(["choose-tiers", "--frontier", str(ROOT / "README.md"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_the_users_own_cases_are_found(tmp_path):
+    """A folder of --trace-dir that is not a validation-set case counts when ComfyUI's bf16 trace has its fp32 twin and
+    its sage recording and S >= 5,000 (the manifests' layout); every other one is named with why not."""
+    from parity_tests import validation
+    from tests.gate.test_gate_class_and_drift import _copy_case, write_sage_recording
+
+    def case(name: str, sage: bool = True, seq_len: int | None = 6000, twin: bool = True) -> None:
+        folder = tmp_path / name
+        folder.mkdir()
+        _copy_case(folder)
+        if sage:
+            write_sage_recording(folder, 1.5)
+        for manifest in folder.glob("*.json"):
+            m = json.loads(manifest.read_text())
+            if "layout" in m and seq_len is not None:
+                m["layout"]["seq_len"] = seq_len
+                manifest.write_text(json.dumps(m))
+        if not twin:
+            for f in folder.glob("*fp32*"):
+                f.unlink()
+
+    case("my_prompt_s6000")
+    case("my_prompt_no_sage", sage=False)
+    case("my_prompt_short", seq_len=4999)
+    case("my_prompt_no_twin", twin=False)
+    case("v4_local_nvfp4_s5072")  # a case of the set: judged as one of the set, not as the user's
+    (tmp_path / "notes").mkdir()
+    counted, others = validation.own_cases(tmp_path)
+    assert counted == ["my_prompt_s6000"]
+    assert set(others) == {"my_prompt_no_sage", "my_prompt_short", "my_prompt_no_twin", "notes"}
+    assert "--use-sage-attention" in others["my_prompt_no_sage"] and "4999" in others["my_prompt_short"]
+    assert "fp32 twin" in others["my_prompt_no_twin"]

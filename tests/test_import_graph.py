@@ -1,6 +1,7 @@
 """Dependencies point one way: the runtime stands alone, the oracle and the gate stand on it.
 
-h3direct/ imports neither oracle nor parity_tests; oracle/ does not import parity_tests. Every import is
+h3direct/ imports neither oracle, parity_tests nor benchmarks; oracle/ and parity_tests/ do not import benchmarks,
+and oracle/ does not import parity_tests. Every import is
 checked, wherever it stands (module level, inside a function, under `if TYPE_CHECKING`), relative imports
 resolved, and `importlib.import_module("…")` / `__import__("…")` calls with a literal name included.
 """
@@ -16,8 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = {  # package -> packages it must never import
-    "h3direct": ("oracle", "parity_tests"),
-    "oracle": ("parity_tests",),
+    "h3direct": ("oracle", "parity_tests", "benchmarks"),
+    "oracle": ("parity_tests", "benchmarks"),
+    "parity_tests": ("benchmarks",),
 }
 
 
@@ -82,7 +84,8 @@ def test_checked_packages_exist():
     ("def f():\n    from oracle import record\n    return record\n", "oracle"),  # lazy, inside a function
     ("import importlib\nm = importlib.import_module('parity_tests.budgets')\n", "parity_tests.budgets"),
     ("from ...oracle import traces\n", "oracle"),  # relative, climbing out of h3direct
-], ids=["import", "from", "lazy", "import_module", "relative"])
+    ("def f():\n    from benchmarks import quality\n    return quality\n", "benchmarks"),  # the benchmarks too
+], ids=["import", "from", "lazy", "import_module", "relative", "benchmarks"])
 def test_checker_catches_a_forbidden_import(tmp_path, source, expected):
     pkg = tmp_path / "h3direct" / "sub"
     pkg.mkdir(parents=True)

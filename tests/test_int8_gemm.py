@@ -92,6 +92,38 @@ def test_the_tuned_config_is_chosen_per_output_dtype(monkeypatch):
 
 GPU_SHAPES = [(300, 1152, 384, True), (4099, 640, 1536, False), (17, 384, 1152, True)]
 
+def test_autotuning_passes_over_a_tile_shape_out_of_resources_and_raises_anything_else(monkeypatch):
+    """Only Triton's OutOfResources means "this tile shape does not fit this GPU": autotuning then times the others
+    and picks the fastest that ran; any other error (a bug in the kernel or its launch) is raised, not taken for a
+    shape that does not fit; none that fits is one error."""
+    import triton.testing
+    from triton.runtime.errors import OutOfResources
+
+    from h3direct.checkpoint.quant import int8_gemm
+
+    configs = [("big",), ("fast",), ("slow",)]
+    ms = {("fast",): 1.0, ("slow",): 2.0}
+    monkeypatch.setattr(int8_gemm, "CONFIGS", configs)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+
+    def launch(refuse):
+        def run(config, *args):
+            if config in refuse:
+                raise refuse[config]
+            return ms[config]
+        return run
+
+    monkeypatch.setattr(int8_gemm, "_launch", launch({("big",): OutOfResources(300_000, 232_448, "shared memory")}))
+    assert int8_gemm._autotune(()) == ("fast",)
+    monkeypatch.setattr(int8_gemm, "_launch", launch({("big",): OutOfResources(300_000, 232_448, "shared memory"),
+                                                      ("fast",): ValueError("planted: a bug in the launch")}))
+    with pytest.raises(ValueError, match="planted"):
+        int8_gemm._autotune(())
+    monkeypatch.setattr(int8_gemm, "_launch", launch({c: OutOfResources(1, 0, "shared memory") for c in configs}))
+    with pytest.raises(RuntimeError, match="no int8 GEMM config fits"):
+        int8_gemm._autotune(())
+
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, *__import__("h3direct.checkpoint.quant.int8_gemm",

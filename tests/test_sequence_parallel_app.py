@@ -59,7 +59,7 @@ def test_bench_sp_tiny_under_torchrun(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "benchmarks" / "bench_sp.py"), "--preset", "tiny", "--device", "cpu",
+                           "-m", "benchmarks.bench_sp", "--preset", "tiny", "--device", "cpu",
                            "--steps", "1", "--geometries", "96x64x22", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_bench_sp_tiny_under_torchrun(tmp_path):
     # qkv: 3·rows·inner fp32 values, half of them leave; the output: 2·rows·inner/2 values, half of them leave
     assert r["a2a_bytes_per_layer"] == (3 * rows * inner + rows * inner) * 4 // 2
     # the two-Spark projection's message sizes (bf16: 2 bytes a value) are the counted ones
-    proj = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sp.py"), "--preset", "tiny", "--device",
+    proj = subprocess.run([sys.executable, "-m", "benchmarks.bench_sp", "--preset", "tiny", "--device",
                            "cpu", "--project", "--geometries", "96x64x22"], env=env, capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proj.returncode == 0, proj.stderr[-2000:]

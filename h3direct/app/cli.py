@@ -1,9 +1,9 @@
 """`h3direct` command line: one subcommand per module, each with `add_arguments(parser)` and `run`.
 
-The command line's edge is `h3direct/app/cli*.py`: `cli_generate`, `cli_serve`, `cli_trace`, `cli_decode` and
-`cli_footprint` turn their flags (and the `H3_*` environment, read once: `app/env.py`) into typed objects; the other
-commands' modules take their flags as keyword arguments (`run(**flags)`), so no argparse Namespace leaves this
-package.
+The command line's edge is `h3direct/app/cli*.py`: `cli_generate`, `cli_serve`, `cli_trace`, `cli_decode`,
+`cli_footprint` and `cli_tiers` turn their flags (and the `H3_*` environment, read once: `app/env.py`) into typed
+objects; the other commands' modules take their flags as keyword arguments (`run(**flags)`), so no argparse
+Namespace leaves this package.
 Subcommands are imported lazily so `h3direct inspect` never pays for importing the model code.
 User errors (`H3Error`) become one line on stderr and a non-zero exit (a `RequestError` names the field as its
 flag); everything else is a bug. Before a command runs, the files its flags name are checked (`FILE_CHECKS`):
@@ -44,6 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("h3direct.app.cli_generate", "generate a clip with stereo audio from a prompt and references"),
     "serve": ("h3direct.app.cli_serve", "serve generations over HTTP with the models kept loaded"),
     "footprint": ("h3direct.app.cli_footprint", "the bytes of weights the hot runtime holds, per weight format"),
+    "choose-tiers": ("h3direct.app.cli_tiers", "choose the tiers again from a frontier's measurements"),
 }
 
 

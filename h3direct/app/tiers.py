@@ -1,11 +1,13 @@
 """Tiers: named sets of options, chosen on the machine they run on and read here as data.
 
-`python -m benchmarks.frontier` measures the candidate configurations on the GPU at hand (speed at the benchmark
-contract's workload beside ComfyUI's, quality on every structured case of the validation set against ComfyUI's fp32
-twin) and writes a tiers file: per tier, the fastest candidate inside the tier's bound with the margin the choice keeps
-for data it never saw. The runtime only reads that file (`--tier NAME`; the file: `--tiers FILE`, `$H3_TIERS`, default
-`<cache>/tiers.json`). A tier is its options under their flat names (`dit.options`); options given explicitly win
-over the tier's, and the provenance records the tier's name and file beside the options the clip ran with.
+The frontier (`h3direct.app.frontier`) chooses them from measurements made on the GPU at hand (speed at the
+benchmark contract's workload beside ComfyUI's, quality on every structured case of the validation set and the
+user's own recorded cases against ComfyUI's fp32 twin: `python -m benchmarks.frontier` in a checkout, which needs
+ComfyUI) and writes a tiers file: per tier of `TIERS`, the fastest candidate inside the tier's bound with the margin
+the choice keeps for data it never saw (`h3direct choose-tiers` chooses again from a frontier's measurements). The
+runtime only reads that file (`--tier NAME`; the file: `--tiers FILE`, `$H3_TIERS`, default `<cache>/tiers.json`). A
+tier is its options under their flat names (`dit.options`); options given explicitly win over the tier's, and the
+provenance records the tier's name and file beside the options the clip ran with.
 
 A tiers file (JSON) holds at least:
 
@@ -26,13 +28,29 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from h3direct.errors import ConfigError
 
 SCHEMA = "h3-tiers/1"
 RULES = ("exact", "class", "drift")
 ENV = "H3_TIERS"
-MAKE_IT = "run `python -m benchmarks.frontier` on this machine (README, 'Choosing tiers on your GPU')"
+MAKE_IT = ("measure and choose them on this machine: `python -m benchmarks.frontier` in a checkout of the project, "
+           "with ComfyUI (README, 'Choosing tiers on your GPU')")
+
+
+class TierRule(NamedTuple):
+    rule: str  # how the gate judges the tier: one of RULES
+    bound: float | None  # its outputs' worst error x ComfyUI --use-sage-attention's, against ComfyUI's fp32 twin
+
+
+# The tiers the frontier chooses, each with its rule and bound: stated here only. The frontier chooses by them, and
+# the gate's class rule against ComfyUI+sage (parity_tests/budgets.toml, mode "class") takes the class tier's bound
+# as its k.
+TIERS = {"exact": TierRule("exact", None),  # an exact attention backend, the checkpoint's own linears
+         "sage_class": TierRule("class", 1.5),  # the ratio rule's k against ComfyUI+sage (the exact rule's k)
+         "fastest": TierRule("drift", 3.0)}  # gated against its own baselines
+CLASS_BOUND = TIERS["sage_class"].bound
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,17 @@ def default_path() -> Path:
     from h3direct.app.paths import cache_root
 
     return cache_root() / "tiers.json"
+
+
+def install(path: str | Path) -> Path:
+    """Copy the tiers file at `path` (checked first) to `default_path()`, where `--tier` looks by default."""
+    import shutil
+
+    load(path)
+    target = default_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, target)
+    return target
 
 
 def load(path: str | Path) -> Tiers:

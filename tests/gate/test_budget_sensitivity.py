@@ -81,10 +81,11 @@ GOOD = {"mode": "teacher", "kind": "*", "compute": "bf16", "weights": "*", "atte
     ({"mode": "class", "attention": "exact"}, "against ComfyUI's fast mode"),
     ({"mode": "class", "attention": "sage2", "rule": "contract", "k": None, "rel_l2": 0.1, "source": "x"},
      "a contract may only govern"),
+    ({"mode": "class", "kind": "output", "attention": "sage2"}, "states no k"),
 ], ids=["fp32-number", "ratio-number", "no-rule", "unknown-rule", "k-over-1.5", "rounding-number",
         "contract-no-source", "contract-exact-layer", "approx-exact-layer", "catch-all", "long-provenance",
         "unknown-mode", "drift-number", "drift-k", "drift-mode-other-rule", "drift-rule-other-mode",
-        "class-exact", "class-contract"])
+        "class-exact", "class-contract", "class-k"])
 def test_loader_refuses_what_is_not_a_rule(change, why):
     e = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with pytest.raises(BudgetError, match=re_escape(why)):
@@ -98,12 +99,15 @@ def re_escape(s: str) -> str:
 
 
 def test_an_approximate_backend_gets_the_exact_rule_for_what_it_does_not_compute():
-    """The lookups the gate makes for a non-attention layer under an approximate backend are the exact ones."""
+    """The lookups the gate makes for a non-attention layer under an approximate backend are the exact ones; the
+    class rule's k is the class tier's bound, stated once in the runtime's tiers."""
+    from h3direct.app.tiers import CLASS_BOUND
+
     for backend in ("sage2", "ck_int8", "fa3_fp8", "sol_attn"):
         kernel = TABLE.lookup(mode="kernel", kind="attention", compute="*", weights="*", attention=backend, twin="*")
         assert kernel.rule == "contract" and kernel.match["attention"] == backend
         klass = TABLE.find(mode="class", kind="output", compute="bf16", weights="bf16", attention=backend, twin="yes")
-        assert (klass is not None and klass.rule == "ratio" and klass.k == TABLE.rules["ratio_k_max"]) == \
+        assert (klass is not None and klass.rule == "ratio" and klass.k == CLASS_BOUND) == \
             (backend != "sol_attn")  # the quantized class against ComfyUI+sage; sol_attn has no ComfyUI counterpart
         drift = TABLE.lookup(mode="drift", kind="*", compute="*", weights="*", attention=backend, twin="*")
         assert drift.rule == "drift"
