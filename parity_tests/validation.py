@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from h3direct.checkpoint.synthetic import LOCAL_SHIFT, LOCAL_STRENGTH
+
 
 @dataclass(frozen=True)
 class Case:
@@ -45,6 +47,8 @@ class Case:
     ref: tuple[int, int] | None = None  # image reference latent H, W (ref2va)
     sigma: float = 0.8  # where in a schedule the step is (early: near 1, late: near 0)
     sizes: tuple[tuple[str, int], ...] = ()  # the preset's sizes changed (heads, text_dim, ...), as H3Config fields
+    strength: float = LOCAL_STRENGTH  # local structure: `make-checkpoint --attention-strength` (the logit temperature)
+    shift: float = LOCAL_SHIFT  # local structure: `--attention-shift` (the positional part's size)
 
     @property
     def structured(self) -> bool:
@@ -84,6 +88,41 @@ CASES = [
          sigma=0.95),
     Case("v12_local_nvfp4_h3_s5664_late", "small", "full", "nvfp4", "local", 112, "ref2va", (10, 32, 64), 120, 64,
          (24, 40), sigma=0.35, sizes=(("num_attention_heads", 3), ("hidden_size", 384), ("ffn_hidden_size", 768))),
+    # the rest of the structured set: what sparse attention is sensitive to, one axis at a time from v4/v5's
+    # geometry: the local window (strength: the logit temperature, wider below 1.5, narrower above; shift: how much
+    # of q/k is positional), 6 and 8 heads, S up to the workload's 20,050, the text length, a large reference, sigma
+    # near 0 and near 1, and two more seeds of v4's form (NVFP4, curve adaLN, ref2va at S = 5,072)
+    Case("v13_local_bf16_wide_s5072", "small", "curve", "none", "local", 113, "t2va", (9, 32, 64), 200, 64,
+         strength=1.0),
+    Case("v14_local_bf16_narrow_s5072", "small", "curve", "none", "local", 114, "t2va", (9, 32, 64), 200, 64,
+         strength=2.2),
+    Case("v15_local_nvfp4_wide_s5072", "small", "curve", "nvfp4", "local", 115, "ref2va", (8, 32, 64), 200, 64,
+         (32, 64), strength=1.0, shift=2.0),
+    Case("v16_local_nvfp4_narrow_s5072", "small", "curve", "nvfp4", "local", 116, "ref2va", (8, 32, 64), 200, 64,
+         (32, 64), sigma=0.6, strength=2.2, shift=4.0),
+    Case("v17_local_bf16_weak_s5724", "small", "full", "none", "local", 117, "ref2va", (8, 40, 64), 150, 64, (24, 40),
+         sigma=0.7, shift=1.5),
+    Case("v18_local_nvfp4_h8_s5072", "small", "curve", "nvfp4", "local", 118, "t2va", (9, 32, 64), 200, 64,
+         sizes=(("num_attention_heads", 8), ("hidden_size", 1024), ("ffn_hidden_size", 2048))),
+    Case("v19_local_bf16_h6_s5424", "small", "full", "none", "local", 119, "ref2va", (10, 32, 56), 200, 96, (32, 56),
+         sigma=0.5, sizes=(("num_attention_heads", 6), ("hidden_size", 768), ("ffn_hidden_size", 1536))),
+    Case("v20_local_nvfp4_s11896", "small", "curve", "nvfp4", "local", 120, "ref2va", (12, 48, 72), 300, 64, (48, 72)),
+    Case("v21_local_bf16_s16088", "small", "curve", "none", "local", 121, "t2va", (16, 48, 80), 300, 128, sigma=0.6),
+    Case("v22_local_nvfp4_s20024", "small", "curve", "nvfp4", "local", 122, "ref2va", (20, 46, 80), 300, 64, (48, 80)),
+    Case("v23_local_bf16_wide_s20016", "small", "full", "none", "local", 123, "t2va", (20, 48, 80), 360, 96, sigma=0.4,
+         strength=1.1),
+    Case("v24_local_bf16_text256_s5264", "small", "curve", "none", "local", 124, "t2va", (9, 32, 64), 200, 256),
+    Case("v25_local_nvfp4_text16_s5024", "small", "full", "nvfp4", "local", 125, "t2va", (9, 32, 64), 200, 16),
+    Case("v26_local_bf16_bigref_s6096", "small", "curve", "none", "local", 126, "ref2va", (8, 32, 64), 200, 64,
+         (64, 96)),
+    Case("v27_local_nvfp4_sigma01_s5072", "small", "curve", "nvfp4", "local", 127, "ref2va", (8, 32, 64), 200, 64,
+         (32, 64), sigma=0.1),
+    Case("v28_local_bf16_sigma099_s5584", "small", "full", "none", "local", 128, "t2va", (10, 32, 64), 200, 64,
+         sigma=0.99),
+    Case("v29_local_nvfp4_v4b_s5072", "small", "curve", "nvfp4", "local", 129, "ref2va", (8, 32, 64), 200, 64,
+         (32, 64)),
+    Case("v30_local_nvfp4_v4c_s5072", "small", "curve", "nvfp4", "local", 130, "ref2va", (8, 32, 64), 200, 64,
+         (32, 64)),
 ]
 
 
@@ -178,13 +217,15 @@ def build(out: Path, *, device: str = "cpu", only: list[str] | None = None) -> l
             cmd = [sys.executable, "-m", "h3direct", "make-checkpoint", "--preset", c.preset, "--adaln", c.adaln,
                    "--quant", c.quant, "--seed", str(c.seed), "--attention-structure", c.structure, "--device",
                    device, "--output", str(ckpt)] + (["--config", json.dumps(sizes_of(c))] if c.sizes else [])
+            cmd += ["--attention-strength", str(c.strength)] if c.strength != LOCAL_STRENGTH else []
+            cmd += ["--attention-shift", str(c.shift)] if c.shift != LOCAL_SHIFT else []
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise SystemExit(f"validation build {c.name}: {(r.stderr or r.stdout).strip()[-400:]}")
         cfg = resolve_config(c.preset, json.dumps(sizes_of(c)) if c.sizes else None, c.adaln)
         write_inputs(c, folder / c.inputs, cfg.text_dim)
         print(f"{c.name}: S = {seq_len(c)}, {c.preset}/{c.adaln}{' ' + str(dict(c.sizes)) if c.sizes else ''}, "
-              f"{c.quant}, {c.structure}, seed {c.seed}, sigma {c.sigma}")
+              f"{c.quant}, {c.structure} (strength {c.strength}, shift {c.shift}), seed {c.seed}, sigma {c.sigma}")
     return cases
 
 

@@ -426,6 +426,28 @@ def _fallback_unavailable(name: str, option: str, fallback: str, like, opts: Att
     return None if reason is None else f"its fallback {option} {fallback!r} cannot run: {reason}"
 
 
+def _budget(q, k, v, opts: AttentionOptions):
+    """budget_attn (`budget_attention.py`): calls shorter than budget_min_tokens run its fallback, counted."""
+    from h3direct.dit import budget_attention as BA
+
+    budget = opts.budget_attn
+    if q.shape[2] < budget.min_tokens:
+        return _run_fallback("budget_attn", "budget_strict", budget.fallback, budget.strict,
+                             f"{q.shape[2]} tokens < budget_min_tokens={budget.min_tokens}", "short", q, k, v, opts)
+    count_attention("budget_attn", "kernel")
+    keep = BA.select(q, k, _PREFIX_ROWS.get(), budget).keep
+    return BA.attend(q, k, v, keep, budget.tail)
+
+
+def _budget_available(like, opts: AttentionOptions):
+    from h3direct.dit.budget_attention import kernel_reason
+
+    reason = kernel_reason(like)
+    if reason is not None or opts.budget_attn.strict:
+        return reason
+    return _fallback_unavailable("budget_attn", "budget_fallback", opts.budget_attn.fallback, like, opts)
+
+
 def fp8_fallback_reason(q: torch.Tensor) -> str | None:
     """Why FA3's FP8 kernel cannot take this call (None: it can)."""
     from h3direct.dit.fp8_attention import FP8_HEAD_DIM_ALIGN, FP8_MAX_HEAD_DIM
@@ -466,3 +488,4 @@ register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
 register("sol_attn", _sol, _sol_available, exact=False)  # reads v as the strided view it is
+register("budget_attn", _budget, _budget_available, exact=False)

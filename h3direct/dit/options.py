@@ -1,14 +1,16 @@
 """How one generation computes, as typed options passed down by argument (nothing here reads the environment):
 
 - `AttentionOptions`: the attention backend and each backend's own options, registered with it in `attention.py`
-  (sol_attn: `SolOptions`; fa3_fp8: `FP8AttentionOptions`; kj_head_sliced: `HeadSliceOptions`);
+  (sol_attn: `SolOptions`; budget_attn: `BudgetOptions`; fa3_fp8: `FP8AttentionOptions`; kj_head_sliced:
+  `HeadSliceOptions`);
 - `KernelOptions`: the fused Triton kernels, MLP row chunks, and what is fixed when the weights load: the NVFP4
   dequantization path, the FP8 block linears and their strictness;
 - `Options`: both, what `H3Pipeline.generate(request, options)` takes and what the provenance records.
 
 Every option has one flat name, the same everywhere: the request field (`sol_tau`), the flag (`--sol-tau`) and,
 where one exists, the environment variable read once at startup (`H3_SOL_TAU`): `H3_` + the flat name in capitals.
-A backend's options are `<prefix>_<option>` (`sol_`, `fp8_attn_`, `head_slice_`); the backend itself is `attention`.
+A backend's options are `<prefix>_<option>` (`sol_`, `budget_`, `fp8_attn_`, `head_slice_`); the backend itself is
+`attention`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from h3direct.dit.budget_options import BudgetOptions
 from h3direct.dit.sol_options import SolOptions
 from h3direct.errors import RequestError
 from h3direct.fields import Spec, check, field, kind_of, spec_of
@@ -24,7 +27,7 @@ from h3direct.fields import Spec, check, field, kind_of, spec_of
 DEFAULT_BACKEND = "sdpa"
 # the registered attention backends (attention.py registers them; a test holds the two equal), named here so that
 # the command line's help needs no torch
-BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn")
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "ck_int8", "kj_head_sliced", "sol_attn", "budget_attn")
 NVFP4_DEQUANT = ("auto", "triton", "kitchen", "torch")
 FP8_LINEAR_MODES = ("off", "stream", "resident")
 FP8_ACCUM = ("fast", "fp32")  # the FP8 GEMMs' accumulation (w8a8.linear_w8a8)
@@ -117,6 +120,7 @@ class AttentionOptions:
     sol_attn: SolOptions = SolOptions()
     fa3_fp8: FP8AttentionOptions = FP8AttentionOptions()
     kj_head_sliced: HeadSliceOptions = HeadSliceOptions()
+    budget_attn: BudgetOptions = BudgetOptions()
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or not self.backend:
@@ -128,8 +132,8 @@ class AttentionOptions:
 
 
 # backend -> the field of AttentionOptions holding its options (attention.py registers each with its backend)
-BACKEND_OPTIONS: dict[str, type] = {"sol_attn": SolOptions, "fa3_fp8": FP8AttentionOptions,
-                                    "kj_head_sliced": HeadSliceOptions}
+BACKEND_OPTIONS: dict[str, type] = {"sol_attn": SolOptions, "budget_attn": BudgetOptions,
+                                    "fa3_fp8": FP8AttentionOptions, "kj_head_sliced": HeadSliceOptions}
 
 
 @dataclass(frozen=True)
