@@ -38,9 +38,12 @@ def attention_site(gate, site, backend, device) -> None:
     b = gate.budgets.lookup(**key)
     info = f"{describe(backend)} ran {ran}" if ran != backend.backend else ""
     request = gate.request("kernel", options=backend, device=str(device))
-    if b.rule == "rounding":
-        m = Measured(call.vs_exact, produced=str(call.dtype).removeprefix("torch."))
-        gate.result.layers.append(_row(gate, site.name, b, m, call.out, call.exact, info, request,
+    if b.rule == "rounding":  # an exact backend that ran instead, or a kernel held to its own algorithm's arithmetic
+        km = K.measure_attention(call, b.reference or "exact", backend)
+        m = Measured(km.err, produced=str(call.dtype).removeprefix("torch."))
+        info = "; ".join(x for x in (info, km.info) if x)
+        gate.result.layers.append(_row(gate, site.name, b, m, km.ours, km.ref, info,
+                                       request.at(site.name, reference=b.reference or "exact"),
                                        roundings=gate.budgets.roundings("attention")))
         return
     reference = b.reference or "exact"

@@ -51,6 +51,11 @@ def _sol(tau, **linears):
     return {**path, "fp8_linear": "stream"} if linears else path
 
 
+def _budget(mass, **linears):
+    path = {"attention": "budget_attn", "options": {"budget_mass": mass, "budget_fallback": "fa3", **linears}}
+    return {**path, "fp8_linear": "stream"} if linears else path
+
+
 def _lin(attention="fa3", **options):
     return {"attention": attention, "fp8_linear": "stream", "options": options}
 
@@ -66,13 +71,17 @@ HAND_WRITTEN = {
     "int8_all_rot+sol_1.8": _sol(1.8, **ROT_ALL), "e4m3_mlp+sol_1.3": _sol(1.3, **MLP, fp8_accum="fast"),
     "e4m3_all+sol_2.5": _sol(2.5, fp8_accum="fast"), "int8_mlp_rot+fa3_fp8": _lin("fa3_fp8", **ROT_MLP),
 }
+# the candidates of budget_attn added to it (issue 45): three budgets alone, two with the rotated int8 MLP
+BUDGET = {"budget_0.03": _budget(0.03), "budget_0.05": _budget(0.05), "budget_0.1": _budget(0.1),
+          "int8_mlp_rot+budget_0.05": _budget(0.05, **ROT_MLP), "int8_mlp_rot+budget_0.1": _budget(0.1, **ROT_MLP)}
 
 
 def test_the_axes_expand_to_the_hand_written_grid():
-    """Where every backend runs (an H100 with fa3): the 23 candidates of the hand-written grid, path for path."""
+    """Where every backend runs (an H100 with fa3): the 23 candidates of the hand-written grid and budget_attn's five,
+    path for path."""
     got = grid.expand(lambda backend: None)
-    assert set(got) == set(HAND_WRITTEN)
-    for name, path in HAND_WRITTEN.items():
+    assert set(got) == set(HAND_WRITTEN) | set(BUDGET)
+    for name, path in {**HAND_WRITTEN, **BUDGET}.items():
         assert got[name] == path, name
 
 
@@ -88,7 +97,8 @@ def test_the_grid_without_fa3_keeps_its_combinations_on_what_runs():
     assert no_fa3["int8_mlp"]["attention"] == no_fa3["e4m3_all"]["attention"] == "cudnn_sdpa"
     runs_here = {n: p for n, p in no_fa3.items() if n not in ("exact_fa3", "fa3_fp8")}  # left out, each by reason
     assert "fa3" not in json.dumps(runs_here), runs_here
-    assert len(no_fa3) == len(HAND_WRITTEN)
+    assert no_fa3["int8_mlp_rot+budget_0.05"]["options"]["budget_fallback"] == "cudnn_sdpa"
+    assert len(no_fa3) == len(HAND_WRITTEN) + len(BUDGET)
     sdpa_only = grid.expand(lambda b: None if b in ("sdpa", "sage2", "sol_attn") else "planted: unavailable")
     assert sdpa_only["sol_1.0"]["options"]["sol_fallback"] == "sdpa" and sdpa_only["int8_all"]["attention"] == "sdpa"
 

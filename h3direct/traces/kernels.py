@@ -141,14 +141,29 @@ def measure_attention(call: AttentionCall, reference: str, options=None) -> Kern
         return KernelMeasure(out, exact, call.vs_exact, metrics.cosine(out, exact),
                              errs=(call.vs_exact, metrics.rel_l2(emu, exact)))
     if reference == "algorithm":
-        sol = as_options(options or "sol_attn").sol_attn
-        ref = sol_algorithm(*call.operands, call.prefix, sol)[0].to(out.device)
+        ref, what = algorithm(call, as_options(options or call.ran))
         info = (f"vs exact {call.vs_exact:.3e}, the sparse algorithm itself vs exact "
-                f"{metrics.rel_l2(ref, exact):.3e}")
+                f"{metrics.rel_l2(ref, exact):.3e}{what}")
         return KernelMeasure(out, ref, metrics.rel_l2(out, ref), metrics.cosine(out, ref), info=info)
     if reference != "exact":
         raise ValueError(f"unknown kernel reference {reference!r}")
     return KernelMeasure(out, exact, call.vs_exact, metrics.cosine(out, exact))
+
+
+def algorithm(call: AttentionCall, options) -> tuple[torch.Tensor, str]:
+    """The sparse algorithm the call's backend implements, in fp32 on the same operands ([S, H·D], batch 0), and
+    what else it says: comfy-kitchen's eager Sol-Attn for sol_attn; for budget_attn its own selection on these
+    operands and the eager reference of its kernel (`block_sparse_reference`), with the kept blocks' share."""
+    if call.ran == "budget_attn":
+        from h3direct.dit.block_sparse_triton import block_sparse_reference
+        from h3direct.dit.budget_attention import select
+
+        q, k, v = call.operands
+        keep = select(q, k, call.prefix, options.budget_attn).keep
+        out = block_sparse_reference(q, k, v, keep, tail=options.budget_attn.tail)[0]
+        ref = rearrange(out, "b h s d -> b s (h d)")[0].float().to(call.out.device)
+        return ref, f"; {float(keep.float().mean()):.3f} of the key blocks kept"
+    return sol_algorithm(*call.operands, call.prefix, options.sol_attn)[0].to(call.out.device), ""
 
 
 def dense_weight(module) -> torch.Tensor:

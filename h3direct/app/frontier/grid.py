@@ -20,12 +20,15 @@ EXACT_ORDER = ("fa3", "cudnn_sdpa", "sdpa")  # the exact backends, fastest first
 QUANTIZED_ORDER = ("fa3_fp8", "sage2")  # the 8-bit attention combined with 8-bit linears, fastest first
 
 SOL_TAUS = (1.0, 1.3, 1.8, 2.5)
+BUDGET_MASSES = (0.03, 0.05, 0.1)  # budget_attn's budgets: the attention mass each query block may leave dropped
 # the attention axis: name -> the attention part of a path
 ATTENTION = {"exact": {"attention": EXACT}, "sage2": {"attention": "sage2"}, "ck_int8": {"attention": "ck_int8"},
              "fa3_fp8": {"attention": "fa3_fp8"},
              **{f"sol_{t}": {"attention": "sol_attn",
                              "options": {"sol_tau": t, "sol_rows_backend": EXACT, "sol_fallback": EXACT}}
-                for t in SOL_TAUS}}
+                for t in SOL_TAUS},
+             **{f"budget_{m}": {"attention": "budget_attn", "options": {"budget_mass": m, "budget_fallback": EXACT}}
+                for m in BUDGET_MASSES}}
 MLP, ALL = "fc1,fc2", "qkv_proj,out_proj,fc1,fc2"
 INT8, E4M3 = {"fp8_linear_format": "int8"}, {"fp8_accum": "fast"}
 # the block linears axis: name -> the options of the 8-bit block linears (streamed), {} for the checkpoint's own
@@ -35,10 +38,11 @@ LINEARS = {"none": None, "int8_mlp": {**INT8, "fp8_linear_layers": MLP}, "int8_a
            "int8_all_rot": {**INT8, "fp8_linear_rotate": ALL}}
 # Exclusions: an approximate attention with 8-bit linears is measured only for these (linears, attention) pairs (the
 # rest of the product lies between measured points: on an H100 the rotated int8 linears lead the class, and the
-# sparse taus each format can afford); every exact attention x linears pair and every attention alone is measured.
+# sparse taus and budgets each format can afford); every exact attention x linears pair and every attention alone is
+# measured.
 COMBINED = (("int8_mlp_rot", "sol_1.0"), ("int8_mlp_rot", "sol_1.3"), ("int8_all_rot", "sol_1.3"),
             ("int8_all_rot", "sol_1.8"), ("e4m3_mlp", "sol_1.3"), ("e4m3_all", "sol_2.5"),
-            ("int8_mlp_rot", "quantized"))
+            ("int8_mlp_rot", "quantized"), ("int8_mlp_rot", "budget_0.05"), ("int8_mlp_rot", "budget_0.1"))
 
 
 def excluded(linears: str, attention: str) -> bool:
