@@ -40,11 +40,13 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
   accumulator over the whole K (cuBLAS fast accumulation, the default of FBGEMM's f8f8bf16_rowwise), "fp32" promotes the
   partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
   gate's rule for FP8 linears bounds;
-- ``int8_gemm``: an int8 weight on a GPU of compute capability >= 9.0 (K a multiple of 16): Triton per-row int8
-  quantization, then one Triton kernel for the GEMM and its epilogue (`int8_gemm`: exact int32 accumulation on the
-  tensor cores, the scales and bias applied to the accumulator);
-- ``int_mm``: an int8 weight on other CUDA GPUs (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton
-  importable): Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
+- ``int8_gemm``: an int8 weight on a GPU of compute capability >= 9.0 (K a multiple of 16) where one of the kernel's
+  tile shapes fits the GPU's shared memory per block (`int8_gemm.fitting`): Triton per-row int8 quantization, then
+  one Triton kernel for the GEMM and its epilogue (`int8_gemm`: exact int32 accumulation on the tensor cores, the
+  scales and bias applied to the accumulator);
+- ``int_mm (int8_gemm: <why not>)``: an int8 weight on other CUDA GPUs (compute capability >= 8.0, M > 16, K and N
+  multiples of 8, Triton importable): Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton
+  epilogue (`w8a8_triton`);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs; int8: the exact product
   in float64 and the GPU's epilogue, so the same bits). On the CPU this is the path by design; on CUDA it is a
@@ -356,12 +358,14 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
-    # h3direct's kernel where it takes the operands (Hopper on; any M), else cuBLASLt's within its own limits
-    kernel = x2.is_cuda and _triton_ok(x2) and _triton_gemm(x8, w8)
+    # h3direct's kernel where it takes the operands (Hopper on; any M), else cuBLASLt's within its own limits; on a GPU
+    # the path says why h3direct's kernel did not take them
+    not_kernel = _triton_gemm_reason(x2, x8, w8, x.dtype, bias)
+    kernel = not_kernel is None
     reason = None if kernel else _int8_gpu_reason(x2, n)
     if reason is not None and x2.is_cuda and strict:
         raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {reason} (fp8_strict is on)")
-    path = "int_mm" if reason is None else f"emulated ({reason})"
+    path = f"int_mm (int8_gemm: {not_kernel})" if reason is None else f"emulated ({reason})"
     if kernel:
         from h3direct.checkpoint.quant import int8_gemm
 
@@ -377,11 +381,18 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
     return y.reshape(*lead, n)
 
 
-def _triton_gemm(x8: torch.Tensor, w8: torch.Tensor) -> bool:
-    """Whether the fused Triton int8 GEMM (`int8_gemm`: the scales in its epilogue) takes these operands here."""
+def _triton_gemm_reason(x2: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                        bias: torch.Tensor | None) -> str | None:
+    """Why the fused Triton int8 GEMM (`int8_gemm`: the scales in its epilogue) does not take these operands here
+    (activations x2, their codes x8) into `out_dtype`, or None: it does (on CUDA, Triton importable, a tile shape
+    that fits the GPU)."""
+    if not x2.is_cuda:
+        return "cpu"
+    if not _triton_ok(x2):
+        return "triton not importable"
     from h3direct.checkpoint.quant import int8_gemm
 
-    return int8_gemm.reason(x8, w8) is None
+    return int8_gemm.reason(x8, w8, out_dtype, bias)
 
 
 def linear_w8a8(x: torch.Tensor | E4M3Rows | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
