@@ -171,10 +171,15 @@ def _rotating_kernel_operands(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     product). None: the torch path."""
     from h3direct.checkpoint.quant import hadamard
 
-    k = t.shape[-1]
-    if _triton_ok(t) and t.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
-        return hadamard.operands(k, t.device, torch.bfloat16)
-    return None
+    return hadamard.operands(t.shape[-1], t.device, torch.bfloat16) if rotates_in_triton(t) else None
+
+
+def rotates_in_triton(t: torch.Tensor) -> bool:
+    """The rotating Triton kernels take rows t [R, K] (else the torch path rotates them): on CUDA (or under
+    TRITON_INTERPRET=1), bf16, a Hadamard block of at least 16 (a tensor-core product)."""
+    from h3direct.checkpoint.quant import hadamard
+
+    return _triton_ok(t) and t.dtype == torch.bfloat16 and hadamard.block(t.shape[-1]) >= 16
 
 
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +350,30 @@ def gemm_reason(fmt: str, device) -> str | None:
     return _int8_gpu_reason(x, 64) if fmt == "int8" else _gpu_reason(x, x.dtype, 64, 64)
 
 
+def gemm_path(fmt: str, device) -> str:
+    """The path an 8-bit linear of `fmt` (e4m3 | int8) takes on `device` for the DiT's linears (bf16 activations, K
+    and N multiples of 16), as its calls are counted: scaled_mm, int8_gemm, int_mm (int8_gemm: <why not>) or
+    emulated (<why>)."""
+    x = torch.empty(32, 64, device=device, dtype=torch.bfloat16)
+    if fmt == "int8":
+        codes = torch.empty(32, 64, device=device, dtype=torch.int8)
+        return _int8_route(x, codes, codes, x.dtype, None)
+    reason = _gpu_reason(x, x.dtype, 64, 64)
+    return "scaled_mm" if reason is None else f"emulated ({reason})"
+
+
+def _int8_route(x2: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                bias: torch.Tensor | None) -> str:
+    """Where the int8 GEMM of activations x2 [M, K] (codes x8) and weight w8 [N, K] runs: h3direct's kernel where it
+    takes them (Hopper on; any M), else cuBLASLt's within its own limits (the path naming why h3direct's kernel did
+    not), else the emulation."""
+    not_kernel = _triton_gemm_reason(x2, x8, w8, out_dtype, bias)
+    if not_kernel is None:
+        return "int8_gemm"
+    reason = _int8_gpu_reason(x2, w8.shape[0])
+    return f"int_mm (int8_gemm: {not_kernel})" if reason is None else f"emulated ({reason})"
+
+
 def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (int8 [N, K], fp32 [N]) and x quantized per row to int8 here
@@ -358,20 +387,15 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
-    # h3direct's kernel where it takes the operands (Hopper on; any M), else cuBLASLt's within its own limits; on a GPU
-    # the path says why h3direct's kernel did not take them
-    not_kernel = _triton_gemm_reason(x2, x8, w8, x.dtype, bias)
-    kernel = not_kernel is None
-    reason = None if kernel else _int8_gpu_reason(x2, n)
-    if reason is not None and x2.is_cuda and strict:
-        raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {reason} (fp8_strict is on)")
-    path = f"int_mm (int8_gemm: {not_kernel})" if reason is None else f"emulated ({reason})"
-    if kernel:
+    path = _int8_route(x2, x8, w8, x.dtype, bias)
+    if path.startswith("emulated") and x2.is_cuda and strict:
+        why = path.removeprefix("emulated (")[:-1]
+        raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {why} (fp8_strict is on)")
+    if path == "int8_gemm":
         from h3direct.checkpoint.quant import int8_gemm
 
-        path = "int8_gemm"
         y = int8_gemm.int8_linear(x8, w8, sx, w_scale, bias, x.dtype)
-    elif reason is None:
+    elif path.startswith("int_mm"):
         from h3direct.checkpoint.quant import w8a8_triton
 
         y = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, w_scale, bias, x.dtype)
