@@ -13,8 +13,9 @@ Triton's whole compiler for the target. Checked for each (`problems`):
 - it fits the target's shared memory per block (`triton_build.SHARED_PER_BLOCK`), or, for the int8 GEMM's tile
   shapes, the dispatch leaves it out there (`int8_gemm.fitting`, fed the compiled figures);
 - its PTX uses the units the kernel claims (`CLAIMS`): the tensor cores' MMA of the operand type (warpgroup MMA on
-  9.0, tcgen05 on 10.x, mma.sync on 12.x), the TMA engine, the e4m3 and int8 conversions. No runtime Triton kernel
-  claims an e4m3 MMA: the e4m3 GEMMs are cuBLAS's (`torch._scaled_mm`).
+  9.0, tcgen05 on 10.x, mma.sync on 12.x), the TMA engine, the e4m3 and int8 conversions, and keeps the arithmetic its
+  bits depend on (IEEE division, no fused multiply-add in the int8 epilogues). No runtime Triton kernel claims an e4m3
+  MMA: the e4m3 GEMMs are cuBLAS's (`torch._scaled_mm`).
 
 Kernels a target never launches (fa3_fp8's quantizers where fa3_fp8 is refused) are not compiled for it; the test says
 why from the backend's own probe. `test_the_checks_fail_on_*` shows each check failing.
@@ -57,16 +58,24 @@ MMA = {  # the tensor cores' MMA of an operand type
     "bf16": {9: r"wgmma\.mma_async\S*\.bf16", 10: r"tcgen05\.mma\S*kind::f16", 12: r"mma\.sync\S*\.bf16\.bf16"},
     "tf32": {9: r"wgmma\.mma_async\S*\.tf32", 10: r"tcgen05\.mma\S*kind::tf32", 12: r"mma\.sync\S*\.tf32\.tf32"},
 }
-CLAIMS = {  # kernel -> (what, PTX pattern by major version); from each kernel's module docstring
-    "_int8_gemm_kernel": [("int8 MMA", MMA["s8"]), ("TMA loads", dict.fromkeys((9, 10, 12), r"cp\.async\.bulk\.tensor"))],
-    "_rotate_encode_kernel": [("bf16 MMA", MMA["bf16"])],
-    "_rotate_quant_rows_kernel": [("bf16 MMA", MMA["bf16"])],
-    "_quantize_rotated_kernel": [("tf32 MMA", MMA["tf32"])],
+NO_FMA = ("no fused multiply-add (its products round as torch's)", r"fma\.rn\.f32", False)
+NO_APPROX_DIVISION = ("no approximate division (Triton's `/`)", r"div\.(full|approx)", False)
+CLAIMS = {  # kernel -> (what, PTX pattern (by major version), present or absent); from each kernel's module docstring
+    "_int8_gemm_kernel": [("int8 MMA", MMA["s8"], True),
+                          ("TMA loads", dict.fromkeys((9, 10, 12), r"cp\.async\.bulk\.tensor"), True), NO_FMA],
+    "_int8_epilogue_kernel": [NO_FMA],
+    "_rotate_encode_kernel": [("bf16 MMA", MMA["bf16"], True), NO_APPROX_DIVISION],
+    "_rotate_quant_rows_kernel": [("bf16 MMA", MMA["bf16"], True), NO_APPROX_DIVISION],
+    "_quant_rows_kernel": [NO_APPROX_DIVISION],
+    "_dequant_kernel": [NO_APPROX_DIVISION],
+    "_quantize_rotated_kernel": [("tf32 MMA", MMA["tf32"], True)],
 }
 ENCODER_CLAIMS = {  # a kernel handed an encoder writes its codes with the GPU's conversion
-    "encode_e4m3": ("e4m3 conversion", r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
-    "encode_int8": ("int8 rounding (rint)", r"cvt\.rni\.f32\.f32"),
+    "encode_e4m3": [("e4m3 conversion", r"cvt\.rn\.satfinite\.e4m3x2\.f32", True)],
+    "encode_int8": [("int8 rounding (rint)", r"cvt\.rni\.f32\.f32", True)],
 }
+# ... and its scales' reciprocals by IEEE division, as torch divides
+IEEE_DIVISION = [("IEEE division", r"div\.rn\.f32", True)]
 
 
 # ---- recording the runtime's launches ------------------------------------------------------------------------------
@@ -222,13 +231,12 @@ def compiled(launch: Launch, capability: tuple[int, int]):
                           target=GPUTarget("cuda", 10 * major + minor, 32), options=dict(launch.options))
 
 
-def claims(launch: Launch) -> list[tuple[str, dict | str]]:
-    """What the launch's PTX must show: its kernel's `CLAIMS`, and the conversion of an encoder it is handed."""
+def claims(launch: Launch) -> list[tuple[str, dict | str, bool]]:
+    """What the launch's PTX must (not) show: its kernel's `CLAIMS`, and those of an encoder it is handed."""
     out = list(CLAIMS.get(launch.kernel, []))
-    for value in launch.consts.values():
-        name = getattr(getattr(value, "fn", None), "__name__", None)
-        if name in ENCODER_CLAIMS:
-            out.append(ENCODER_CLAIMS[name])
+    encoder = getattr(getattr(launch.consts.get("ENCODE"), "fn", None), "__name__", None)
+    if encoder in ENCODER_CLAIMS:
+        out += ENCODER_CLAIMS[encoder] + IEEE_DIVISION
     return out
 
 
@@ -249,10 +257,10 @@ def problems(launch: Launch, kernel, capability: tuple[int, int], candidates: li
         out.append(f"{launch.label}: takes {shared} bytes of shared memory, over the {limit} a block may take on "
                    f"sm_{capability[0]}{capability[1]}")
     ptx = kernel.asm["ptx"]
-    for what, pattern in claims(launch):
+    for what, pattern, present in claims(launch):
         pattern = pattern[capability[0]] if isinstance(pattern, dict) else pattern
-        if not re.search(pattern, ptx):
-            out.append(f"{launch.label}: claims {what}, but its PTX has no {pattern!r}")
+        if bool(re.search(pattern, ptx)) != present:
+            out.append(f"{launch.label}: claims {what}, but its PTX {'lacks' if present else 'has'} {pattern!r}")
     return out
 
 
