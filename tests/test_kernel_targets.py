@@ -24,6 +24,7 @@ why from the backend's own probe. `test_the_checks_fail_on_*` shows each check f
 from __future__ import annotations
 
 import functools
+import os
 import re
 import types
 from contextlib import ExitStack
@@ -298,7 +299,10 @@ def _groups() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _triton_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "triton-targets"))
+    """Compiled kernels cached for this session, shared by its pytest-xdist workers (one session's base folder)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(shared / "triton-targets"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
