@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                     row["configs"][str(cfg)] = _time(gemms(o, cfg)["int8_h3direct"], args.iters, dev)
                 except OutOfResources as exc:  # a config that does not fit this GPU: its reason
                     row["configs"][str(cfg)] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        row["tuned"] = str(int8_gemm.tuned(o["x8"], o["w8"], torch.bfloat16))
+        row["tuned"] = str(int8_gemm.tuned(o["x8"], o["w8"], torch.bfloat16, o["bias"]))
         conv = weight_calls(o["w"])
         row["bitwise_rotated_weight"] = bool(torch.equal(conv["int8_rotated"](), conv["int8_rotated_torch"]()))
         row["weight_ms"] = {what: _time(fn, args.iters, dev) for what, fn in conv.items()}

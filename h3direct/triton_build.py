@@ -9,6 +9,8 @@
 - `OUT_CODES`: the code of each output dtype, for kernels that write any of them (`OUT: tl.constexpr`).
 - `FP_OPTIONS`: compile options every launch passes. FMA contraction is pinned on: the kernels' bits were verified
   against their references with it, and Triton 3.10 turns its default off.
+- `SHARED_PER_BLOCK` / `shared_limit(device)`: the most shared memory one block may take on a GPU, by compute
+  capability; a launch config whose compiled kernel needs more is never tried there (`int8_gemm`'s autotuning).
 """
 
 from __future__ import annotations
@@ -47,6 +49,37 @@ def build(fn, **jit_options):
 @functools.cache
 def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+KIB = 1024
+# The most shared memory one thread block may opt in to, by compute capability: the SM's shared memory less the 1 KiB
+# the driver reserves per block. Source: NVIDIA CCCL, libcudacxx/include/cuda/__device/arch_traits.h
+# (`max_shared_memory_per_block_optin` = `max_shared_memory_per_multiprocessor` - `reserved_shared_memory_per_block`:
+# 164 KiB per SM on 8.0, 100 KiB on 8.6, 8.9 and 12.0, 228 KiB on 9.0 and 10.0; 10.3 and 11.0 take 10.0's figures).
+# 12.1 (GB10, DGX Spark) is not in that table: it takes 12.0's, the 12.x family's 99 KiB a block. A GPU test holds the
+# entry of the lane's GPU to what the device reports (`test_int8_gemm.py::test_the_fit_is_the_gpus_own_verdict`).
+SHARED_PER_BLOCK: dict[tuple[int, int], int] = {
+    (8, 0): 164 * KIB - KIB,
+    (8, 6): 100 * KIB - KIB,
+    (8, 9): 100 * KIB - KIB,
+    (9, 0): 228 * KIB - KIB,  # H100, H200
+    (10, 0): 228 * KIB - KIB,  # B200
+    (10, 3): 228 * KIB - KIB,
+    (11, 0): 228 * KIB - KIB,
+    (12, 0): 100 * KIB - KIB,
+    (12, 1): 100 * KIB - KIB,  # GB10 (DGX Spark)
+}
+
+
+def shared_limit(device: torch.device) -> int:
+    """The most shared memory (bytes) one block may take on CUDA `device`: `SHARED_PER_BLOCK` for its compute
+    capability, else what the device reports (`shared_memory_per_block_optin`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = SHARED_PER_BLOCK.get(capability(index))
+    if limit is None:
+        props = torch.cuda.get_device_properties(index)
+        limit = int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    return limit
 
 
 def for_device(table: dict[tuple[int, int], T], default: T, device: torch.device | None) -> T:

@@ -46,7 +46,7 @@ def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(out, tmp_p
     from triton.compiler import ASTSource
 
     from h3direct.checkpoint.quant import int8_gemm
-    from h3direct.triton_build import build
+    from h3direct.triton_build import SHARED_PER_BLOCK, build
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -64,10 +64,8 @@ def test_compiled_for_sm90_it_runs_int8_wgmma_through_tma_without_fma(out, tmp_p
     assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx), "no int8 warpgroup MMA"
     assert "cp.async.bulk.tensor" in ptx, "operands not read through the TMA engine"
     assert "fma.rn.f32" not in ptx, "a fused multiply-add in the epilogue (its products must round as torch's)"
-    assert c.metadata.shared <= HOPPER_SHARED_BYTES, f"{c.metadata.shared} bytes of shared memory: not on an H100"
-
-
-HOPPER_SHARED_BYTES = 232_448  # the most shared memory one block may take on sm_90 (227 KiB)
+    limit = SHARED_PER_BLOCK[(9, 0)]
+    assert c.metadata.shared <= limit, f"{c.metadata.shared} bytes of shared memory: over an H100's {limit}"
 
 
 def test_the_tuned_config_is_chosen_per_output_dtype(monkeypatch):
@@ -90,20 +88,85 @@ def test_the_tuned_config_is_chosen_per_output_dtype(monkeypatch):
     assert int8_gemm.tuned(x8, w8, torch.float32) == (2,)
 
 
-GPU_SHAPES = [(300, 1152, 384, True), (4099, 640, 1536, False), (17, 384, 1152, True)]
+def _on_a_spark(monkeypatch, shared: dict) -> int:
+    """A GPU of compute capability 12.1 as `int8_gemm` sees one, whose compiled tile shapes take `shared[config]`
+    bytes of shared memory; its limit per block."""
+    from h3direct import triton_build
+    from h3direct.checkpoint.quant import int8_gemm
 
-def test_autotuning_passes_over_a_tile_shape_out_of_resources_and_raises_anything_else(monkeypatch):
-    """Only Triton's OutOfResources means "this tile shape does not fit this GPU": autotuning then times the others
-    and picks the fastest that ran; any other error (a bug in the kernel or its launch) is raised, not taken for a
-    shape that does not fit; none that fits is one error."""
+    monkeypatch.setattr(triton_build, "capability", lambda index: (12, 1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 1))
+    monkeypatch.setattr(int8_gemm, "_compiled_shared", lambda index, n, k, out, bias, config: shared[config])
+    monkeypatch.setattr(int8_gemm, "_FITTING", {})
+    return triton_build.SHARED_PER_BLOCK[(12, 1)]
+
+
+def test_autotuning_launches_only_the_tile_shapes_that_fit_the_gpu(monkeypatch):
+    """A tile shape whose compiled kernel takes more shared memory than a block may on the GPU is never launched there
+    (on the Spark, 99 KiB); one that takes exactly the limit is tried."""
     import triton.testing
-    from triton.runtime.errors import OutOfResources
 
     from h3direct.checkpoint.quant import int8_gemm
 
-    configs = [("big",), ("fast",), ("slow",)]
+    configs = int8_gemm.CONFIGS
+    limit = _on_a_spark(monkeypatch, {})
+    shared = {c: limit + (i % 3) - 1 for i, c in enumerate(configs)}  # one below, at, and one over the limit
+    monkeypatch.setattr(int8_gemm, "_compiled_shared", lambda index, n, k, out, bias, config: shared[config])
+    launched = []
+    monkeypatch.setattr(int8_gemm, "_launch", lambda config, *args: launched.append(config))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or len(launched))
+    x8, w8 = torch.zeros(64, 32, dtype=torch.int8), torch.zeros(48, 32, dtype=torch.int8)
+    args = (x8, w8, torch.ones(64), torch.ones(48), None, torch.bfloat16, None, None)
+    int8_gemm._autotune(args)
+    fit = [c for c in configs if shared[c] <= limit]
+    assert fit and len(fit) < len(configs)
+    assert sorted(set(launched)) == sorted(fit), launched
+    assert int8_gemm.fitting(torch.device("cuda", 0), 48, 32, torch.bfloat16, None).configs == fit
+
+
+def test_a_gpu_where_no_tile_shape_fits_routes_the_int8_linears_away_with_the_reason(monkeypatch):
+    """No tile shape fits: the kernel refuses the operands in one line (the limit and the smallest kernel), which the
+    int8 linear's dispatch passes on (it then runs cuBLASLt's int8 GEMM: `int_mm (int8_gemm: <the line>)`), and
+    autotuning, should it be asked, raises it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from h3direct.checkpoint.quant import int8_gemm, w8a8
+
+    limit = _on_a_spark(monkeypatch, {})
+    shared = {c: limit + 1 + i for i, c in enumerate(int8_gemm.CONFIGS)}
+    monkeypatch.setattr(int8_gemm, "_compiled_shared", lambda index, n, k, out, bias, config: shared[config])
+    with FakeTensorMode(allow_non_fake_inputs=True):  # CUDA tensors as far as the dispatch asks
+        x2 = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+        x8, w8 = torch.empty(64, 32, dtype=torch.int8, device="cuda"), torch.empty(48, 32, dtype=torch.int8, device="cuda")
+        line = f"no tile shape fits the {limit} bytes of shared memory a block may take on this GPU " \
+               f"(the smallest takes {limit + 1})"
+        assert int8_gemm.reason(x8, w8, torch.bfloat16) == line
+        assert int8_gemm.reason(x8, w8) is None  # without the output dtype: the operands alone
+        assert w8a8._triton_gemm_reason(x2, x8, w8, torch.bfloat16, None) == line
+        with pytest.raises(RuntimeError, match=re.escape(line)):
+            int8_gemm._autotune((x8, w8, None, None, None, torch.bfloat16, None, None))
+    shared[int8_gemm.CONFIGS[-1]] = limit  # one that fits: the kernel takes them
+    monkeypatch.setattr(int8_gemm, "_FITTING", {})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x8, w8 = torch.empty(64, 32, dtype=torch.int8, device="cuda"), torch.empty(48, 32, dtype=torch.int8, device="cuda")
+        assert int8_gemm.reason(x8, w8, torch.bfloat16) is None
+
+
+GPU_SHAPES = [(300, 1152, 384, True), (4099, 640, 1536, False), (17, 384, 1152, True)]
+
+def test_autotuning_raises_what_a_fitting_tile_shape_raises(monkeypatch):
+    """Autotuning launches only the tile shapes that fit (`fitting`, from their compiled size): an error one of them
+    raises is a bug in the kernel or its launch, raised, never taken for a shape that does not fit; without a planted
+    error the fastest is chosen."""
+    import triton.testing
+
+    from h3direct.checkpoint.quant import int8_gemm
+
+    configs = [("fast",), ("slow",)]
     ms = {("fast",): 1.0, ("slow",): 2.0}
     monkeypatch.setattr(int8_gemm, "CONFIGS", configs)
+    monkeypatch.setattr(int8_gemm, "fitting", lambda *a: int8_gemm.Fitting(100, {c: 100 for c in configs}))
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
 
     def launch(refuse):
@@ -113,16 +176,13 @@ def test_autotuning_passes_over_a_tile_shape_out_of_resources_and_raises_anythin
             return ms[config]
         return run
 
-    monkeypatch.setattr(int8_gemm, "_launch", launch({("big",): OutOfResources(300_000, 232_448, "shared memory")}))
-    assert int8_gemm._autotune(()) == ("fast",)
-    monkeypatch.setattr(int8_gemm, "_launch", launch({("big",): OutOfResources(300_000, 232_448, "shared memory"),
-                                                      ("fast",): ValueError("planted: a bug in the launch")}))
+    args = (torch.zeros(4, 4, dtype=torch.int8), torch.zeros(4, 4, dtype=torch.int8), None, None, None,
+            torch.bfloat16, None, None)
+    monkeypatch.setattr(int8_gemm, "_launch", launch({}))
+    assert int8_gemm._autotune(args) == ("fast",)
+    monkeypatch.setattr(int8_gemm, "_launch", launch({("slow",): ValueError("planted: a bug in the launch")}))
     with pytest.raises(ValueError, match="planted"):
-        int8_gemm._autotune(())
-    monkeypatch.setattr(int8_gemm, "_launch", launch({c: OutOfResources(1, 0, "shared memory") for c in configs}))
-    with pytest.raises(RuntimeError, match="no int8 GEMM config fits"):
-        int8_gemm._autotune(())
-
+        int8_gemm._autotune(args)
 
 
 @pytest.mark.gpu
@@ -158,3 +218,32 @@ def test_every_config_is_cublas_int_mm_through_the_same_epilogue_bit_for_bit(con
             cpu = w8a8.int8_epilogue(x8.cpu().double() @ w8.cpu().double().T, sx.cpu(), sw.cpu(),
                                      None if bd is None else bd.cpu(), dtype)
             assert torch.equal(y.cpu(), cpu), (config, m, n, k, dtype)
+
+
+@pytest.mark.gpu
+def test_the_fit_is_the_gpus_own_verdict():
+    """`triton_build.SHARED_PER_BLOCK` for this GPU is what the GPU reports, and `int8_gemm.fitting` (compiled, never
+    launched) predicts every tile shape's launch: those it keeps run, those it leaves out are refused by the GPU for
+    shared memory, on the DiT's fp32 and bf16 outputs, with and without bias."""
+    from triton.runtime.errors import OutOfResources
+
+    from h3direct import triton_build
+    from h3direct.checkpoint.quant import int8_gemm
+
+    props = torch.cuda.get_device_properties(0)
+    assert triton_build.SHARED_PER_BLOCK[torch.cuda.get_device_capability(0)] == props.shared_memory_per_block_optin
+    m, n, k = 300, 1152, 384
+    x8 = torch.ones(m, k, dtype=torch.int8, device="cuda")
+    w8 = torch.ones(n, k, dtype=torch.int8, device="cuda")
+    sx, sw = torch.ones(m, device="cuda"), torch.ones(n, device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        for bias in (None, torch.ones(n, dtype=dtype, device="cuda")):
+            fits = int8_gemm.fitting(x8.device, n, k, dtype, None if bias is None else bias.dtype)
+            assert fits.configs, fits.refusal
+            for config in int8_gemm.CONFIGS:
+                try:
+                    int8_gemm.int8_linear(x8, w8, sx, sw, bias, dtype, config)
+                    ran = True
+                except OutOfResources:
+                    ran = False
+                assert ran == (config in fits.configs), (config, dtype, bias is None, fits.shared[config])

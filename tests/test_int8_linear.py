@@ -287,7 +287,9 @@ def test_int_mm_path_is_its_cpu_emulation_bit_for_bit(name):
     b = torch.randn(n, generator=g).bfloat16()
     with counting() as calls:
         y = w8a8.linear_w8a8(x.cuda(), w8.cuda(), s.cuda(), b.cuda()).cpu()
-    path = "int8_gemm" if torch.cuda.get_device_capability() >= (9, 0) else "int_mm"  # h3direct's kernel from Hopper
+    # h3direct's kernel from Hopper on; before it cuBLASLt's, the path saying why
+    path = ("int8_gemm" if torch.cuda.get_device_capability() >= (9, 0)
+            else "int_mm (int8_gemm: compute capability < 9.0 (tensor descriptors: the TMA engine))")
     assert calls.as_dict() == {"fp8_linear": {path: 1}}, calls.as_dict()
     assert torch.equal(y, w8a8.linear_w8a8(x, w8, s, b))
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spark_image import leave_the_spark, on_a_spark, run_sage_script, sage_build
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile.spark"
@@ -578,6 +579,63 @@ def test_sage_build_script_takes_the_flags_the_dockerfile_passes(dockerfile):
     for flag in flags:
         assert re.search(rf"(^|\s){re.escape(flag)}\)", text, re.MULTILINE), f"{SAGE_SCRIPT} does not parse {flag}"
     assert re.search(r"12\.1\b", text), f"{SAGE_SCRIPT} does not accept --arch 12.1"
+
+
+def _dockerfile_sage_arch(dockerfile) -> str:
+    run = next(i for i in dockerfile if i.cmd == "RUN" and SAGE_SCRIPT in i.args)
+    words = shlex.split(run.args)
+    return words[words.index("--arch") + 1]
+
+
+@pytest.mark.parametrize("arch, arch_list", [("12.1", "12.1"), ("12.1a", "12.1"), ("9.0a", "9.0")])
+def test_sage_build_script_builds_for_the_arch_it_is_given(tmp_path, arch, arch_list):
+    """The script, run with stand-ins for nvcc and pip, builds the pinned tree as a wheel with TORCH_CUDA_ARCH_LIST
+    set to the arch without its "a" (SageAttention's setup.py adds the arch-specific target itself)."""
+    r = run_sage_script(tmp_path, "--arch", arch)
+    assert r.returncode == 0, r.stderr
+    assert r.arch_list == arch_list
+    assert r.pip_args[:6] == ("-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation"), r.pip_args
+
+
+def test_sage_build_script_refuses_an_arch_sageattention_does_not_build(tmp_path):
+    r = run_sage_script(tmp_path, "--arch", "7.5")
+    assert r.returncode == 2 and r.arch_list is None
+    assert len(r.stderr.strip().splitlines()) == 1 and "--arch 7.5" in r.stderr, r.stderr
+
+
+def test_the_images_sage_build_yields_what_the_sage2_check_imports_on_a_spark(dockerfile, monkeypatch, tmp_path):
+    """The Dockerfile's sage stage (`--arch 12.1`) builds for sm_121a the extensions sage2's check imports on a 12.1
+    GPU, and the check passes on them; a wheel built for other archs only is refused there in one line."""
+    from h3direct.dit import attention
+
+    built = sage_build(run_sage_script(tmp_path, "--arch", _dockerfile_sage_arch(dockerfile)).arch_list)
+    assert built.gencodes == ("arch=compute_121a,code=sm_121a",)
+    try:
+        on_a_spark(monkeypatch, tmp_path, sage_modules=built.modules)
+        assert attention._sage2_available(None) is None
+        imported = {n.split(".", 1)[1] for n in sys.modules if n.startswith("sageattention.")}
+        assert imported and imported <= built.modules, (imported, built.modules)
+        assert f"sageattention.{attention.SAGE2_EXTENSIONS[(12, 1)]}" in sys.modules
+        for other in ("8.0", "8.6"):
+            on_a_spark(monkeypatch, tmp_path / other, sage_modules=sage_build(other).modules)
+            why = attention._sage2_available(None)
+            assert why is not None and "sm_121" in why and "\n" not in why, why
+    finally:
+        monkeypatch.undo()
+        leave_the_spark()
+
+
+@pytest.mark.parametrize("capability", list(__import__("h3direct.dit.attention", fromlist=["x"]).SAGE2_EXTENSIONS),
+                         ids=lambda c: f"sm_{c[0]}{c[1]}")
+def test_sage2_checks_for_an_extension_its_own_arch_build_yields(tmp_path, capability):
+    """For every capability sage2's check knows, the extension it imports is one the script's build for that arch
+    yields (SageAttention's setup.py), or none where sageattn runs Triton kernels only."""
+    from h3direct.dit.attention import SAGE2_EXTENSIONS
+
+    r = run_sage_script(tmp_path, "--arch", f"{capability[0]}.{capability[1]}")
+    assert r.returncode == 0, r.stderr
+    extension = SAGE2_EXTENSIONS[capability]
+    assert extension is None or extension in sage_build(r.arch_list).modules
 
 
 # ---- docker/pip_setup.py: the build's base check and constraints --------------------------------------------

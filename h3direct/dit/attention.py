@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -250,6 +251,20 @@ def _sage2(q, k, v):
     return sageattn(q, k, v, tensor_layout="HND", is_causal=False)
 
 
+# The CUDA extension of SageAttention 2 that `sageattn` runs on each compute capability it dispatches on
+# (thu-ml/SageAttention's sageattention/core.py at tools/build_sageattention.sh's SAGE_REV; its setup.py builds an
+# extension only for the archs in TORCH_CUDA_ARCH_LIST); None: Triton kernels only. Importing sageattention at all
+# needs `_fused`, its quantizers, which every build has. Any other capability (10.0 among them) makes `sageattn` raise.
+SAGE2_EXTENSIONS: dict[tuple[int, int], str | None] = {
+    (8, 0): "_qattn_sm80",
+    (8, 6): None,
+    (8, 9): "_qattn_sm89",
+    (9, 0): "_qattn_sm90",
+    (12, 0): "_qattn_sm89",
+    (12, 1): "_qattn_sm89",  # DGX Spark: INT8 QK, FP8 PV (per-warp), the sm_121a build of tools/build_sageattention.sh
+}
+
+
 def _sage2_available(like):
     reason = _cuda_only(like) or _half_only(like)
     if reason:
@@ -262,14 +277,17 @@ def _sage2_available(like):
         return "the installed sageattention is SageAttention 1 (Triton); build SageAttention 2 with " \
                "tools/build_sageattention.sh"
     cap = _capability(like)
-    if cap < (8, 0):
-        return f"SageAttention 2 needs sm_80 or newer; this GPU is sm_{cap[0]}{cap[1]}"
-    try:
-        import sageattention._qattn_sm80  # noqa: F401  (every SA2 build has it)
-        if cap == (9, 0):
-            import sageattention._qattn_sm90  # noqa: F401
-    except ImportError as exc:
-        return f"SageAttention 2's CUDA extension for sm_{cap[0]}{cap[1]} is not built ({exc})"
+    sm = f"sm_{cap[0]}{cap[1]}"
+    if cap not in SAGE2_EXTENSIONS:
+        return f"SageAttention 2's sageattn has no kernel for {sm} (it dispatches on " \
+               f"{', '.join(f'sm_{a}{b}' for a, b in SAGE2_EXTENSIONS)})"
+    extension = SAGE2_EXTENSIONS[cap]
+    if extension is not None:
+        try:
+            importlib.import_module(f"sageattention.{extension}")
+        except ImportError as exc:
+            return f"SageAttention 2's CUDA extension for {sm} (sageattention.{extension}) is not built ({exc}); " \
+                   f"build it with tools/build_sageattention.sh --arch {cap[0]}.{cap[1]}"
     return None
 
 

@@ -19,13 +19,14 @@ against torch's int8 (`torch._int_mm`, cuBLASLt), e4m3 (`torch._scaled_mm`) and 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from h3direct.checkpoint.quant.w8a8_triton import round_out
-from h3direct.triton_build import OUT_CODES, build, interpreting
+from h3direct.triton_build import OUT_CODES, build, interpreting, shared_limit
 
 ALIGN = 16  # tensor descriptors: row strides (K bytes of int8) in multiples of 16 bytes
 
@@ -80,8 +81,10 @@ def _allocator_set() -> bool:
     return True
 
 
-def reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
-    """Why the kernel cannot take these operands (None: it can)."""
+def reason(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype | None = None,
+           bias: torch.Tensor | None = None) -> str | None:
+    """Why the kernel cannot take these operands (None: it can). With `out_dtype` (and the bias it would add), on a GPU
+    also whether a tile shape of `CONFIGS` fits its shared memory (`fitting`)."""
     if not (x8.is_cuda or interpreting()):
         return "cpu"
     if x8.dtype != torch.int8 or w8.dtype != torch.int8:
@@ -91,20 +94,34 @@ def reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
         return f"K={k} not a multiple of {ALIGN} (tensor descriptors)"
     if x8.is_cuda and torch.cuda.get_device_capability(x8.device) < (9, 0):
         return "compute capability < 9.0 (tensor descriptors: the TMA engine)"
+    if x8.is_cuda and out_dtype is not None and not interpreting():
+        fits = fitting(x8.device, w8.shape[0], k, out_dtype, None if bias is None else bias.dtype)
+        if not fits.configs:
+            return fits.refusal
     return None
 
 
-def _launch(config, x8, w8, sx, sw, bias, out_dtype, out, dst):
-    m, k = x8.shape
-    n = w8.shape[0]
+def _call(config, pointers: tuple, m: int, n: int, k: int, out_dtype, has_bias: bool, programs: int):
+    """(arguments, compile-time arguments and launch options) of tile shape `config`'s kernel: `pointers` = x8, w8,
+    sx, sw, bias (or any fp32 pointer without one), the output."""
     bm, bn, bk, group, warps, stages, flatten = config
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    return (*pointers, m, n, k), dict(
+        HAS_BIAS=has_bias, OUT=OUT_CODES[out_dtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        PROGRAMS=programs, FLATTEN=flatten, ROUND=build(round_out), num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
+
+
+def _kernel():
+    return build(_int8_gemm_kernel, do_not_specialize=["M"])
+
+
+def _launch(config, x8, w8, sx, sw, bias, out_dtype, out, dst):
+    (m, k), n = x8.shape, w8.shape[0]
+    tiles = triton.cdiv(m, config[0]) * triton.cdiv(n, config[1])
     programs = min(tiles, _sms(x8.device)) if x8.is_cuda else min(tiles, 4)
     b = bias.contiguous() if bias is not None else sw
-    build(_int8_gemm_kernel, do_not_specialize=["M"])[(programs,)](
-        x8, w8, sx, sw, b, dst, m, n, k, HAS_BIAS=bias is not None, OUT=OUT_CODES[out_dtype], BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs, FLATTEN=flatten, ROUND=build(round_out),
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    args, options = _call(config, (x8, w8, sx, sw, b, dst), m, n, k, out_dtype, bias is not None, programs)
+    _kernel()[(programs,)](*args, **options)
     return out
 
 
@@ -113,7 +130,58 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_TUNED: dict = {}  # `_key`: (device index, N, K, M bucket, output dtype) -> the fastest config
+@dataclass(frozen=True)
+class Fitting:
+    """The tile shapes of `CONFIGS` whose kernel fits a GPU's shared memory per block (`limit` bytes), in `CONFIGS`'
+    order, and what each config's compiled kernel takes (`shared`)."""
+
+    limit: int
+    shared: dict
+
+    @property
+    def configs(self) -> list[tuple]:
+        return [c for c in CONFIGS if self.shared.get(c, self.limit + 1) <= self.limit]
+
+    @property
+    def refusal(self) -> str:
+        """The one line saying why no tile shape runs here."""
+        least = f"the smallest takes {min(self.shared.values())}" if self.shared else "none compiled"
+        return f"no tile shape fits the {self.limit} bytes of shared memory a block may take on this GPU ({least})"
+
+
+_FITTING: dict = {}  # (device index, N, K, output dtype, bias dtype) -> Fitting
+
+
+def fitting(device: torch.device, n: int, k: int, out_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> Fitting:
+    """Which tile shapes of `CONFIGS` fit `device`'s shared memory per block (`triton_build.shared_limit`) for an
+    [n, k] int8 weight, this output dtype and bias: each config's kernel compiled for that GPU as a launch on these
+    operands would compile it, and Triton's own figure for it (`metadata.shared`), never launched. A config that does
+    not fit is never tried there; one that does not compile is a bug, raised (never taken for one that does not
+    fit)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, n, k, out_dtype, bias_dtype)
+    found = _FITTING.get(key)
+    if found is None:
+        shared = {config: int(_compiled_shared(index, n, k, out_dtype, bias_dtype, config)) for config in CONFIGS}
+        found = _FITTING[key] = Fitting(shared_limit(torch.device("cuda", index)), shared)
+    return found
+
+
+def _compiled_shared(index: int, n: int, k: int, out_dtype, bias_dtype, config) -> int:
+    """Shared memory per block of `config`'s kernel for these operands on GPU `index`: compiled (Triton's `warmup`, the
+    kernel a launch would run, from the same cache), not launched."""
+    from triton.runtime.jit import MockTensor
+
+    sms = _sms(index)
+    pointers = (MockTensor(torch.int8), MockTensor(torch.int8), MockTensor(torch.float32), MockTensor(torch.float32),
+                MockTensor(bias_dtype or torch.float32),
+                MockTensor(torch.float32 if out_dtype == torch.float32 else torch.int16))
+    args, options = _call(config, pointers, config[0] * sms, n, k, out_dtype, bias_dtype is not None, sms)
+    with torch.cuda.device(index):
+        return _kernel().warmup(*args, grid=(sms,), **options).metadata.shared
+
+
+_TUNED: dict = {}  # `_key`: (device index, N, K, M bucket, output dtype, bias dtype) -> the fastest config
 
 
 def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
@@ -132,39 +200,37 @@ def int8_linear(x8: torch.Tensor, w8: torch.Tensor, sx: torch.Tensor, sw: torch.
         return _launch(config or INTERPRETED, *args)
     if config is not None:
         return _launch(config, *args)
-    key = _key(x8, w8, out_dtype)
+    key = _key(x8, w8, out_dtype, bias)
     best = _TUNED.get(key)
     if best is None:
         best = _TUNED[key] = _autotune(args)
     return _launch(best, *args)
 
 
-def _key(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> tuple:
-    # the output dtype is part of the key: the epilogue's tile passes through shared memory, twice the bytes in fp32,
-    # so a tile shape that fits a 16-bit output can be out of shared memory for an fp32 one
-    return x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length(), out_dtype
+def _key(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> tuple:
+    # the output dtype (and the bias) are part of the key: the epilogue's tile passes through shared memory, twice the
+    # bytes in fp32, so a tile shape that fits a 16-bit output can be out of shared memory for an fp32 one
+    return (x8.device.index, w8.shape[0], x8.shape[1], x8.shape[0].bit_length(), out_dtype,
+            None if bias is None else bias.dtype)
 
 
-def tuned(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> tuple | None:
-    """The config autotuning chose for these operands' shapes and output dtype on their GPU (None: not tuned yet, or
-    interpreted)."""
-    return _TUNED.get(_key(x8, w8, out_dtype))
+def tuned(x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> tuple | None:
+    """The config autotuning chose for these operands' shapes, output dtype and bias on their GPU (None: not tuned
+    yet, or interpreted)."""
+    return _TUNED.get(_key(x8, w8, out_dtype, bias))
 
 
 def _autotune(args) -> tuple:
-    """The fastest of `CONFIGS` on these operands (each run twice to compile, then timed by triton's do_bench); a
-    config that does not fit this GPU (Triton's OutOfResources: shared memory, registers) is skipped; any other error
-    is raised."""
-    from triton.runtime.errors import OutOfResources
+    """The fastest on these operands of the tile shapes that fit their GPU (`fitting`: the others are never launched
+    there), each run twice to settle, then timed by triton's do_bench."""
     from triton.testing import do_bench
 
+    x8, w8, bias, out_dtype = args[0], args[1], args[4], args[5]
+    fits = fitting(x8.device, w8.shape[0], x8.shape[1], out_dtype, None if bias is None else bias.dtype)
+    if not fits.configs:
+        raise RuntimeError(f"int8 GEMM: {fits.refusal}")
     times = {}
-    for config in CONFIGS:
-        try:
-            _launch(config, *args)
-            times[config] = do_bench(lambda config=config: _launch(config, *args), warmup=5, rep=20)
-        except OutOfResources:  # this tile shape does not fit this GPU: not a candidate
-            continue
-    if not times:
-        raise RuntimeError("no int8 GEMM config fits this GPU")
+    for config in fits.configs:
+        _launch(config, *args)
+        times[config] = do_bench(lambda config=config: _launch(config, *args), warmup=5, rep=20)
     return min(times, key=times.get)

@@ -327,6 +327,13 @@ def quantize_activation_nvfp4(x2d: torch.Tensor) -> NVFP4Tensor:
     return quantize_nvfp4(x2d)
 
 
+def w4a4_gemm(device) -> str:
+    """How `linear_w4a4` computes the FP4 GEMM on `device` (W4A4 is `--nvfp4-mode auto`'s choice from compute capability
+    10 on, the DGX Spark included): on every device an emulation, the product of the decoded operands in fp32;
+    comfy-kitchen's `scaled_mm_nvfp4`, which ComfyUI calls on those GPUs, is not wired in."""
+    return "emulated (the decoded NVFP4 operands multiplied in fp32; comfy-kitchen's scaled_mm_nvfp4 is not called)"
+
+
 def linear_w4a4(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
                 bias: torch.Tensor | None, out_dtype: torch.dtype, out_features: int | None = None) -> torch.Tensor:
     """Emulation of ComfyUI's NVFP4 Linear with FP4 compute on (W4A4): x reshaped to 2D, quantized to NVFP4

@@ -40,11 +40,13 @@ Where the GEMM runs (`linear_w8a8`), counted per call in the caller's scoped col
   accumulator over the whole K (cuBLAS fast accumulation, the default of FBGEMM's f8f8bf16_rowwise), "fp32" promotes the
   partial sums to fp32 registers; either way the error it adds is far below the operands' e4m3 rounding, which the
   gate's rule for FP8 linears bounds;
-- ``int8_gemm``: an int8 weight on a GPU of compute capability >= 9.0 (K a multiple of 16): Triton per-row int8
-  quantization, then one Triton kernel for the GEMM and its epilogue (`int8_gemm`: exact int32 accumulation on the
-  tensor cores, the scales and bias applied to the accumulator);
-- ``int_mm``: an int8 weight on other CUDA GPUs (compute capability >= 8.0, M > 16, K and N multiples of 8, Triton
-  importable): Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton epilogue (`w8a8_triton`);
+- ``int8_gemm``: an int8 weight on a GPU of compute capability >= 9.0 (K a multiple of 16) where one of the kernel's
+  tile shapes fits the GPU's shared memory per block (`int8_gemm.fitting`): Triton per-row int8 quantization, then
+  one Triton kernel for the GEMM and its epilogue (`int8_gemm`: exact int32 accumulation on the tensor cores, the
+  scales and bias applied to the accumulator);
+- ``int_mm (int8_gemm: <why not>)``: an int8 weight on other CUDA GPUs (compute capability >= 8.0, M > 16, K and N
+  multiples of 8, Triton importable): Triton per-row int8 quantization, `torch._int_mm(x8, w8ᵀ)` (int32), the Triton
+  epilogue (`w8a8_triton`);
 - ``emulated (<reason>)``: anything else: the same quantization in torch, then the product of the dequantized
   operands in fp32 (the GPU accumulates in fp32 as well; only the summation order differs; int8: the exact product
   in float64 and the GPU's epilogue, so the same bits). On the CPU this is the path by design; on CUDA it is a
@@ -169,10 +171,15 @@ def _rotating_kernel_operands(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     product). None: the torch path."""
     from h3direct.checkpoint.quant import hadamard
 
-    k = t.shape[-1]
-    if _triton_ok(t) and t.dtype == torch.bfloat16 and hadamard.block(k) >= 16:
-        return hadamard.operands(k, t.device, torch.bfloat16)
-    return None
+    return hadamard.operands(t.shape[-1], t.device, torch.bfloat16) if rotates_in_triton(t) else None
+
+
+def rotates_in_triton(t: torch.Tensor) -> bool:
+    """The rotating Triton kernels take rows t [R, K] (else the torch path rotates them): on CUDA (or under
+    TRITON_INTERPRET=1), bf16, a Hadamard block of at least 16 (a tensor-core product)."""
+    from h3direct.checkpoint.quant import hadamard
+
+    return _triton_ok(t) and t.dtype == torch.bfloat16 and hadamard.block(t.shape[-1]) >= 16
 
 
 def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,6 +350,30 @@ def gemm_reason(fmt: str, device) -> str | None:
     return _int8_gpu_reason(x, 64) if fmt == "int8" else _gpu_reason(x, x.dtype, 64, 64)
 
 
+def gemm_path(fmt: str, device) -> str:
+    """The path an 8-bit linear of `fmt` (e4m3 | int8) takes on `device` for the DiT's linears (bf16 activations, K
+    and N multiples of 16), as its calls are counted: scaled_mm, int8_gemm, int_mm (int8_gemm: <why not>) or
+    emulated (<why>)."""
+    x = torch.empty(32, 64, device=device, dtype=torch.bfloat16)
+    if fmt == "int8":
+        codes = torch.empty(32, 64, device=device, dtype=torch.int8)
+        return _int8_route(x, codes, codes, x.dtype, None)
+    reason = _gpu_reason(x, x.dtype, 64, 64)
+    return "scaled_mm" if reason is None else f"emulated ({reason})"
+
+
+def _int8_route(x2: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                bias: torch.Tensor | None) -> str:
+    """Where the int8 GEMM of activations x2 [M, K] (codes x8) and weight w8 [N, K] runs: h3direct's kernel where it
+    takes them (Hopper on; any M), else cuBLASLt's within its own limits (the path naming why h3direct's kernel did
+    not), else the emulation."""
+    not_kernel = _triton_gemm_reason(x2, x8, w8, out_dtype, bias)
+    if not_kernel is None:
+        return "int8_gemm"
+    reason = _int8_gpu_reason(x2, w8.shape[0])
+    return f"int_mm (int8_gemm: {not_kernel})" if reason is None else f"emulated ({reason})"
+
+
 def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, strict: bool = False) -> torch.Tensor:
     """y = x Wᵀ + b with W ≈ w8 · w_scale[:, None] (int8 [N, K], fp32 [N]) and x quantized per row to int8 here
@@ -356,18 +387,15 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
-    # h3direct's kernel where it takes the operands (Hopper on; any M), else cuBLASLt's within its own limits
-    kernel = x2.is_cuda and _triton_ok(x2) and _triton_gemm(x8, w8)
-    reason = None if kernel else _int8_gpu_reason(x2, n)
-    if reason is not None and x2.is_cuda and strict:
-        raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {reason} (fp8_strict is on)")
-    path = "int_mm" if reason is None else f"emulated ({reason})"
-    if kernel:
+    path = _int8_route(x2, x8, w8, x.dtype, bias)
+    if path.startswith("emulated") and x2.is_cuda and strict:
+        why = path.removeprefix("emulated (")[:-1]
+        raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {why} (fp8_strict is on)")
+    if path == "int8_gemm":
         from h3direct.checkpoint.quant import int8_gemm
 
-        path = "int8_gemm"
         y = int8_gemm.int8_linear(x8, w8, sx, w_scale, bias, x.dtype)
-    elif reason is None:
+    elif path.startswith("int_mm"):
         from h3direct.checkpoint.quant import w8a8_triton
 
         y = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, w_scale, bias, x.dtype)
@@ -377,11 +405,18 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
     return y.reshape(*lead, n)
 
 
-def _triton_gemm(x8: torch.Tensor, w8: torch.Tensor) -> bool:
-    """Whether the fused Triton int8 GEMM (`int8_gemm`: the scales in its epilogue) takes these operands here."""
+def _triton_gemm_reason(x2: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
+                        bias: torch.Tensor | None) -> str | None:
+    """Why the fused Triton int8 GEMM (`int8_gemm`: the scales in its epilogue) does not take these operands here
+    (activations x2, their codes x8) into `out_dtype`, or None: it does (on CUDA, Triton importable, a tile shape
+    that fits the GPU)."""
+    if not x2.is_cuda:
+        return "cpu"
+    if not _triton_ok(x2):
+        return "triton not importable"
     from h3direct.checkpoint.quant import int8_gemm
 
-    return int8_gemm.reason(x8, w8) is None
+    return int8_gemm.reason(x8, w8, out_dtype, bias)
 
 
 def linear_w8a8(x: torch.Tensor | E4M3Rows | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
