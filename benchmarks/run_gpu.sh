@@ -10,7 +10,9 @@
 #
 # Parts: tests (pytest -m gpu), dit (bench_dit.py), vae (bench_vae.py), generate (bench_generate.py), int8 (int8_gemm.py:
 # the block GEMMs in int8, e4m3, bf16), frontier (frontier.py: candidates, tiers), tiers (pytest -m parity --tier for
-# each chosen tier on the validation set, twice: the first run records the baselines), contract
+# each chosen tier on the validation set, twice: the first run records the baselines), spark (a Spark-shaped run on
+# this GPU, tools/spark_shape: without fa3 and with the int8 tile shapes that fit 99 KiB, the GPU tests, the frontier
+# and its tiers, one generate per tier, under $OUT/spark), contract
 # (run_contract.py, then compare.py on its result), e2e (run_contract.py on the end-to-end contract, the
 # configurations of E2E_CONFIGS or all, into $OUT/e2e[-CONFIGS].json, then compare.py). Knobs (environment): OUT
 # (default /tmp/h3direct_bench), PYTHON, PRESET (full), COMFY_ROOT, QUALITY_DIR (the contract's quality cases: default
@@ -28,7 +30,7 @@ PRESET="${PRESET:-full}"
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(tests dit vae generate)
 for p in "${PARTS[@]}"; do
-  case "$p" in tests|dit|vae|generate|contract|e2e|int8|frontier|tiers) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract e2e int8 frontier tiers)" >&2; exit 2;; esac
+  case "$p" in tests|dit|vae|generate|contract|e2e|int8|frontier|tiers|spark) ;; *) echo "run_gpu.sh: unknown part '$p' (tests dit vae generate contract e2e int8 frontier tiers spark)" >&2; exit 2;; esac
 done
 
 T0=$(date +%s)
@@ -79,6 +81,21 @@ for p in "${PARTS[@]}"; do
             parity_tests/test_dit_parity.py --trace-dir "${QUALITY_DIR:-$OUT/validation}" --device cuda \
             --tier "$t" --tiers "$OUT/frontier/tiers.json" --baselines "$OUT/baselines" ${GATE_ARGS:-}
         done
+      done ;;
+    spark)  # a Spark-shaped run on this GPU (tools/spark_shape: no fa3, the int8 tile shapes of 99 KiB): the GPU
+      # tests, the frontier and its tiers on the validation set, one generate per tier; results under $OUT/spark
+      SPARK_PY="$(pwd)/tools/spark_shape${PYTHONPATH:+:$PYTHONPATH}"
+      mkdir -p "$OUT/spark"
+      # (the one GPU test that holds the shared-memory table to the device's own report is the Hopper's, not this run's)
+      part spark_tests "${SPARK_TESTS_TIMEOUT:-240}" env PYTHONPATH="$SPARK_PY" "$PY" -m pytest -q -p no:cacheprovider \
+        -m gpu -k "not fit_is_the_gpus_own_verdict" ${SPARK_TESTS_ARGS:-}
+      part spark_frontier "${SPARK_FRONTIER_TIMEOUT:-300}" env PYTHONPATH="$SPARK_PY" "$PY" -m benchmarks.frontier \
+        --trace-dir "${QUALITY_DIR:-$OUT/validation}" --out "$OUT/spark/frontier" --steps 2 \
+        ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${SPARK_FRONTIER_ARGS:-}
+      for t in ${TIERS:-exact sage_class fastest}; do
+        part "spark_generate_$t" "${SPARK_GENERATE_TIMEOUT:-120}" env PYTHONPATH="$SPARK_PY" "$PY" -m h3direct generate \
+          --device cuda --tier "$t" --tiers "$OUT/spark/frontier/tiers.json" --width 480 --height 272 --frames 33 \
+          --steps 4 --output "$OUT/spark/$t.mp4" ${SPARK_GENERATE_ARGS:-}
       done ;;
     e2e)
       E2E_OUT="$OUT/e2e${E2E_CONFIGS:+-${E2E_CONFIGS//,/-}}.json"

@@ -144,3 +144,27 @@ def test_the_residency_row_follows_the_unified_memory_rule(spark, monkeypatch):
     discrete = types.SimpleNamespace(**{**vars(gb10_properties()), "major": 9, "minor": 0})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: discrete)
     assert spark_rows()["text encoder (`--text-encoder-policy auto`)"].endswith("else offload")
+
+
+def test_a_spark_shaped_run_hides_fa3_and_caps_shared_memory_at_the_sparks():
+    """`run_gpu.sh spark`'s shim (tools/spark_shape, first on PYTHONPATH): in every Python it starts, the fa3-fwd wheel
+    does not import (a GB10 has no FA3) and the Hopper's shared memory per block is the GB10's, so the int8 GEMM's
+    autotuning keeps the Spark's tile shapes; the part is one the script knows."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import importlib\n"
+             "from h3direct import triton_build as t\n"
+             "try:\n    importlib.import_module('fa3_fwd_interface'); print('imported')\n"
+             "except ImportError as e:\n    print('hidden:', e)\n"
+             "print(t.SHARED_PER_BLOCK[(9, 0)], t.SHARED_PER_BLOCK[(12, 1)])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tools" / "spark_shape"), str(ROOT)])}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("hidden: fa3_fwd_interface: hidden in a Spark-shaped run"), lines
+    assert lines[1] == "101376 101376", lines
+    script = (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+    assert "tests|dit|vae|generate|contract|e2e|int8|frontier|tiers|spark)" in script
+    assert 'SPARK_PY="$(pwd)/tools/spark_shape' in script
