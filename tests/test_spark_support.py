@@ -84,7 +84,7 @@ def readme_rows(text: str) -> dict[str, str]:
 def readme_ready_list(text: str) -> list[str]:
     """The backends the section says `/ready` lists as available."""
     section = text.split(SECTION, 1)[1]
-    m = re.search(r"lists, under `attention\.available`: ([^\n(]+?)\n?\(", section)
+    m = re.search(r"lists, under `attention\.available`: ([^(]+?)\s*\(", section)
     return [b.strip() for b in m.group(1).replace("\n", " ").split(",")]
 
 
