@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "ck_int8", "sage2", "sol_attn", "kj_head_sliced")
+BACKENDS = ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "ck_int8", "sage2", "sol_attn", "kj_head_sliced", "budget_attn")
 
 
 def parse_args(argv=None):
@@ -26,6 +26,7 @@ def parse_args(argv=None):
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sol-taus", default="1.0,1.3,2.0", help="extra sol_attn runs at these sol_tau values")
+    ap.add_argument("--budget-masses", default="0.03,0.1", help="extra budget_attn runs at these budget_mass values")
     ap.add_argument("--out", default=None, help="write the JSON here")
     return ap.parse_args(argv)
 
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     runs = [(b, {}) for b in args.backends.split(",") if b]
     if "sol_attn" in args.backends:
         runs += [("sol_attn", {"sol_tau": float(t)}) for t in args.sol_taus.split(",") if t and t != "1.3"]
+    if "budget_attn" in args.backends:
+        runs += [("budget_attn", {"budget_mass": float(m)}) for m in args.budget_masses.split(",") if m]
     if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing, and without the rotation of q and k
         runs += [("fa3_fp8", {"fp8_attn_smooth_v": False}), ("fa3_fp8", {"fp8_attn_rotate": False})]
     rows = []
@@ -111,6 +114,15 @@ def main(argv=None) -> int:
                 ms = time_ms(call, args.iters, device)
                 row.update(ms=ms, tflops=flop / ms / 1e9, kernels=kernel_names(call, device),
                            calls=calls.as_dict().get("attention", {}).get(backend), status="ok")
+                if backend == "budget_attn":  # its two costs apart: choosing the blocks, attending them
+                    from h3direct.dit import budget_attention as BA
+
+                    budget = opts.budget_attn
+                    keep = BA.select(q, k, prefix, budget).keep
+                    choose = lambda q=q, k=k, o=budget: BA.select(q, k, prefix, o)  # noqa: E731
+                    attend = lambda q=q, k=k, v=v, m=keep, o=budget: BA.attend(q, k, v, m, o.tail)  # noqa: E731
+                    row.update(density=float(keep.float().mean()), select_ms=time_ms(choose, args.iters, device),
+                               attend_ms=time_ms(attend, args.iters, device))
         except Exception as exc:  # noqa: BLE001 - a broken backend is a row, not the end of the run
             row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:

@@ -1,8 +1,8 @@
 """Every attention backend on the GPU against exact fp32 attention, under the contract the gate holds it to.
 
 The exact backends (sdpa, cudnn_sdpa, fa3) are held to the attention rounding bound; the approximate ones to their
-kernel contracts in parity_tests/budgets.toml (mode "kernel"), measured exactly as the gate measures an attention
-site (`parity_tests.kernels`). Inputs: `h3direct.dit.attention_inputs.structured_qkv` (per-head shared directions,
+kernel contracts in parity_tests/budgets.toml (mode "kernel"), measured by the code the gate measures an attention
+site with (`h3direct.traces.kernels`). Inputs: `h3direct.dit.attention_inputs.structured_qkv` (per-head shared directions,
 a smooth random field over the Ref2VA packed positions, RMSNorm and H3's rope: attention that falls off with distance
 in time and space, as in a video DiT), at three lengths: below sol_attn's minimum (its documented fallback runs and
 is held to the fallback's contract), and two above it. Random q/k are used only for the quantized backends: a sparse
@@ -24,38 +24,27 @@ pytestmark = pytest.mark.gpu
 
 TABLE = load_budgets()
 EXACT = ["sdpa", "cudnn_sdpa", "fa3"]
-APPROXIMATE = ["sage2", "ck_int8", "fa3_fp8", "sol_attn", "kj_head_sliced"]
+APPROXIMATE = ["sage2", "ck_int8", "fa3_fp8", "sol_attn", "kj_head_sliced", "budget_attn"]
 LENGTHS = [2048, 6144, 20050]  # sol_attn's minimum is 4,096 tokens
 HEADS = 8
 
 
 def _judge(backend: str, q, k, v, prefix: int | None):
-    from h3direct.counts import counting
-    from h3direct.traces.kernels import exact_attention, ran_backend, sol_algorithm
+    """One call of `backend` on q, k, v, measured as the gate measures an attention site (`h3direct.traces.kernels`:
+    against exact fp32 attention or the reference its contract names) and judged by its contract."""
+    from types import SimpleNamespace
 
-    with counting() as calls, A.sequence_hints(prefix):
-        out = A.attention(q, k, v, backend)[0].float()
-    ran = ran_backend(backend, calls.as_dict().get("attention", {}))
-    exact = exact_attention(q, k, v)[0]
-    key = "exact" if A.is_exact(ran) else ran
+    from h3direct.traces import kernels as K
+
+    call = K.attention_call(SimpleNamespace(operands=lambda: (q, k, v, prefix)), backend, q.device)
+    key = "exact" if A.is_exact(call.ran) else call.ran
     b = TABLE.lookup(mode="kernel", kind="attention", compute="*", weights="*", attention=key, twin="*")
-    err = float((out - exact).norm() / exact.norm())
-    cos = float(torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0))
+    m = K.measure_attention(call, b.reference or "exact", backend)
     if b.rule == "rounding":
-        return verdict(b, Measured(err, produced="bfloat16"), roundings=TABLE.roundings("attention")), ran
+        return verdict(b, Measured(m.err, produced="bfloat16"), roundings=TABLE.roundings("attention")), call.ran
     if b.reference == "emulation":
-        from einops import rearrange
-
-        from h3direct.dit.fp8_attention import fp8_attention_reference
-
-        emu = rearrange(fp8_attention_reference(q, k, v), "b h s d -> b s (h d)")[0].float()
-        return verdict(b, Measured(err, twin=(err, float((emu - exact).norm() / exact.norm())))), ran
-    if b.reference == "algorithm":
-        ref = sol_algorithm(q, k, v, prefix)[0].to(out.device)
-        r_err = float((out - ref).norm() / ref.norm())
-        r_cos = float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0))
-        return verdict(b, Measured(r_err, cos=r_cos)), ran
-    return verdict(b, Measured(err, cos=cos)), ran
+        return verdict(b, Measured(m.err, twin=m.errs)), call.ran
+    return verdict(b, Measured(m.err, cos=m.cos)), call.ran
 
 
 @pytest.mark.parametrize("seq", LENGTHS)
@@ -68,8 +57,8 @@ def test_backend_within_its_contract_on_structured_attention(backend, seq, lane_
     with torch.no_grad():
         v_, ran = _judge(backend, q, k, v, prefix)
     assert v_.passed, f"{backend} (ran {ran}) at S = {seq}: {v_.text}"
-    if backend == "sol_attn":
-        assert (ran == "sol_attn") == (seq >= 4096), f"S = {seq}: sol_attn ran {ran}"
+    if backend in ("sol_attn", "budget_attn"):
+        assert (ran == backend) == (seq >= 4096), f"S = {seq}: {backend} ran {ran}"
 
 
 @pytest.mark.parametrize("backend", ["sage2", "ck_int8", "fa3_fp8"])
