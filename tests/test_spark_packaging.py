@@ -722,8 +722,10 @@ def test_doctor_reports_no_gpu_cleanly_on_the_cpu():
     assert report["gpu"] is None and report["reason"]
     assert list(report["attention"]) == backends()
     assert report["attention"]["sdpa"] == {"available": True, "ran": True, "rel_l2_vs_fp32": 0.0}
+    # budget_attn runs everywhere (its kernel's eager reference off CUDA; a short call through its fallback, sdpa)
+    assert report["attention"]["budget_attn"]["available"] and report["attention"]["budget_attn"]["ran"]
     for name, entry in report["attention"].items():
-        if name != "sdpa":  # every other backend needs CUDA, and says so
+        if name not in ("sdpa", "budget_attn"):  # every other backend needs CUDA, and says so
             assert not entry["available"] and "CUDA" in entry["reason"], (name, entry)
     assert report["nvfp4"]["device"] == "cpu" and report["nvfp4"]["mode"] == "w4a16"
 
@@ -734,7 +736,7 @@ def test_doctor_reports_no_gpu_cleanly_on_the_cpu():
     finally:
         sys.path.remove(str(DOCKER_DIR))
         sys.modules.pop("spark_doctor", None)
-    assert "GPU: no GPU" in text and "attention backends that run here: sdpa\n" in text
+    assert "GPU: no GPU" in text and "attention backends that run here: sdpa, budget_attn\n" in text
     assert "NVFP4 mode (--nvfp4-mode auto on cpu): w4a16" in text
 
 
