@@ -60,7 +60,10 @@ def block_masses(q: torch.Tensor, k: torch.Tensor, samples: int) -> torch.Tensor
     kf = kf / lengths.clamp_min(1.0).view(1, -1, 1)
     qs = q[:, sample_rows(s, samples, q.device).reshape(-1)].float()  # [H, NQ·samples, D]
     logits = (qs @ kf.transpose(1, 2)) * d ** -0.5 + lengths.log().view(1, 1, -1)  # empty sub-blocks: -inf
-    return torch.softmax(logits, dim=-1).view(h, n, samples, n, sub).sum(-1)
+    # a block's mass is the softmax over blocks of its sub-blocks' log-sum-exp (one pass less than a softmax over
+    # the sub-blocks summed per block)
+    per_block = torch.logsumexp(logits.view(h, n * samples, n, sub), dim=-1)  # [H, NQ·samples, NK]
+    return torch.softmax(per_block, dim=-1).view(h, n, samples, n)
 
 
 def select(q: torch.Tensor, k: torch.Tensor, prefix_rows: int | None, opts: BudgetOptions) -> Selection:

@@ -9,7 +9,9 @@ picks, on an sm_90 GPU that has neither.
   kernel fits that (`h3direct.triton_build.SHARED_PER_BLOCK`, what `int8_gemm.fitting` reads), as on a GB10.
 
 What it cannot make Spark-like: the GPU's rates (no FP4 tensor cores here, so NVFP4 runs W4A16 as on any sm_90),
-its unified memory, its arch-specific code paths (Triton compiles for sm_90 here).
+its unified memory, its arch-specific code paths (Triton compiles for sm_90 here: the int8 GEMM's Hopper tile shapes
+(TMA, warpgroup MMA) take more shared memory than the Spark's `mma.sync` ones, so within 99 KiB none fits here and
+the int8 linears run cuBLASLt's GEMM, where on the Spark 4 of the 9 fit: `tests/test_kernel_targets.py`).
 """
 
 import importlib.abc
