@@ -267,6 +267,8 @@ def gate_tensors(case: DitCase, ours: dict[str, torch.Tensor], *, reference: Tra
     ref = reference or trace(str(case.trace))
     twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "free", attention, title=title)
+    replay = replay or ReplayContext(unreplayable="tensors computed elsewhere (a trace written under torchrun): "
+                                                  "rerun what wrote them")
     gate = Gate(case, result, budgets or load_budgets(), ref, twin, case.compute, replay, False,
                 exact_backend=attention)
     for name in ref.names_in_order():
@@ -288,7 +290,9 @@ def run_sharded_teacher(case: DitCase, sp, *, attention: str = "sdpa", device: s
     sp.attach(dit)
     twin = _load(case.twin_fp32) if case.twin_fp32 else None
     result = CaseResult(case, "teacher", attention, title=f"{case.id} [teacher, sharded over {sp.world} ranks]")
-    gate = Gate(case, result, budgets, recorded, twin, case.compute, None, False, exact_backend=attention,
+    sharded = ReplayContext(unreplayable=f"a row of the DiT sharded over {sp.world} ranks: oracle replay runs one "
+                                         f"process; rerun the gate's sequence-parallel test under torchrun")
+    gate = Gate(case, result, budgets, recorded, twin, case.compute, sharded, False, exact_backend=attention,
                 device=device)
     with torch.no_grad():
         for s in available_sharded_sites(dit, recorded, cond, sp, backend=attention, device=device):

@@ -191,3 +191,35 @@ def test_every_printed_replay_reproduces_its_row(name, tmp_path):
         # else the part that judged it)
         assert any(c.endswith(stem) and n.startswith(layer) and k == kind for c, n, k in replayed), (
             f"{name}: no replayed {kind} row {layer}* of {stem}; replayed: {replayed}\n{gate.stdout[-3000:]}")
+
+
+def test_a_row_that_cannot_be_replayed_says_why_in_place_of_a_command(tmp_path):
+    """Where the run's recordings do not outlive it (the live gate without --keep-traces) no command is printed that
+    cannot work: the row says why, in the failure and in the report."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from h3direct.traces.format import load_trace
+    from parity_tests.discovery import find_dit_cases
+    from parity_tests.gate import run_dit_case
+    from parity_tests.plugin import replay_context
+    from parity_tests.report import ReportCollector
+
+    options = {"--comfy-root": "/comfy", "--keep-traces": False, "--comfy-python": None}
+    config = SimpleNamespace(getoption=options.get, invocation_params=SimpleNamespace(dir=str(tmp_path)))
+    context = replay_context(config)
+    assert "removed at the end of the run" in context.unreplayable
+    assert not replay_context(SimpleNamespace(getoption={**options, "--keep-traces": True}.get,
+                                              invocation_params=config.invocation_params)).unreplayable
+    case = next(c for c in find_dit_cases([FIXTURES])[0] if c.id.endswith("trace_fx_bf16_ref2va_fp32"))
+    trace = load_trace(case.trace)
+    name = "blocks.1.mlp.fc1.out"
+    bent = dataclasses.replace(trace, tensors={**trace.tensors, name: trace.tensors[name] * 1.01})
+    result = run_dit_case(case, mode="teacher", trace=bent, replay=context)
+    first = result.first_failure
+    assert first is not None and first.name == name, result.report()
+    assert first.replay == f"not replayable: {context.unreplayable}", first.replay
+    assert f"replay: not replayable: {context.unreplayable}" in result.report()
+    collector = ReportCollector()
+    collector.add_case(result)
+    assert f"not replayable: {context.unreplayable}" in collector.markdown()
