@@ -6,10 +6,10 @@ command it prints), runs the gate (`pytest -m parity`) in a subprocess on a fold
 working directory with the same plants. Each must exit 1 with its row's figure (the error the rule judged, from
 `results.jsonl`, within 1e-3 relative); a free-running row's replay also names the first drifting tensor and the
 first teacher-forced layer out of the rule. The runs cover every kind of row the gate can fail on: a block's input,
-a module's output, the model's inputs and outputs, the sampler's x0, a VAE layer and a generation step; teacher-forced
-and free-running; a bf16 recording and its fp32 twin; every approximate attention backend's kernel; the 8-bit linears
-(int8 with its rotated layers, through a `--tier`); ComfyUI's fast-mode class rule; an approximate mode's drift against its
-baseline; and the e2e frames gate's drift.
+a module's output, the model's inputs and outputs, the sampler's x0, a VAE layer and a generation step;
+teacher-forced and free-running; a bf16 recording and its fp32 twin; every approximate attention backend's kernel;
+the 8-bit linears (int8 with its rotated layers, through a `--tier`); ComfyUI's fast-mode class rule; an approximate
+mode's drift against its baseline; and the e2e frames gate's drift.
 """
 
 from __future__ import annotations
