@@ -97,3 +97,38 @@ def test_the_budget_follows_the_input_not_a_global_threshold():
     wide = select(*local_qk(2000, width=256.0), None, BudgetOptions(mass=0.05))
     assert float(wide.keep.float().mean()) > 1.5 * float(sharp.keep.float().mean())
     assert float(sharp.dropped.max()) <= 0.05 + 1e-6 and float(wide.dropped.max()) <= 0.05 + 1e-6
+
+
+def test_a_planted_sparsity_regression_fails_the_drift_rule_naming_the_case(tmp_path, monkeypatch):
+    """budget_attn for real on the CPU (its selection and its kernel's reference) in the e2e frames gate, on a small
+    DiT with local attention: its decoded frames recorded as its baseline, then the budget doubled inside every call
+    (the kernel keeps fewer blocks): the drift rule fails at the frames, naming the case; unplanted, it holds."""
+    import dataclasses
+
+    import numpy as np
+
+    from h3direct.dit import budget_attention as BA
+    from parity_tests import e2e_frames as E
+    from parity_tests.budgets import load_budgets
+    from parity_tests.drift import Store, data, judge
+
+    E.build(tmp_path / "model", preset="small", dit_args=("--attention-structure", "local"), width=256, height=256,
+            frames=22, steps=2, text_len=32)
+    model = E.E2EModel.load(tmp_path / "model")
+    options = {"budget_min_tokens": 0}  # the model's 1,700 tokens: above it, the selection and kernel run
+    first = E.compare_paths(model, "budget_attn", options=options)
+    assert first.attention_calls["budget_attn"].get("kernel", 0) > 0, first.attention_calls
+    store = Store(tmp_path / "baselines", "cpu", model.id)
+    store.folder.mkdir(parents=True)
+    np.savez(store.path(first.approx), **data(first.approx, first.measured))
+    again = E.compare_paths(model, "budget_attn", options=options)
+    judge(again, store, load_budgets())
+    assert again.passed, again.report()
+    select = BA.select
+    monkeypatch.setattr(BA, "select", lambda q, k, prefix, opts: select(
+        q, k, prefix, dataclasses.replace(opts, mass=min(0.99, 2 * opts.mass))))
+    planted = E.compare_paths(model, "budget_attn", options=options)
+    judge(planted, store, load_budgets())
+    first_failure = planted.first_failure
+    assert first_failure is not None and first_failure.name.startswith("drift.") and "drift rule" in first_failure.rule
+    assert planted.report().startswith(model.id), planted.report()
