@@ -5,7 +5,8 @@ gate's kernel rows judge (`parity_tests/kernels.py`) and what `oracle replay --m
   them in, with the sequence hint the model gives it, against exact fp32 softmax attention on the same operands, or
   against the reference implementation its contract names: `emulation` (fa3_fp8: h3direct's torch emulation of the
   same FP8 scaling, whose own error against exact attention scales the limit) or `algorithm` (sol_attn:
-  comfy-kitchen's eager Sol-Attn with the same routing arguments);
+  comfy-kitchen's eager Sol-Attn with the same routing arguments; budget_attn: its own selection on the operands and
+  its kernel's eager reference);
 - 8-bit linears (`measure_linear`): the W8A8 product on the recorded input against the exact fp32 product with the
   checkpoint's weights, with rho, the size of the product's expected rounding noise for operands of its format.
 """
@@ -128,7 +129,7 @@ def attention_call(site, backend, device) -> AttentionCall:
 
 def measure_attention(call: AttentionCall, reference: str, options=None) -> KernelMeasure:
     """The call against `reference`: exact (exact fp32 attention), emulation (exact, with the FP8 emulation's own
-    error beside the kernel's) or algorithm (comfy-kitchen's eager Sol-Attn under `options`' SolOptions)."""
+    error beside the kernel's) or algorithm (the sparse algorithm the backend implements, `algorithm`)."""
     from h3direct.dit.attention import as_options
 
     out, exact = call.out, call.exact
