@@ -66,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
     req = R.ReplayRequest.from_args(args)  # a bad option or rule is one line, before anything loads
     trace = load_trace(req.trace)
-    if req.against is not None and req.rule.ratio is None:
-        raise H3Error("--against scales the ratio rule's limit: give --ratio K too")
     comfy_root = None if req.no_comfy else (req.comfy_root or os.environ.get("H3_COMFY_ROOT") or None)
     if comfy_root is None and not req.direct:
         raise H3Error("nothing to replay: pass --comfy-root R (or set H3_COMFY_ROOT) and/or --direct")

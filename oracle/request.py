@@ -73,15 +73,15 @@ class Rule:
         return any(x is not None for x in (self.budget, self.ratio, self.cosine, self.drift))
 
     def flags(self) -> list[str]:
-        out = []
+        out = []  # each number as Python writes it back exactly (a rounded limit could flip a verdict)
         if self.budget is not None:
-            out += ["--budget", f"{self.budget:.6g}"]
+            out += ["--budget", repr(float(self.budget))]
         if self.cosine is not None:
-            out += ["--cosine", f"{self.cosine:g}"]
+            out += ["--cosine", repr(float(self.cosine))]
         if self.ratio is not None:
-            out += ["--ratio", f"{self.ratio:g}", "--floor", f"{self.floor:g}"]
+            out += ["--ratio", repr(float(self.ratio)), "--floor", repr(float(self.floor))]
         if self.drift is not None:
-            out += ["--drift", f"{self.drift:g}", "--floor", f"{self.floor:g}"]
+            out += ["--drift", repr(float(self.drift)), "--floor", repr(float(self.floor))]
         return out
 
     def describe(self) -> str:
@@ -96,7 +96,8 @@ class Rule:
         return "no rule given"
 
     def judge(self, m: Figures) -> Verdict:
-        """Bitwise equal passes whatever the rule; a rule that needs a figure not measured fails, saying so."""
+        """As the gate's `budgets.verdict` judges the same figures (bitwise equal passes the budget and the cosine, as
+        the fp32 and rounding rules pass it); a rule that needs a figure not measured fails, saying so."""
         if self.drift is not None:
             if m.baseline is None:
                 return Verdict(False, m.rel, 0.0, "the drift rule needs the baseline (--baseline)")
@@ -108,7 +109,7 @@ class Rule:
                 return Verdict(False, m.rel, 0.0, "the ratio rule needs the fp32 reference (--twin)")
             ours, ref = m.errs
             limit = ratio_limit(self.ratio, ref, self.floor)
-            return self._out(ours, limit, m.identical or ours <= limit, f"the reference's {ref:.3e}")
+            return self._out(ours, limit, ours <= limit, f"the reference's {ref:.3e}")
         if self.cosine is not None:
             cos = m.cos if m.cos is not None else math.nan
             return self._out(m.rel, math.sqrt(2.0 * (1.0 - self.cosine)), m.identical or cos >= self.cosine,
@@ -155,8 +156,9 @@ class ReplayRequest:
         from h3direct.dit.options import assignments, changed_options
 
         a = ["--trace", str(self.trace), "--layer", self.layer]
-        a += ["--comfy-root", self.comfy_root] if self.comfy_root else []
-        a += ["--comfy-python", self.comfy_python] if self.comfy_python else []
+        if self.mode not in ("kernel", "drift"):  # a kernel or drift row has no ComfyUI side
+            a += ["--comfy-root", self.comfy_root] if self.comfy_root else []
+            a += ["--comfy-python", self.comfy_python] if self.comfy_python else []
         a += ["--checkpoint", self.checkpoint] if self.checkpoint else []
         a += ["--direct"] if self.direct else []
         a += ["--no-comfy"] if self.no_comfy else []
@@ -204,6 +206,10 @@ class ReplayRequest:
         rule = Rule(args.budget, args.ratio, args.floor, args.cosine, args.drift)
         if sum(x is not None for x in (args.budget, args.ratio, args.cosine, args.drift)) > 1:
             raise H3Error("give one rule: --budget, --ratio, --cosine or --drift")
+        if args.against is not None and args.ratio is None:
+            raise H3Error("--against scales the ratio rule's limit: give --ratio K too")
+        if args.reference != "exact" and args.mode != "kernel":
+            raise H3Error("--reference names what a kernel row is measured against: give --mode kernel")
         if args.mode == "drift" and (args.baseline is None or args.drift is None):
             raise H3Error("--mode drift re-measures a quantity against its baseline: give --baseline FILE and "
                           "--drift K (the gate's printed command has them)")

@@ -302,7 +302,8 @@ class FramesReplay:
         for item in assignments(self.options):
             a += ["--option", item]
         if self.baseline is not None:
-            a += ["--baseline", str(self.baseline)] + (self.rule.flags() if self.rule is not None else [])
+            a += ["--baseline", str(self.baseline), "--quantity", self.layer.removeprefix("drift.")]
+            a += self.rule.flags() if self.rule is not None else []
         return "python -m parity_tests.e2e_frames " + shlex.join(a)
 
 
@@ -313,7 +314,7 @@ def mode_label(path: str, options: dict | None = None) -> str:
 
 
 def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, *, compute: str, reference: str,
-          options: dict | None = None, fp32: FramesRun | None = None) -> CaseResult:
+          options: dict | None = None, fp32: FramesRun | None = None, device: str = "cpu") -> CaseResult:
     """The path's decoded frames and waveform against the exact path's, reported and measured for the path's
     baseline (`drift.py`); `fp32`: the exact path's fp32 run, whose distance to `ref` is the rounding scale."""
     from parity_tests.drift import Quantity
@@ -325,8 +326,7 @@ def judge(model: E2EModel, path: str, ours: FramesRun, ref: FramesRun, *, comput
     result = CaseResult(case, "e2e", label, title=f"{model.id} [quality, {compute}, {model.weights}, {label} vs "
                         f"{reference}]", unit="comparison", action="reproduce", attention_calls=ours.attention_calls,
                         approx=label)
-    result.drift_request = FramesReplay(str(model.root or "bundled"), path, "cuda" if compute == "bf16" else "cpu",
-                                        dict(options or {}))
+    result.drift_request = FramesReplay(str(model.root or "bundled"), path, device, dict(options or {}))
     redo = result.drift_request.command()
     fm = frame_metrics(ours.frames, ref.frames)
     for name, a, e, m in (("frames", ours.frames, ref.frames, fm), ("waveform", ours.waveform, ref.waveform, None)):
@@ -354,7 +354,8 @@ def compare_paths(model: E2EModel, path: str, *, device: str = "cpu", reference:
     fp32 = None if compute == "fp32" else run_frames(model, ["--attention", "sdpa", "--compute-dtype", "fp32"],
                                                      device=device)
     ours = run_frames(model, path_flags(path, reference, options), device=device)
-    return judge(model, path, ours, ref, compute=compute, reference=reference, options=options, fp32=fp32)
+    return judge(model, path, ours, ref, compute=compute, reference=reference, options=options, fp32=fp32,
+                 device=device)
 
 
 # ---- command line: build a model folder, compare one path -----------------------------------------
@@ -418,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an attention backend's option by its flat name (repeatable), e.g. sol_tau=2.0")
     c.add_argument("--baseline", help="the path's recorded baseline (.npz): its frames and waveform are held to it")
+    c.add_argument("--quantity", choices=("frames", "waveform"),
+                   help="with --baseline: the one quantity held to it (default: both)")
     c.add_argument("--drift", type=float, metavar="K", help="with --baseline: the drift rule's k")
     c.add_argument("--floor", type=float, default=0.0, help="with --baseline: the drift rule's floor")
     args = p.parse_args(argv)
@@ -449,10 +452,14 @@ def main(argv: list[str] | None = None) -> int:
 
     rule, held = Rule(drift=args.drift, floor=args.floor), []
     for name, q in result.measured.items():
-        v = rule.judge(Figures(q.err, baseline=before.get(f"{name}.err"), scale=q.scale, paths=q.paths))
+        if args.quantity not in (None, name):
+            continue
+        if f"{name}.err" not in before:  # as the gate: a note, not a verdict
+            print(f"[drift] drift.{name}: the baseline has no {name} (rerun the gate with --force-regen)")
+            continue
+        v = rule.judge(Figures(q.err, baseline=before[f"{name}.err"], scale=q.scale, paths=q.paths))
         held.append(v.passed)
-        print(f"[drift] drift.{name}: now {q.err:.4e}, baseline {before.get(f'{name}.err', math.nan):.4e}"
-              + verdict_text(v))
+        print(f"[drift] drift.{name}: now {q.err:.4e}, baseline {before[f'{name}.err']:.4e}" + verdict_text(v))
     return 0 if all(held) else 1
 
 

@@ -100,7 +100,8 @@ def class_rows(gate, points: dict[str, Point], ours: dict[str, torch.Tensor], bu
             passed, text, error, limit = True, "reported (the class rule gates the outputs)", p.err, math.inf
         gate.result.layers.append(LayerResult(
             name, "output" if name.startswith(OUTPUTS) else "*", "free", p.err, metrics.sqnr_db(a, ref),
-            metrics.max_abs(a, ref), passed, text, budget.provenance, command(request, name, budget, limit),
+            metrics.max_abs(a, ref), passed, text, budget.provenance,
+            command(request, name, budget if name.startswith(OUTPUTS) else None, limit),
             (p.err, p.sage), error, limit, "class",
             _times(p.err, p.sage, "ComfyUI+sage") + _times(p.err, p.comfy, f"ComfyUI {gate.refs.low_dtype}", ", ")))
 

@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from h3direct.dit import block_sparse_triton as bs
-from h3direct.triton_build import FP_OPTIONS
+from h3direct.triton_build import FP_OPTIONS, SHARED_PER_BLOCK
+from parity_tests.budgets import unit_roundoff
 
 needs_triton = pytest.mark.skipif(bs.triton is None, reason="needs Triton (the `test` extra installs it on x86_64 "
                                                             "Linux) to run the kernel in its CPU interpreter")
 
 # ---- tolerances -------------------------------------------------------------------------------------------------
-UNIT = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11}  # unit roundoff (round to nearest) of each input dtype
+UNIT = {dt: unit_roundoff(str(dt).removeprefix("torch.")) for dt in (torch.bfloat16, torch.float16)}  # each input's u
 # kernel vs the fp32 reference, rel-L2 of the output: four roundings the reference does not make, each about one unit
 # of the input dtype relative to the output: the weights before the PV product (the row sums add the rounded weights,
 # so the output stays their weighted mean), the pooled keys (a logit moves by unit·scale·Σ|q·k̄|, < 1 for these
@@ -32,7 +33,7 @@ UNIT = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11}  # unit roundoff (
 OUT_UNITS = 4
 # tail mass vs the reference (absolute): a ratio (<= 1) of two sums of weights each within a unit: within 2 units
 MASS_UNITS = 2
-FP32_UNIT = 2.0 ** -24
+FP32_UNIT = unit_roundoff("float32")
 
 
 def fp32_bound(d: int, s: int, n: int) -> float:
@@ -41,9 +42,6 @@ def fp32_bound(d: int, s: int, n: int) -> float:
     return (d + s + n) * FP32_UNIT
 
 
-# shared memory one block may take (opt-in), CUDA C Programming Guide, "Technical Specifications per Compute
-# Capability": 227 KiB on 9.0 and 10.0, 99 KiB on 12.x
-SHARED_PER_BLOCK = {(9, 0): 227 * 1024, (10, 0): 227 * 1024, (12, 1): 99 * 1024}
 # the tensor-core product each target's PTX must hold: Hopper's warpgroup MMA, Blackwell datacenter's tcgen05 (the
 # operand type sits in its instruction descriptor), and the warp-level mma.sync on sm_121
 MMA = {(9, 0): r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{t}\.{t}", (10, 0): r"tcgen05\.mma\S*kind::f16",
@@ -269,7 +267,7 @@ def _compile(cap: tuple[int, int], dtype: str, config: dict):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("cap", list(SHARED_PER_BLOCK), ids=[f"sm_{a}{b}" for a, b in SHARED_PER_BLOCK])
+@pytest.mark.parametrize("cap", list(MMA), ids=[f"sm_{a}{b}" for a, b in MMA])
 def test_compiles_on_the_tensor_cores_within_shared_memory(cap, dtype, tmp_path, monkeypatch):
     """The launch config the table picks on each target: it compiles, its shared memory fits a block there, and its
     products are that target's tensor-core instruction."""

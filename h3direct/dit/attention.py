@@ -449,10 +449,11 @@ def _budget(q, k, v, opts: AttentionOptions):
     from h3direct.dit import budget_attention as BA
 
     budget = opts.budget_attn
-    if q.shape[2] < budget.min_tokens:
-        return _run_fallback("budget_attn", "budget_strict", budget.fallback, budget.strict,
-                             f"{q.shape[2]} tokens < budget_min_tokens={budget.min_tokens}", "short", q, k, v, opts)
-    count_attention("budget_attn", "kernel")
+    why = BA.call_reason(q, budget.min_tokens)
+    if why is not None:
+        return _run_fallback("budget_attn", "budget_strict", budget.fallback, budget.strict, why,
+                             "short" if "tokens" in why else "shape", q, k, v, opts)
+    count_attention("budget_attn", "kernel" if q.is_cuda else "reference")  # the CPU runs the kernel's reference
     keep = BA.select(q, k, _PREFIX_ROWS.get(), budget).keep
     return BA.attend(q, k, v, keep, budget.tail)
 

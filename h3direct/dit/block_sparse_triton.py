@@ -42,6 +42,7 @@ except Exception:  # pragma: no cover - environments without Triton
 
 BLOCK = 64  # tokens per query block and per key block
 HEAD_DIMS = (64, 128)  # head dims the kernel is built for
+MAX_PROGRAMS = 65535  # batch · heads: the grid's second axis
 _REFERENCE_LOGITS = 1 << 26  # fp32 logits the reference holds at once (its query blocks are chunked to fit)
 
 # ---- launch configurations ------------------------------------------------------------------------------------
@@ -268,8 +269,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
                          f"{v.dtype}")
     if d not in HEAD_DIMS:
         raise ValueError(f"block-sparse attention: head_dim {d} is not one of {HEAD_DIMS}")
-    if b * h > 65535:
-        raise ValueError(f"block-sparse attention: B·H = {b * h} programs in grid axis 1 (at most 65535)")
+    if b * h > MAX_PROGRAMS:
+        raise ValueError(f"block-sparse attention: B·H = {b * h} programs in grid axis 1 (at most {MAX_PROGRAMS})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
     mass = torch.empty(b, h, s, dtype=torch.float32, device=q.device)

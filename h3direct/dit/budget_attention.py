@@ -18,8 +18,9 @@ Where the error comes from: a row's output moves by at most the mass its dropped
 their values from the row's output (less with the pooled tail), so a budget on the dropped mass bounds every row
 the estimate covers. What it measured against sol_attn on the validation set: benchmarks/results/LOG.md.
 
-On CUDA the kernel is h3direct's Triton block-sparse kernel; on the CPU, its eager fp32 reference (the same
-selection and arithmetic): the backend runs everywhere, and the gate holds the kernel to that reference.
+On CUDA the kernel is h3direct's Triton block-sparse kernel, which the gate holds to its eager fp32 reference (the
+same selection and arithmetic); on the CPU the backend runs that reference itself (its calls counted as such), so
+it runs everywhere.
 """
 
 from __future__ import annotations
@@ -108,6 +109,21 @@ def attend(q, k, v, keep: torch.Tensor, tail: bool) -> torch.Tensor:
     if q.is_cuda:
         return K.block_sparse_attention(q, k, v, keep, tail=tail)[0]
     return K.block_sparse_reference(q, k, v, keep, tail=tail)[0].to(q.dtype)
+
+
+def call_reason(q: torch.Tensor, min_tokens: int) -> str | None:
+    """The documented reason a call runs the backend's fallback (None: its selection and kernel run): shorter than
+    `min_tokens`, or on CUDA a head size or a batch·heads count its kernel is not built for."""
+    from h3direct.dit import block_sparse_triton as K
+
+    b, h, s, d = q.shape
+    if s < min_tokens:
+        return f"{s} tokens < budget_min_tokens={min_tokens}"
+    if q.is_cuda and d not in K.HEAD_DIMS:
+        return f"head_dim {d} is not one of the kernel's {K.HEAD_DIMS}"
+    if q.is_cuda and b * h > K.MAX_PROGRAMS:
+        return f"batch x heads {b * h} > {K.MAX_PROGRAMS} (the kernel's grid)"
+    return None
 
 
 def kernel_reason(like: torch.Tensor | None) -> str | None:

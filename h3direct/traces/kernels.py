@@ -161,9 +161,10 @@ def algorithm(call: AttentionCall, options) -> tuple[torch.Tensor, str]:
 
         q, k, v = call.operands
         keep = select(q, k, call.prefix, options.budget_attn).keep
-        out = block_sparse_reference(q, k, v, keep, tail=options.budget_attn.tail)[0]
+        out = block_sparse_reference(q.float(), k.float(), v.float(), keep, tail=options.budget_attn.tail)[0]
         ref = rearrange(out, "b h s d -> b s (h d)")[0].float().to(call.out.device)
-        return ref, f"; {float(keep.float().mean()):.3f} of the key blocks kept"
+        cpu = "" if call.out.is_cuda else " (on the CPU the backend runs this reference: nothing is held here)"
+        return ref, f"; {float(keep.float().mean()):.3f} of the key blocks kept{cpu}"
     return sol_algorithm(*call.operands, call.prefix, options.sol_attn)[0].to(call.out.device), ""
 
 

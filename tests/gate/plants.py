@@ -14,8 +14,8 @@ in that compute dtype) or `NAME=ARGUMENT`:
 - `fp8`: every 8-bit block linear's output scaled by 1.2 (`--fp8-linear`; e4m3's own rounding is a few per cent);
 - `stand_in=BACKEND:EPS`: an approximate attention backend replaced by a CPU stand-in of its kind with a seeded
   relative error EPS (no approximate kernel runs on a CPU): exact attention for sage2 and ck_int8 (and kj_head_sliced's
-  sage2 slices), h3direct's FP8 emulation for fa3_fp8, comfy-kitchen's eager Sol-Attn for sol_attn, each plus the
-  error.
+  sage2 slices), h3direct's FP8 emulation for fa3_fp8, comfy-kitchen's eager Sol-Attn for sol_attn, budget_attn's
+  selection and its kernel's reference for budget_attn, each plus the error.
 """
 
 from __future__ import annotations
@@ -59,7 +59,14 @@ def stand_in(backend: str, eps: float):
         out = sol_algorithm(q, k, v, prefix, opts.sol_attn).reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
         return noise(out.transpose(1, 2).to(q.dtype), eps)
 
-    return {"fa3_fp8": fp8, "sol_attn": sol}.get(backend, exact)
+    def budget(q, k, v, opts):
+        from h3direct.dit.block_sparse_triton import block_sparse_reference
+        from h3direct.dit.budget_attention import select
+
+        keep = select(q, k, A._PREFIX_ROWS.get(), opts.budget_attn).keep
+        return noise(block_sparse_reference(q, k, v, keep, tail=opts.budget_attn.tail)[0], eps)
+
+    return {"fa3_fp8": fp8, "sol_attn": sol, "budget_attn": budget}.get(backend, exact)
 
 
 def stand_in_backend(backend: str, eps: float, half_only: bool = False):
@@ -73,7 +80,8 @@ def stand_in_backend(backend: str, eps: float, half_only: bool = False):
         def fn(q, k, v, inner=fn):  # as SageAttention asserts: never handed fp32
             assert q.dtype in (torch.float16, torch.bfloat16), f"{backend} handed {q.dtype}"
             return inner(q, k, v)
-    options = A._REGISTRY[backend].options if backend == "sol_attn" else None  # the stand-in takes them
+    takes_options = backend in ("sol_attn", "budget_attn")  # the stand-in runs with the backend's options
+    options = A._REGISTRY[backend].options if takes_options else None
     if options is not None:
         def avail(like, opts, inner=avail):
             return inner(like)
