@@ -56,14 +56,14 @@ def _vae_comfy(trace, files, comfy_root: str) -> dict:
     return dict(items)
 
 
-def _generation_ours(trace, device: str, attention) -> dict:
+def _generation_ours(trace, checkpoint: str | None, device: str, attention) -> dict:
     from h3direct.dit.loader import load_dit
     from h3direct.traces.evaluate import short_generation
     from h3direct.traces.inputs import load_inputs
     from h3direct.traces.pairing import compute_of
 
     m = trace.manifest
-    model = load_dit(find_checkpoint(trace, None), compute_dtype=compute_of(m),
+    model = load_dit(find_checkpoint(trace, checkpoint), compute_dtype=compute_of(m),
                      nvfp4_mode=m.get("nvfp4_mode", "w4a16"), device=device)
     return short_generation(model, load_inputs(_generation_inputs(trace)), m, backend=attention, device=device)
 
@@ -78,7 +78,7 @@ def _generation_inputs(trace) -> Path:
     return p
 
 
-def _generation_comfy(trace, comfy_root: str) -> dict:
+def _generation_comfy(trace, checkpoint: str | None, comfy_root: str) -> dict:
     from h3direct.traces.inputs import load_inputs
     from h3direct.traces.pairing import compute_of
     from oracle.comfy_env import open_comfy
@@ -87,7 +87,7 @@ def _generation_comfy(trace, comfy_root: str) -> dict:
     m = trace.manifest
     env = open_comfy(comfy_root, device="cpu", compute_dtype=compute_of(m), attention="pytorch")
     s = m.get("sampling", {})
-    items, _ = record_generation(env, find_checkpoint(trace, None), load_inputs(_generation_inputs(trace)),
+    items, _ = record_generation(env, find_checkpoint(trace, checkpoint), load_inputs(_generation_inputs(trace)),
                                  steps=int(m["steps"]), sampler=str(m.get("sampler", "euler")),
                                  scheduler=str(m.get("scheduler", "simple")),
                                  shift_video=float(s.get("shift", 12.0)),
@@ -111,12 +111,12 @@ def run(kind: str, r) -> tuple[dict[str, bool | None], str]:
     runs = []
     if r.comfy_root:
         runs.append(("comfy", lambda: comfy_side(r, lambda: _vae_comfy(trace, files, r.comfy_root) if kind == "vae"
-                                                 else _generation_comfy(trace, r.comfy_root))))
+                                                 else _generation_comfy(trace, req.checkpoint, r.comfy_root))))
     else:
         print(r.not_run())
     if req.direct:
         runs.append(("h3direct", lambda: _vae_ours(trace, files) if kind == "vae"
-                     else _generation_ours(trace, req.device, req.options.attention)))
+                     else _generation_ours(trace, req.checkpoint, req.device, req.options.attention)))
     refs = ratio_refs(names, trace, twin=r.twin) if req.rule.ratio is not None else None
     for side, make in runs:
         got = make()

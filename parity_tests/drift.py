@@ -138,7 +138,7 @@ def _replay(result: CaseResult, baseline: Path, name: str, b, limit: float) -> s
     mode's run, a ReplayRequest in drift mode or e2e_frames' FramesReplay)."""
     from parity_tests.results import command
 
-    request = getattr(result, "drift_request", None)
+    request = result.drift_request
     if request is None:
         return f"not replayable: this run of {result.approx} names no replay of its measured quantities"
     return command(dataclasses.replace(request, baseline=baseline), name, b, limit)

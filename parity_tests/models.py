@@ -74,9 +74,11 @@ def dtype_reason(attention, compute: str, device: str) -> str | None:
 
 
 def own_dtype(attention, compute: str, device: str) -> str:
-    """The dtype a backend itself runs a `compute` case in: that one, else bf16 for a bf16/fp16-only backend."""
-    runs = dtype_reason(attention, compute, device) is None
-    return compute if runs or dtype_reason(attention, "bf16", device) is not None else "bf16"
+    """`h3direct.traces.kernels.own_dtype` by dtype name: the dtype a backend itself runs a `compute` case in."""
+    from h3direct.traces import kernels
+
+    dt = kernels.own_dtype(attention, getattr(torch, DTYPES[compute]), device)
+    return {v: k for k, v in DTYPES.items()}[str(dt).removeprefix("torch.")]
 
 
 def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:

@@ -55,7 +55,8 @@ MARKERS = {
 
 
 # the flags a tier sets (its options and its rule), with their defaults. Their options default to None, so that a
-# flag given explicitly is seen as given even at its default value (`given`): with --tier, any of them is an error.
+# flag given explicitly is seen as given even at its default value (`option()` reads them): with --tier, any of them is
+# an error.
 TIER_SETS = {"--attention": "sdpa", "--option": [], "--fp8-linear": "off", "--fp8-linear-layers": None,
              "--fp8-linear-format": "e4m3", "--fp8-linear-rotate": "none", "--sage-class": False}
 

@@ -11,7 +11,8 @@ variable `H3_BUDGET_<NAME>` (the flag or field wins):
 | `samples`    | 8       | query rows per 64-row block whose attention over every key estimates the block masses |
 | `tail`       | on      | dropped key blocks stay in the softmax through one pooled term each (their mean key,  |
 |              |         | their mean value, their length); off: dropped                                         |
-| `sinks`      | prefix  | `prefix`: the key blocks of the rows before the target video are always kept; `none`  |
+| `sinks`      | prefix  | `prefix`: the key blocks of the rows before the target video are always kept; `none`: |
+|              |         | they compete for the budget like any other                                            |
 | `exact_rows` | on      | the query blocks of the rows before the target video keep every key block (the local  |
 |              |         | structure the budget works with is the video's)                                       |
 | `min_tokens` | 4096    | below this sequence length a call runs `fallback` (documented fallback, counted)      |
@@ -40,7 +41,8 @@ class BudgetOptions:
     samples: int = field(8, "query rows per 64-row block that estimate the key blocks' masses",
                          rule=lambda v: v in (1, 2, 4, 8, 16, 32, 64), expect="a power of two from 1 to 64", env=True)
     tail: bool = field(True, "dropped key blocks stay in the softmax through one pooled term each", env=True)
-    sinks: str = field("prefix", "prefix: the key blocks of the rows before the target video are always kept; none",
+    sinks: str = field("prefix", "prefix: the key blocks of the rows before the target video are always kept; none: "
+                       "they compete for the budget like any other",
                        choices=("prefix", "none"), env=True)
     exact_rows: bool = field(True, "the query blocks of the rows before the target video keep every key block",
                              env=True)
