@@ -27,8 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from h3direct.checkpoint.synthetic import LOCAL_SHIFT, LOCAL_STRENGTH
 
 
@@ -165,6 +163,8 @@ def own_cases(root: Path) -> tuple[list[str], dict[str, str]]:
 
 def seq_len(case: Case) -> int:
     """The packed sequence length of a case (h3direct's layout, as ComfyUI packs it)."""
+    import torch
+
     from h3direct.dit.sequence import build_layout
 
     t, h, w = case.video
@@ -174,6 +174,7 @@ def seq_len(case: Case) -> int:
 
 
 def write_inputs(case: Case, path: Path, text_dim: int) -> None:
+    import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(case.seed)

@@ -1,8 +1,11 @@
-"""Test helper: the benchmark contracts' command lines as a user runs them (`python -m benchmarks.compare` in a
-subprocess) and the crafting of results that break one rule."""
+"""Test helper: the benchmark contracts' command lines as a user runs them (`python -m benchmarks.compare`, in a
+subprocess or, for the many crafted results, its `main` on the same argv in this process: the same exit code and
+output without a second interpreter importing torch) and the crafting of results that break one rule."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -11,15 +14,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def compare(result, contract: Path, tmp: Path | None = None) -> subprocess.CompletedProcess:
+def compare(result, contract: Path, tmp: Path | None = None, *, subprocess_: bool = False
+            ) -> subprocess.CompletedProcess:
     """`benchmarks.compare` on `result` (a file, or a dict written to tmp/r.json with inf and NaN as JSON's
-    Infinity / NaN, as json.dumps writes them)."""
+    Infinity / NaN, as json.dumps writes them); `subprocess_`: as `python -m benchmarks.compare`, else its `main`."""
     if isinstance(result, dict):
         path = tmp / "r.json"
         path.write_text(json.dumps(result))
         result = path
-    return subprocess.run([sys.executable, "-m", "benchmarks.compare", "--contract", str(contract), "--result",
-                           str(result)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    argv = ["--contract", str(contract), "--result", str(result)]
+    if subprocess_:
+        return subprocess.run([sys.executable, "-m", "benchmarks.compare", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+    from benchmarks.compare import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def has(out: str, needle: str) -> bool:

@@ -1,4 +1,5 @@
-"""The benchmark contract, its runner and `python -m benchmarks.compare`, run as a user runs them (subprocesses).
+"""The benchmark contract, its runner and `python -m benchmarks.compare`, run as a user runs them (the runner and
+one compare in subprocesses; the crafted results through compare's `main` on the same argv, `contract_cli.compare`).
 
 compare's rules each get a crafted result that breaks one of them: a result that did not run the contract (a smoke
 run, another device, another S, other path settings, another step count, other ComfyUI settings) and figures that
@@ -94,7 +95,7 @@ def _passing() -> dict:
 
 
 def test_compare_passes_a_result_that_ran_the_contract_and_met_it(tmp_path):
-    p = _compare(_passing(), tmp=tmp_path)
+    p = compare(_passing(), CONTRACT, tmp_path, subprocess_=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert has(p.stdout, "10 of 10 targets met") and "FAIL" not in p.stdout
     # the same-run ratios: each path against ComfyUI's default, its sage mode, and the fastest ComfyUI of its class
