@@ -132,3 +132,26 @@ def test_a_planted_sparsity_regression_fails_the_drift_rule_naming_the_case(tmp_
     first_failure = planted.first_failure
     assert first_failure is not None and first_failure.name.startswith("drift.") and "drift rule" in first_failure.rule
     assert planted.report().startswith(model.id), planted.report()
+
+
+def test_a_short_call_runs_the_documented_fallback_counted_and_strict_refuses():
+    """A call shorter than budget_min_tokens runs budget_fallback (its output that backend's), counted as
+    "fallback to sdpa: short"; a long one runs the selection and the kernel's reference, counted as such;
+    budget_strict turns the fallback into a one-line error."""
+    import pytest
+
+    from h3direct.counts import counting
+    from h3direct.dit import attention as A
+    from h3direct.dit.attention import AttentionOptions, BackendUnavailable
+
+    opts = AttentionOptions("budget_attn", budget_attn=BudgetOptions(min_tokens=256))
+    short = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    long = torch.randn(1, 2, 320, 64, dtype=torch.bfloat16)
+    with counting() as calls:
+        assert torch.equal(A.attention(short, short, short, opts),
+                           A.attention(short, short, short, AttentionOptions("sdpa")))
+        A.attention(long, long, long, opts)
+    assert calls.as_dict()["attention"] == {"budget_attn": {"fallback to sdpa: short": 1, "reference": 1}}
+    strict = AttentionOptions("budget_attn", budget_attn=BudgetOptions(min_tokens=256, strict=True))
+    with pytest.raises(BackendUnavailable, match="would fall back to 'sdpa' .*budget_strict forbids it"):
+        A.attention(short, short, short, strict)

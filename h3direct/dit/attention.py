@@ -347,12 +347,13 @@ def sol_kernel_reason(like: torch.Tensor | None) -> str | None:
     return None
 
 
-def sol_fallback_reason(q: torch.Tensor, min_tokens: int) -> str | None:
-    """The documented reason a call runs the fallback backend instead of the kernel (None: the kernel runs)."""
+def sol_fallback_reason(q: torch.Tensor, min_tokens: int) -> tuple[str, str] | None:
+    """(count tag, documented reason) a call runs the fallback backend instead of the kernel (None: the kernel
+    runs)."""
     if q.shape[-1] != SOL_HEAD_DIM:
-        return f"head_dim {q.shape[-1]} != {SOL_HEAD_DIM}"
+        return "head_dim", f"head_dim {q.shape[-1]} != {SOL_HEAD_DIM}"
     if q.shape[2] < min_tokens:
-        return f"{q.shape[2]} tokens < sol_min_tokens={min_tokens}"
+        return "short", f"{q.shape[2]} tokens < sol_min_tokens={min_tokens}"
     return None
 
 
@@ -378,8 +379,7 @@ def sol_call(q, k, v, kernel, options: str | AttentionOptions = "sol_attn"):
     sol = opts.sol_attn
     why = sol_fallback_reason(q, sol.min_tokens)
     if why is not None:
-        return _run_fallback("sol_attn", "sol_strict", sol.fallback, sol.strict, why,
-                             "head_dim" if why.startswith("head") else "short", q, k, v, opts)
+        return _run_fallback("sol_attn", "sol_strict", sol.fallback, sol.strict, why, q, k, v, opts)
     count_attention("sol_attn", "kernel")
     prefix = _PREFIX_ROWS.get()
     rows = sol.exact_query_rows(prefix, q.shape[2]) if sol.rows_elsewhere else 0
@@ -425,10 +425,11 @@ def _sol_available(like, opts: AttentionOptions):
     return _fallback_unavailable("sol_attn", "sol_fallback", opts.sol_attn.fallback, like, opts)
 
 
-def _run_fallback(name: str, strict_name: str, fallback: str, strict: bool, why: str, tag: str, q, k, v,
+def _run_fallback(name: str, strict_name: str, fallback: str, strict: bool, reason: tuple[str, str], q, k, v,
                   opts: AttentionOptions):
-    """A call backend `name`'s kernel cannot take (`why`): runs its documented `fallback` backend, counted as
-    "fallback to <fallback>: <tag>"; in strict mode a one-line error instead."""
+    """A call backend `name`'s kernel cannot take (`reason`: its count tag and why): runs its documented `fallback`
+    backend, counted as "fallback to <fallback>: <tag>"; in strict mode a one-line error instead."""
+    tag, why = reason
     if strict:
         raise BackendUnavailable(f"attention backend {name!r} would fall back to {fallback!r} ({why}); "
                                  f"{strict_name} forbids it")
@@ -451,8 +452,7 @@ def _budget(q, k, v, opts: AttentionOptions):
     budget = opts.budget_attn
     why = BA.call_reason(q, budget.min_tokens)
     if why is not None:
-        return _run_fallback("budget_attn", "budget_strict", budget.fallback, budget.strict, why,
-                             "short" if "tokens" in why else "shape", q, k, v, opts)
+        return _run_fallback("budget_attn", "budget_strict", budget.fallback, budget.strict, why, q, k, v, opts)
     count_attention("budget_attn", "kernel" if q.is_cuda else "reference")  # the CPU runs the kernel's reference
     keep = BA.select(q, k, _PREFIX_ROWS.get(), budget).keep
     return BA.attend(q, k, v, keep, budget.tail)
@@ -483,7 +483,8 @@ def _fa3_fp8(q, k, v, opts: AttentionOptions):
     fp8 = opts.fa3_fp8
     why = fp8_fallback_reason(q)
     if why is not None:
-        return _run_fallback("fa3_fp8", "fp8_attn_strict", fp8.fallback, fp8.strict, why, "head_dim", q, k, v, opts)
+        return _run_fallback("fa3_fp8", "fp8_attn_strict", fp8.fallback, fp8.strict, ("head_dim", why), q, k, v,
+                             opts)
     count_attention("fa3_fp8", "kernel")
     return fa3_fp8_attention(q, k, v, smooth_v=fp8.smooth_v, rotate=fp8.rotate)
 

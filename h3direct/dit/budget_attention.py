@@ -111,18 +111,19 @@ def attend(q, k, v, keep: torch.Tensor, tail: bool) -> torch.Tensor:
     return K.block_sparse_reference(q, k, v, keep, tail=tail)[0].to(q.dtype)
 
 
-def call_reason(q: torch.Tensor, min_tokens: int) -> str | None:
-    """The documented reason a call runs the backend's fallback (None: its selection and kernel run): shorter than
-    `min_tokens`, or on CUDA a head size or a batch·heads count its kernel is not built for."""
+def call_reason(q: torch.Tensor, min_tokens: int) -> tuple[str, str] | None:
+    """(count tag, documented reason) a call runs the backend's fallback (None: its selection and kernel run):
+    "short", shorter than `min_tokens`; "shape", on CUDA a head size or a batch·heads count its kernel is not built
+    for."""
     from h3direct.dit import block_sparse_triton as K
 
     b, h, s, d = q.shape
     if s < min_tokens:
-        return f"{s} tokens < budget_min_tokens={min_tokens}"
+        return "short", f"{s} tokens < budget_min_tokens={min_tokens}"
     if q.is_cuda and d not in K.HEAD_DIMS:
-        return f"head_dim {d} is not one of the kernel's {K.HEAD_DIMS}"
+        return "shape", f"head_dim {d} is not one of the kernel's {K.HEAD_DIMS}"
     if q.is_cuda and b * h > K.MAX_PROGRAMS:
-        return f"batch x heads {b * h} > {K.MAX_PROGRAMS} (the kernel's grid)"
+        return "shape", f"batch x heads {b * h} > {K.MAX_PROGRAMS} (the kernel's grid)"
     return None
 
 
