@@ -349,6 +349,29 @@ def test_choosing_again_from_the_committed_frontier_gives_the_committed_tiers(tm
     assert cli.main(["choose-tiers", "--frontier", str(ROOT / "README.md"), "--out", str(tmp_path / "x")]) == 2
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda f: f.pop("quality"), "no quality (an object)"),
+    (lambda f: f["made"].pop("cases"), "no made.cases (a list)"),
+    (lambda f: f["quality"].pop(f["made"]["cases"][-1]), "no quality.v30_local_nvfp4_v4c_s5072"),
+    (lambda f: f.clear(), "no made.cases (a list), machine (an object), candidates (an object), quality (an object)"),
+])
+def test_choose_tiers_refuses_what_is_not_a_frontier_in_one_line(tmp_path, capsys, edit, says):
+    """A frontier file without what the choice reads, or a --frontier that does not exist: one line, exit 2, before
+    any choice is made and nothing written."""
+    from h3direct.app import cli
+
+    frontier = json.loads((ROOT / "benchmarks" / "results" / "frontier-h100.json").read_text())
+    edit(frontier)
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps(frontier))
+    assert cli.main(["choose-tiers", "--frontier", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "out" / "tiers.json").exists()
+    assert cli.main(["choose-tiers", "--frontier", str(tmp_path / "none.json"), "--out", str(tmp_path / "o2")]) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
 def test_the_users_own_cases_are_found(tmp_path):
     """A folder of --trace-dir that is not a validation-set case counts when ComfyUI's bf16 trace has its fp32 twin and
     its sage recording and S >= 5,000 (the manifests' layout); every other one is named with why not."""

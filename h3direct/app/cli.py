@@ -31,6 +31,7 @@ FILE_CHECKS: dict[str, list[tuple[str, str, str]]] = {
               ("out", "--out", "out:.safetensors")],
     "trace-vae": [("weights", "--weights", "safetensors"), ("inputs", "--inputs", "safetensors"),
                   ("config", "--config", "in"), ("out", "--out", "out:.safetensors")],
+    "choose-tiers": [("frontier", "--frontier", "in"), ("out", "--out", "dir")],
 }
 
 # name -> (module, one-line help); the app's modules (`h3direct.app.cli_*`) take the parsed flags, the others

@@ -26,17 +26,29 @@ def run(args) -> int:
     from h3direct.app.frontier import choice, report
     from h3direct.app.tiers import install
 
-    try:
-        measured = json.loads(args.frontier.read_text())
-        if not isinstance(measured, dict):
-            raise ValueError("not a JSON object")
-        frontier, tiers = choice.choose_all(measured)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--frontier {args.frontier}: not a frontier's measurements ({exc})") from None
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"--frontier {args.frontier}: not a frontier's measurements (no {exc})") from None
+    frontier = measurements(args.frontier)
+    frontier, tiers = choice.choose_all(frontier)
     paths = report.write(frontier, tiers, args.out)
     if args.install:
         print(f"installed: {install(paths['tiers'])}")
     print(", ".join(f"{k}: {v}" for k, v in paths.items()))
     return 0
+
+
+def measurements(path: Path) -> dict:
+    """The frontier's measurements in `path`, with what the choice reads (`choice.choose_all`): a one-line
+    ConfigError for a file that is not JSON or lacks any of it."""
+    try:
+        measured = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"--frontier {path}: not a frontier's measurements (not JSON: {exc})") from None
+    cases = measured.get("made", {}).get("cases") if isinstance(measured, dict) else None
+    missing = ["made.cases (a list)"] if not isinstance(cases, list) else []
+    for key in ("machine", "candidates", "quality"):
+        if not isinstance(measured, dict) or not isinstance(measured.get(key), dict):
+            missing.append(f"{key} (an object)")
+    if not missing:
+        missing = [f"quality.{c}" for c in cases if c not in measured["quality"]]
+    if missing:
+        raise ConfigError(f"--frontier {path}: not a frontier's measurements (no {', '.join(missing)})")
+    return measured

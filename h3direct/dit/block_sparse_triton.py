@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from h3direct.dit.budget_options import BUDGET_BLOCK as BLOCK  # tokens per query and per key block
 from h3direct.triton_build import FP_OPTIONS, for_device
 from h3direct.triton_build import build as _kernel
 from h3direct.triton_build import interpreting as _interpreting
@@ -40,7 +41,6 @@ try:  # Triton is optional (CUDA wheels of torch ship it; the `test` extra insta
 except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
-BLOCK = 64  # tokens per query block and per key block
 HEAD_DIMS = (64, 128)  # head dims the kernel is built for
 MAX_PROGRAMS = 65535  # batch · heads: the grid's second axis
 _REFERENCE_LOGITS = 1 << 26  # fp32 logits the reference holds at once (its query blocks are chunked to fit)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from h3direct.fields import check, field
 
-BUDGET_BLOCK = 64  # query and key block size (the kernel's tile)
+BUDGET_BLOCK = 64  # query and key block size: the selection's and its kernel's (`block_sparse_triton.BLOCK`) tile
 BUDGET_SUB = 16  # the key sub-blocks whose mean keys the block masses are estimated with
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from h3direct.checkpoint.quant.w8a8_triton import round_out
-from h3direct.triton_build import OUT_CODES, build, interpreting, shared_limit
+from h3direct.triton_build import OUT_CODES, build, cuda_index, interpreting, shared_limit
 
 ALIGN = 16  # tensor descriptors: row strides (K bytes of int8) in multiples of 16 bytes
 
@@ -158,7 +158,7 @@ def fitting(device: torch.device, n: int, k: int, out_dtype: torch.dtype, bias_d
     operands would compile it, and Triton's own figure for it (`metadata.shared`), never launched. A config that does
     not fit is never tried there; one that does not compile is a bug, raised (never taken for one that does not
     fit)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     key = (index, n, k, out_dtype, bias_dtype)
     found = _FITTING.get(key)
     if found is None:
