@@ -83,8 +83,9 @@ def _comfy_python(args) -> str | None:
     if python is None or args.command != "replay":
         return python
     uses_comfy = (args.comfy_root or os.environ.get("H3_COMFY_ROOT")) and not args.no_comfy
-    comfy_part = args.mode not in ("kernel", "drift")  # what those compare, ComfyUI has no part in
-    return python if uses_comfy and comfy_part else None
+    from oracle.request import COMFY_MODES
+
+    return python if uses_comfy and args.mode in COMFY_MODES else None
 
 
 def _in_comfy_environment(args, argv: list[str], python: str) -> int:

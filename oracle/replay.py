@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(req.trace)
     comfy_root = None if req.no_comfy else (req.comfy_root or os.environ.get("H3_COMFY_ROOT") or None)
     if comfy_root is None and not req.direct:
+        if req.mode not in R.COMFY_MODES:
+            raise H3Error(f"nothing to replay: a {req.mode} row is h3direct's side alone (pass --direct)")
         raise H3Error("nothing to replay: pass --comfy-root R (or set H3_COMFY_ROOT) and/or --direct")
     kind = trace_kind(trace.manifest)
     if kind != "dit" and req.mode != "teacher":

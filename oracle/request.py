@@ -33,6 +33,7 @@ from h3direct.dit.options import DEFAULT_OPTIONS, FP8_LINEAR_FORMATS, FP8_LINEAR
 from h3direct.traces.metrics import drift_limit, ratio_limit
 
 MODES = ("teacher", "free", "kernel", "drift")
+COMFY_MODES = ("teacher", "free")  # the modes with a ComfyUI side; a kernel or drift row is h3direct's alone
 REFERENCES = ("exact", "emulation", "algorithm")  # what a kernel row measures the kernel against
 FP8_FLAGS = ("fp8_linear", "fp8_linear_layers", "fp8_linear_format", "fp8_linear_rotate")  # KernelOptions fields
 
@@ -156,7 +157,7 @@ class ReplayRequest:
         from h3direct.dit.options import assignments, changed_options
 
         a = ["--trace", str(self.trace), "--layer", self.layer]
-        if self.mode not in ("kernel", "drift"):  # a kernel or drift row has no ComfyUI side
+        if self.mode in COMFY_MODES:
             a += ["--comfy-root", self.comfy_root] if self.comfy_root else []
             a += ["--comfy-python", self.comfy_python] if self.comfy_python else []
         a += ["--checkpoint", self.checkpoint] if self.checkpoint else []

@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_assignments(args.option, only="attention")
         if args.baseline is not None and args.drift is None:
             raise H3Error("--baseline holds the path to the drift rule: give --drift K (the gate's command has it)")
+        if args.quantity is not None and args.baseline is None:
+            raise H3Error("--quantity names a drift quantity: give the --baseline it is held to (and --drift K)")
         before = _baseline(args.baseline) if args.baseline else None
         model = E2EModel.load(None if args.model == "bundled" else args.model)
         result = compare_paths(model, args.path, device=args.device, options=options)
@@ -460,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         v = rule.judge(Figures(q.err, baseline=before[f"{name}.err"], scale=q.scale, paths=q.paths))
         held.append(v.passed)
         print(f"[drift] drift.{name}: now {q.err:.4e}, baseline {before[f'{name}.err']:.4e}" + verdict_text(v))
+    if not held:  # a replay that compares nothing is no verdict
+        print(f"e2e_frames: error: nothing compared: the baseline {args.baseline} holds none of "
+              f"{args.quantity or ', '.join(result.measured)}", file=sys.stderr)
+        return 2
     return 0 if all(held) else 1
 
 

@@ -165,6 +165,8 @@ def algorithm(call: AttentionCall, options) -> tuple[torch.Tensor, str]:
         ref = rearrange(out, "b h s d -> b s (h d)")[0].float().to(call.out.device)
         cpu = "" if call.out.is_cuda else " (on the CPU the backend runs this reference: nothing is held here)"
         return ref, f"; {float(keep.float().mean()):.3f} of the key blocks kept{cpu}"
+    if call.ran != "sol_attn":
+        raise ValueError(f"the algorithm reference is sol_attn's or budget_attn's; this call ran {call.ran!r}")
     return sol_algorithm(*call.operands, call.prefix, options.sol_attn)[0].to(call.out.device), ""
 
 

@@ -226,3 +226,17 @@ def test_a_combined_path_runs_both_and_takes_only_its_own_fp8_entry():
     assert E.kind_of("sol_attn+fp8_linear") == "approximate" and E.kind_of("nope+fp8_linear") == "unknown"
     if E.knows_flag("--fp8-linear"):  # the attention half decides availability
         assert E.unavailable("sol_attn+fp8_linear", "cpu") == E.unavailable("sol_attn", "cpu")
+
+
+def test_a_drift_replay_that_compares_nothing_is_refused(test_backends, tmp_path, capsys):
+    """The drift replay of an e2e frames row: --quantity without the baseline it is held to is one line before any
+    compute; a baseline holding neither quantity compares nothing, which is no verdict (exit 2), never a pass."""
+    import numpy as np
+
+    assert E.main(["compare", "--path", "noisy_0.001", "--quantity", "frames"]) == 2
+    assert "give the --baseline" in capsys.readouterr().err
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, mode=np.array("noisy_0.001"))
+    assert E.main(["compare", "--path", "noisy_0.001", "--baseline", str(empty), "--drift", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing compared" in err and "frames, waveform" in err, err

@@ -89,7 +89,11 @@ def test_replay_needs_something_to_run(outputs_only, capsys, monkeypatch):
 
     monkeypatch.delenv("H3_COMFY_ROOT", raising=False)
     rc = main(["replay", "--trace", str(outputs_only), "--layer", "blocks.1"])
-    assert rc == 2 and "nothing to replay" in capsys.readouterr().err
+    assert rc == 2 and "nothing to replay: pass --comfy-root" in capsys.readouterr().err
+    # a kernel row has no ComfyUI side: the line asks for what it needs, never for a ComfyUI checkout
+    rc = main(["replay", "--trace", str(outputs_only), "--layer", "blocks.1", "--mode", "kernel"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "a kernel row is h3direct's side alone (pass --direct)" in err and "comfy-root" not in err, err
 
 
 def test_a_bad_backend_option_is_one_line_before_the_trace_loads(outputs_only, capsys):
