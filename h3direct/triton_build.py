@@ -82,7 +82,8 @@ def shared_limit(device: torch.device) -> int:
     compute capability (the table the cross-target compile tests hold every kernel to)."""
     index = cuda_index(device)
     props = torch.cuda.get_device_properties(index)
-    reported = int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block))
+    optin = getattr(props, "shared_memory_per_block_optin", None)  # older torch: only the default per block
+    reported = int(optin if optin is not None else props.shared_memory_per_block)
     return min(reported, SHARED_PER_BLOCK.get(capability(index), reported))
 
 

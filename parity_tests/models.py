@@ -60,9 +60,14 @@ def nvfp4_mode(case) -> str:
     return case.weights.split("_")[1] if case.weights.startswith("nvfp4") else "w4a16"
 
 
+def dtype_name(dt: torch.dtype) -> str:
+    """fp32 | bf16 | fp16: the name of a compute dtype."""
+    return {v: k for k, v in DTYPES.items()}[str(dt).removeprefix("torch.")]
+
+
 def compute_name(m) -> str:
     """fp32 | bf16 | fp16: the compute dtype of a loaded DiT."""
-    return {v: k for k, v in DTYPES.items()}[str(m.compute_dtype).removeprefix("torch.")]
+    return dtype_name(m.compute_dtype)
 
 
 def dtype_reason(attention, compute: str, device: str) -> str | None:
@@ -77,8 +82,7 @@ def own_dtype(attention, compute: str, device: str) -> str:
     """`h3direct.traces.kernels.own_dtype` by dtype name: the dtype a backend itself runs a `compute` case in."""
     from h3direct.traces import kernels
 
-    dt = kernels.own_dtype(attention, getattr(torch, DTYPES[compute]), device)
-    return {v: k for k, v in DTYPES.items()}[str(dt).removeprefix("torch.")]
+    return dtype_name(kernels.own_dtype(attention, getattr(torch, DTYPES[compute]), device))
 
 
 def run_dtype(attention, compute: str, device: str) -> tuple[str, str | None]:

@@ -86,7 +86,8 @@ def gb10_properties() -> types.SimpleNamespace:
     """torch.cuda.get_device_properties of a GB10, as far as the runtime reads it (whether its driver calls it
     integrated is not known here: it says not, and the capability decides)."""
     return types.SimpleNamespace(name="NVIDIA GB10", major=SPARK[0], minor=SPARK[1], total_memory=SPARK_MEMORY,
-                                 is_integrated=False, multi_processor_count=48)
+                                 is_integrated=False, multi_processor_count=48,
+                                 shared_memory_per_block_optin=99 * 1024)
 
 
 def on_a_spark(monkeypatch, tmp_path: Path, sage_modules=None) -> None:

@@ -19,18 +19,19 @@ import torch.nn.functional as F
 
 from h3direct.dit import block_sparse_triton as bs
 from h3direct.triton_build import FP_OPTIONS, SHARED_PER_BLOCK
-from parity_tests.budgets import unit_roundoff
+from parity_tests.budgets import load_budgets, unit_roundoff
 
 needs_triton = pytest.mark.skipif(bs.triton is None, reason="needs Triton (the `test` extra installs it on x86_64 "
                                                             "Linux) to run the kernel in its CPU interpreter")
 
 # ---- tolerances -------------------------------------------------------------------------------------------------
 UNIT = {dt: unit_roundoff(str(dt).removeprefix("torch.")) for dt in (torch.bfloat16, torch.float16)}  # each input's u
-# kernel vs the fp32 reference, rel-L2 of the output: four roundings the reference does not make, each about one unit
-# of the input dtype relative to the output: the weights before the PV product (the row sums add the rounded weights,
-# so the output stays their weighted mean), the pooled keys (a logit moves by unit·scale·Σ|q·k̄|, < 1 for these
-# unit-variance inputs) and values, and the stored output. The bound is their sum.
-OUT_UNITS = 4
+# kernel vs the fp32 reference, rel-L2 of the output: the attention rounding bound the gate holds it to (budgets.toml,
+# budget_attn's kernel row: 2·n·u for the n roundings of [roundings].attention). The kernel makes four roundings the
+# reference does not, each about one unit of the input dtype relative to the output (the weights before the PV
+# product: the row sums add the rounded weights, so the output stays their weighted mean; the pooled keys, a logit
+# moving by unit·scale·Σ|q·k̄|, < 1 for these unit-variance inputs; the pooled values; the stored output): inside it.
+OUT_UNITS = 2 * load_budgets().roundings("attention")
 # tail mass vs the reference (absolute): a ratio (<= 1) of two sums of weights each within a unit: within 2 units
 MASS_UNITS = 2
 FP32_UNIT = unit_roundoff("float32")
@@ -274,12 +275,7 @@ def test_compiles_on_the_tensor_cores_within_shared_memory(cap, dtype, tmp_path,
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = bs.LAUNCH.get(cap, bs.DEFAULT_LAUNCH)
-    try:
-        compiled = _compile(cap, dtype, config)
-    except (RuntimeError, FileNotFoundError, ImportError) as exc:  # no CUDA toolchain in this Triton install
-        if "ptxas" in str(exc) or "CUDA" in str(exc) or isinstance(exc, (FileNotFoundError, ImportError)):
-            pytest.skip(f"Triton cannot compile for CUDA here: {str(exc).splitlines()[0]}")
-        raise
+    compiled = _compile(cap, dtype, config)  # a compile error fails (ptxas ships with Triton, as in test_kernel_targets)
     ptx = compiled.asm["ptx"]
     assert f".target sm_{cap[0]}{cap[1]}" in ptx
     assert compiled.metadata.shared <= SHARED_PER_BLOCK[cap], \

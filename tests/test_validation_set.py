@@ -51,8 +51,10 @@ def test_a_case_of_other_sizes_builds_as_described(tmp_path):
 def test_a_case_of_another_window_builds_with_it(tmp_path):
     from safetensors import safe_open
 
-    case = next(c for c in validation.structured() if c.strength != validation.LOCAL_STRENGTH)
+    case = next(c for c in validation.structured()
+                if c.strength != validation.LOCAL_STRENGTH and c.shift != validation.LOCAL_SHIFT)
     validation.build(tmp_path, only=[case.name])
     with safe_open(str(tmp_path / case.name / case.checkpoint), "pt") as f:
         made = json.loads(f.metadata()["h3direct"])["attention_structure"]
     assert made["kind"] == "local" and abs(made["strength"] - case.strength) < 1e-9, made
+    assert abs(made["shift"] - case.shift) < 1e-9, made

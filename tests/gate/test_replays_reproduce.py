@@ -55,6 +55,9 @@ class Run:
     baselines: dict = field(default_factory=dict)  # sub-folder or "e2e" -> the mode label baselined there
 
 
+KERNEL_ROWS = ("sage2", "ck_int8", "fa3_fp8", "sol_attn", "budget_attn")  # the approximate backends replayed here
+SAME_ROW_AS = {"kj_head_sliced": "sage2"}  # its calls are its inner backend's (sage2 by default): that row
+
 RUNS = {
     # the block input (the plant the issue found: only a whole-model run sees it), a module output in both dtypes,
     # the model's input and outputs, the sampler's x0, a VAE layer and a generation step
@@ -73,11 +76,10 @@ RUNS = {
                    ("trace_vae_video_decode_fp32", "", "vae"),
                    ("trace_gen_fx_curve_bf16_t2va_fp32", "sampler.step0.", "e2e"))),
     # every approximate backend's kernel row, each a CPU stand-in 20 % off what its contract holds it to
-    # (kj_head_sliced's calls are sage2's)
     **{f"kernel-{b}": Run(f"stand_in={b}:0.2", {"": BF16},
                           ("--attention", b, *BF16_TEACHER),
                           (("trace_fx_bf16_ref2va_bf16", "token_refiner.blocks.0.attn.out_proj.in", "kernel"),))
-       for b in ("sage2", "ck_int8", "fa3_fp8", "sol_attn", "budget_attn")},
+       for b in KERNEL_ROWS},
     # the 8-bit linears through a tier: int8 with its rotated layers (e4m3 takes the same replay with its format flag)
     "tier": Run("fp8", {"": BF16}, ("--tier", "int8_rotated", *BF16_TEACHER),
                 (("trace_fx_bf16_ref2va_bf16", "blocks.0.", "kernel"),)),
@@ -231,3 +233,13 @@ def test_a_row_that_cannot_be_replayed_says_why_in_place_of_a_command(tmp_path):
     collector = ReportCollector()
     collector.add_case(result)
     assert f"not replayable: {context.unreplayable}" in collector.markdown()
+
+
+def test_every_approximate_attention_backend_has_its_kernel_row_replayed():
+    """The kernel rows above cover every approximate backend the registry holds, each by its own run or by the run of
+    the backend whose calls it makes (a backend added without a replay run fails this test)."""
+    from h3direct.dit import attention as A
+
+    approximate = {name for name, b in A._REGISTRY.items() if not b.exact}
+    assert set(KERNEL_ROWS) | set(SAME_ROW_AS) == approximate, approximate
+    assert set(SAME_ROW_AS.values()) <= set(KERNEL_ROWS)

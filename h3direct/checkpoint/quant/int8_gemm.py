@@ -145,8 +145,8 @@ class Fitting:
     @property
     def refusal(self) -> str:
         """The one line saying why no tile shape runs here."""
-        least = f"the smallest takes {min(self.shared.values())}" if self.shared else "none compiled"
-        return f"no tile shape fits the {self.limit} bytes of shared memory a block may take on this GPU ({least})"
+        return (f"no tile shape fits the {self.limit} bytes of shared memory a block may take on this GPU (the "
+                f"smallest takes {min(self.shared.values())})")
 
 
 _FITTING: dict = {}  # (device index, N, K, output dtype, bias dtype) -> Fitting
