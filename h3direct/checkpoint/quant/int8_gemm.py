@@ -138,7 +138,7 @@ class Fitting:
     limit: int
     shared: dict
 
-    @property
+    @functools.cached_property  # asked on every int8 linear call: computed once per Fitting
     def configs(self) -> list[tuple]:
         return [c for c in CONFIGS if self.shared.get(c, self.limit + 1) <= self.limit]
 
