@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BOUNDS = {"exact": ("exact", None), "sage_class": ("class", 1.5), "fastest": ("drift", 3.0)}
 
 
-def row(s, exact=False, **x_sage):
+def row(s, exact=False, sparse=False, **x_sage):
     """A candidate's measurements as the frontier keeps them: its speed and its quality over the cases."""
     cases = {c: {"error_x_comfyui_sage": x, "error_x_comfyui_bf16": 2 * x} for c, x in x_sage.items()}
-    return {"s_per_step": s, "exact": exact, "options": {"attention": "sdpa"}, "status": "ok",
+    return {"s_per_step": s, "exact": exact, "sparse": sparse,
+            "options": {"attention": "budget_attn" if sparse else "sdpa"}, "status": "ok",
             "quality": {"cases": cases, "error_x_comfyui_bf16": 2 * max(x_sage.values()),
                         "error_x_comfyui_sage": max(x_sage.values())}}
 
@@ -136,6 +137,39 @@ def test_the_margin_moves_the_choice_and_a_tier_nothing_fits_says_so(capsys):
     out = capsys.readouterr()
     lines = [ln for ln in (out.out + out.err).splitlines() if "no candidate qualifies" in ln]
     assert len(lines) == 1 and "tier sage_class" in lines[0], lines
+
+
+def test_a_sparse_candidate_takes_a_tier_only_while_its_error_is_even():
+    """A sparse candidate whose worst case is more than `SPARSE_SPREAD` (1.3) × its median case is passed over, even
+    inside the bound; an even one is taken; an uneven candidate that is not sparse is judged by its bound alone. In a
+    fold the spread is over the cases the choice sees, so the held-out case can make it uneven."""
+    from h3direct.app.tiers import SPARSE_SPREAD
+
+    assert SPARSE_SPREAD == 1.3
+    uneven = row(0.9, sparse=True, a=1.0, b=1.05, c=1.4)  # inside 1.5; worst / median 1.4 / 1.05 = 1.33
+    assert F.spread(uneven) == pytest.approx(1.4 / 1.05) and F.spread(uneven, ["a", "b"]) == pytest.approx(1.05 / 1.025)
+    rows = {**ROWS, "uneven": uneven}
+    assert F.choose(rows, 1.5, "class") == "risky"
+    assert F.choose({**rows, "dense": {**uneven, "sparse": False}}, 1.5, "class") == "dense"
+    assert F.choose({**rows, "even": row(0.95, sparse=True, a=1.1, b=1.2, c=1.25)}, 1.5, "class") == "even"
+    m, folds = F.margin(rows, 1.5, "class", ["a", "b", "c"])
+    chosen = {f["held_out"]: f["chosen"] for f in folds}
+    # on two cases it is even (without c: 1.05 / 1.025; without a: 1.4 / 1.225): taken in every fold, 1.4 on c
+    assert chosen == {"a": "uneven", "b": "uneven", "c": "uneven"}
+    assert m == pytest.approx(1.4 / 1.05)
+    assert F.choose_tiers(rows, BOUNDS, ["a", "b", "c"])["sage_class"]["chosen"] == "sage"  # 1.05 x 1.33 <= 1.5
+    nan = row(0.5, sparse=True, a=1.0, b=1.0, c=float("nan"))
+    assert F.spread(nan) == math.inf and F.choose({**ROWS, "nan": nan}, 1.5, "class", ["a", "b"]) == "nan"
+
+
+def test_the_attention_backends_that_drop_key_blocks_are_the_sparse_ones():
+    from h3direct.dit.attention import backends, is_sparse
+    from h3direct.dit.options import AttentionOptions
+
+    assert {b for b in backends() if is_sparse(b)} == {"sol_attn", "budget_attn"}
+    sliced = AttentionOptions(backend="kj_head_sliced")
+    assert not is_sparse(sliced)
+    assert F.sparse({"attention": "budget_attn"}) and not F.sparse({"attention": "fa3"})
 
 
 def test_pareto_points():

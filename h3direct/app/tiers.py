@@ -51,6 +51,10 @@ TIERS = {"exact": TierRule("exact", None),  # an exact attention backend, the ch
          "sage_class": TierRule("class", 1.5),  # the ratio rule's k against ComfyUI+sage (the exact rule's k)
          "fastest": TierRule("drift", 3.0)}  # gated against its own baselines
 CLASS_BOUND = TIERS["sage_class"].bound
+# A sparse candidate (`attention.is_sparse`) takes a tier only while its worst case is within this × its median case
+# over the cases it is chosen on. Its error follows where each input's attention mass lies, not rounding: a case far
+# above the rest marks inputs the set samples thinly, and a margin learnt from the rest would not cover them.
+SPARSE_SPREAD = 1.3
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Backend:
     available: Callable  # (like) -> None if it can run, else the reason; with `options`: (like, AttentionOptions)
     exact: bool  # same math as fp32 softmax attention up to rounding
     options: type | None = None  # the options class registered with the backend (`dit/options.py`)
+    sparse: bool = False  # drops key blocks: its error depends on where the input's attention mass lies
 
     def run(self, q, k, v, opts: AttentionOptions):
         return self.fn(q, k, v) if self.options is None else self.fn(q, k, v, opts)
@@ -72,9 +73,9 @@ _REGISTRY: dict[str, Backend] = {}
 _PREFIX_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("h3_attention_prefix_rows", default=None)
 
 
-def register(name: str, fn, available, exact: bool):
+def register(name: str, fn, available, exact: bool, sparse: bool = False):
     """A backend under `name`; its options class is the one `AttentionOptions` holds for it (None: it takes none)."""
-    _REGISTRY[name] = Backend(name, fn, available, exact, BACKEND_OPTIONS.get(name))
+    _REGISTRY[name] = Backend(name, fn, available, exact, BACKEND_OPTIONS.get(name), sparse)
 
 
 def backends() -> list[str]:
@@ -92,6 +93,15 @@ def is_exact(backend: str | AttentionOptions) -> bool:
     if opts.backend == "kj_head_sliced":
         return _REGISTRY[opts.kj_head_sliced.backend].exact
     return _REGISTRY[opts.backend].exact
+
+
+def is_sparse(backend: str | AttentionOptions) -> bool:
+    """Drops key blocks (sol_attn, budget_attn): an error that follows the input's attention structure, not rounding
+    (kj_head_sliced: as sparse as its inner backend)."""
+    opts = as_options(backend)
+    if opts.backend == "kj_head_sliced":
+        return _REGISTRY[opts.kj_head_sliced.backend].sparse
+    return _REGISTRY[opts.backend].sparse
 
 
 @contextlib.contextmanager
@@ -507,5 +517,5 @@ register("fa3_fp8", _fa3_fp8, _fa3_fp8_available, exact=False)
 register("sage2", _dense_v(_sage2), _sage2_available, exact=False)
 register("ck_int8", _dense_v(_ck_int8), _ck_int8_available, exact=False)
 register("kj_head_sliced", _head_sliced, _head_sliced_available, exact=False)
-register("sol_attn", _sol, _sol_available, exact=False)  # reads v as the strided view it is
-register("budget_attn", _budget, _budget_available, exact=False)
+register("sol_attn", _sol, _sol_available, exact=False, sparse=True)  # reads v as the strided view it is
+register("budget_attn", _budget, _budget_available, exact=False, sparse=True)

@@ -5,12 +5,15 @@ The measurements (`rows_of`): per candidate its s/step at the contract's workloa
 (`cases.over_cases` of the per-case figures); ComfyUI's configurations likewise (`comfy_rows`). A candidate's error is
 its worst case × ComfyUI+sage's error (`error`). The margin (`margin`): choose on all cases but one, judge on the one
 left out, the worst such gap over the cases; a candidate qualifies when its worst case × the margin is inside the
-bound. The exact tier takes the fastest exact candidate. A tier no candidate qualifies for is left out, with one line.
+bound. A sparse candidate (an attention backend that drops key blocks) qualifies only while its error is even over
+the cases it is chosen on (`spread`, within `tiers.SPARSE_SPREAD`). The exact tier takes the fastest exact
+candidate. A tier no candidate qualifies for is left out, with one line.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 
 from h3direct.app.frontier import cases as Q
@@ -30,9 +33,17 @@ def rows_of(frontier: dict) -> dict:
     for name, c in frontier["candidates"].items():
         s = Q.number(c.get("s_per_step"))
         rows[name] = {"s_per_step": s if s is not None and c.get("status") == "ok" else math.inf,
-                      "status": c.get("status"), "exact": c["exact"], "options": c["options"],
-                      "quality": quality[name]}
+                      "status": c.get("status"), "exact": c["exact"], "sparse": sparse(c["options"]),
+                      "options": c["options"], "quality": quality[name]}
     return rows
+
+
+def sparse(options: dict) -> bool:
+    """Whether a candidate's attention (its flat options' `attention`) drops key blocks (`attention.is_sparse`)."""
+    from h3direct.dit.attention import is_sparse
+    from h3direct.dit.options import Options
+
+    return is_sparse(Options.from_flat(options).attention)
 
 
 def comfy_rows(frontier: dict) -> dict:
@@ -58,6 +69,17 @@ def error(row: dict, cases: list[str] | None = None) -> float:
     return math.inf if worst is None else worst
 
 
+def spread(row: dict, cases: list[str] | None = None) -> float:
+    """A candidate's worst case over its median case (error × ComfyUI+sage, over `cases`, default every case it was
+    measured on): 1 where every case errs alike; inf where a case has no finite figure."""
+    q = row["quality"]
+    per = [error(row, [c]) for c in (list(q.get("cases") or {}) if cases is None else cases)]
+    if not per or not all(math.isfinite(e) for e in per):
+        return math.inf
+    med = statistics.median(per)
+    return max(per) / med if med > 0 else (1.0 if max(per) == 0 else math.inf)
+
+
 def failed_cases(row: dict) -> dict[str, str]:
     """{case: status} of the cases where the candidate's measurement failed (raised)."""
     return {c: q["status"] for c, q in (row["quality"].get("cases") or {}).items()
@@ -71,11 +93,14 @@ def eligible(rows: dict, rule: str) -> dict:
 
 def choose(rows: dict, bound: float | None, rule: str, cases: list[str] | None = None,
            margin: float = 1.0) -> str | None:
-    """The fastest candidate whose worst error over `cases` × `margin` is within `bound` (exact: the fastest exact
-    candidate); None when none qualifies."""
+    """The fastest candidate whose worst error over `cases` × `margin` is within `bound`, a sparse one only while its
+    spread over `cases` is within `SPARSE_SPREAD` (exact: the fastest exact candidate); None when none qualifies."""
+    from h3direct.app.tiers import SPARSE_SPREAD
+
     pool = eligible(rows, rule)
     if rule != "exact":
-        pool = {n: r for n, r in pool.items() if error(r, cases) * margin <= bound}
+        pool = {n: r for n, r in pool.items() if error(r, cases) * margin <= bound
+                and not (r["sparse"] and spread(r, cases) > SPARSE_SPREAD)}
     return min(pool, key=lambda n: pool[n]["s_per_step"], default=None)
 
 

@@ -11,7 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from h3direct.app.frontier.choice import error, pareto
+from h3direct.app.frontier.choice import error, pareto, spread
+from h3direct.app.tiers import SPARSE_SPREAD
 
 BLUE, GREY, ORANGE, GREEN = "#1f6fb2", "#9aa7b4", "#d9480f", "#2b8a3e"
 OFFSETS = [(5, 3), (5, -10), (-5, 3), (-5, -10), (5, 12), (5, -19), (-5, 12), (-5, -19)]  # points, tried in turn
@@ -148,7 +149,8 @@ def report_html(frontier: dict, png: Path) -> str:
         per_case = r["quality"].get("cases") or {}
         cells = "".join(f"<td>{_fmt(per_case.get(c, {}).get('error_x_comfyui_sage'))}</td>" for c in cases)
         speed = f"{r['s_per_step']:.3f}" if math.isfinite(r["s_per_step"]) else e(str(r.get("status")))
-        body.append(f"<tr><td>{e(n)}</td><td>{speed}</td><td>{_fmt(error(r))}</td>{cells}</tr>")
+        worst_median = _fmt(spread(r)) + (" (sparse)" if r.get("sparse") else "")
+        body.append(f"<tr><td>{e(n)}</td><td>{speed}</td><td>{_fmt(error(r))}</td><td>{worst_median}</td>{cells}</tr>")
     tiers = "".join(f"<li>{e(tier_line(n, c, rows))}</li>" for n, c in frontier["choices"].items())
     left = "".join(f"<li>{e(n)}: {e(w)}</li>" for n, w in frontier.get("left_out", {}).items()) or "<li>none</li>"
     style = ("<style>body{font-family:sans-serif;max-width:1100px;margin:auto}img{max-width:100%}"
@@ -157,8 +159,11 @@ def report_html(frontier: dict, png: Path) -> str:
     return (f"<!doctype html><meta charset=utf-8><title>frontier</title>{style}<h1>Speed / quality frontier</h1>"
             f"<p>{e(frontier['machine'].get('device_name', ''))}; {e(code_line(frontier['made']))}</p>"
             f"<img alt='frontier' src='data:image/png;base64,{img}'><h2>Tiers</h2><ul>{tiers}</ul>"
-            f"<h2>Candidates, fastest first (error × ComfyUI+sage per case)</h2><table>"
-            f"<tr><th>candidate</th><th>s/step</th><th>worst</th>{head}</tr>{''.join(body)}</table>"
+            f"<h2>Candidates, fastest first (error × ComfyUI+sage per case)</h2>"
+            f"<p>worst / median: the worst case over the median case; a sparse candidate takes a tier only while it "
+            f"is within ×{SPARSE_SPREAD:g}.</p><table>"
+            f"<tr><th>candidate</th><th>s/step</th><th>worst</th><th>worst / median</th>{head}</tr>"
+            f"{''.join(body)}</table>"
             f"<h2>Left out here</h2><ul>{left}</ul>")
 
 
