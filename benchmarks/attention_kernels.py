@@ -27,6 +27,8 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sol-taus", default="1.0,1.3,2.0", help="extra sol_attn runs at these sol_tau values")
     ap.add_argument("--budget-masses", default="0.03,0.1", help="extra budget_attn runs at these budget_mass values")
+    ap.add_argument("--budget-samples", default="8,64", help="each budget_attn run at these budget_samples values (64: "
+                    "every row, the fused selection kernel on CUDA)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     return ap.parse_args(argv)
 
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
     if "sol_attn" in args.backends:
         runs += [("sol_attn", {"sol_tau": float(t)}) for t in args.sol_taus.split(",") if t and t != "1.3"]
     if "budget_attn" in args.backends:
-        runs += [("budget_attn", {"budget_mass": float(m)}) for m in args.budget_masses.split(",") if m]
+        runs += [("budget_attn", {"budget_mass": float(m), "budget_samples": int(r)})
+                 for m in args.budget_masses.split(",") if m for r in args.budget_samples.split(",") if r]
     if any(b == "fa3_fp8" for b, _ in runs):  # and without V smoothing, and without the rotation of q and k
         runs += [("fa3_fp8", {"fp8_attn_smooth_v": False}), ("fa3_fp8", {"fp8_attn_rotate": False})]
     rows = []

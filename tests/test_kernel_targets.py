@@ -45,12 +45,12 @@ from h3direct.checkpoint.keys import BLOCK_LINEARS, dit_keys  # noqa: E402
 from h3direct.checkpoint.quant import hadamard, int8_gemm, nvfp4_triton, w8a8_triton  # noqa: E402
 from h3direct.checkpoint.quant.nvfp4 import storage_shapes  # noqa: E402
 from h3direct.config import H3Config  # noqa: E402
-from h3direct.dit import block_sparse_triton, fp8_attention, fused  # noqa: E402
+from h3direct.dit import block_sparse_triton, budget_select_triton, fp8_attention, fused  # noqa: E402
 from h3direct.dit.timesteps import ModRun  # noqa: E402
 
 TARGETS = {"sm_121": (12, 1), "sm_100": (10, 0)}  # DGX Spark (GB10), B200
-RUNTIME_MODULES = (fused, w8a8_triton, int8_gemm, nvfp4_triton, fp8_attention, block_sparse_triton)  # triton_build's
-# users
+RUNTIME_MODULES = (fused, w8a8_triton, int8_gemm, nvfp4_triton, fp8_attention, block_sparse_triton,
+                   budget_select_triton)  # triton_build's users
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 ROWS = 64  # sequence rows of the recorded calls (no launch config depends on them)
 
@@ -314,18 +314,20 @@ def _triton_cache(tmp_path_factory, monkeypatch):
 def test_every_runtime_kernel_is_launched_on_some_target():
     """The recorded calls reach every Triton kernel of the runtime's kernel modules (a kernel added without a call here
     fails this test); fa3_fp8's quantizers are launched on sm_90 only, which the kernels' own tests cover; budget_attn's
-    block-sparse kernel is compiled for these targets (and sm_90) with its launch table's config by its own test
-    (`test_block_sparse_triton.py::test_compiles_on_the_tensor_cores_within_shared_memory`)."""
+    block-sparse kernel and its selection kernel are compiled for these targets (and sm_90) with their launch tables'
+    configs by their own tests (`test_compiles_on_the_tensor_cores_within_shared_memory` of
+    `test_block_sparse_triton.py` and `test_budget_select_triton.py`)."""
     from tests.test_block_sparse_triton import MMA as BLOCK_SPARSE_TARGETS
+    from tests.test_budget_select_triton import MMA as SELECT_TARGETS
 
     defined = {name for module in RUNTIME_MODULES for name, value in vars(module).items()
                if name.endswith("_kernel") and name != "_kernel" and (callable(value) or isinstance(value, JITFunction))}
     recorded = {x.kernel for cap in TARGETS.values() for x in launches(cap)}
     fa3_only = {"_quantize_kernel", "_quantize_rotated_kernel"}
-    own_test = {"_block_sparse_kernel"}
+    own_test = {"_block_sparse_kernel", "_select_kernel"}
     assert defined - fa3_only - own_test == recorded, (defined, recorded)
     assert fa3_only | own_test <= defined
-    assert set(TARGETS.values()) <= set(BLOCK_SPARSE_TARGETS)
+    assert set(TARGETS.values()) <= set(BLOCK_SPARSE_TARGETS) & set(SELECT_TARGETS)
 
 
 @pytest.mark.parametrize("group", _groups())

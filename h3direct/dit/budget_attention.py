@@ -6,10 +6,12 @@ Per head and 64-row query block (`select`):
 1. estimate: `samples` query rows spread over the block attend every key through the mean keys of 16-token key
    sub-blocks (the softmax over S/16 pooled logits, each weighed by its length): each sampled row's mass on every
    64-token key block, for samples/1024 of the dense scores' arithmetic (exact where a sub-block's keys are equal);
-2. choose: the key blocks in descending estimated mass (the forced ones first: the diagonal and its neighbours, the
-   sink blocks of the rows before the target video), as few as make every sampled row's kept mass at least
-   1 − `mass`: a top-p per query block, the budget held for the worst sampled row, whatever the input (a wide
-   window keeps more blocks, a sharp one fewer);
+2. choose (`choose`): the key blocks fall in buckets by their mean estimated mass over the sampled rows (half-octaves,
+   `mass_bucket`); the lightest buckets are dropped, as many as leave every sampled row's mass on the dropped blocks
+   within `mass`, and the forced blocks (the diagonal and its neighbours, the sink blocks of the rows before the target
+   video) are kept whatever their mass: the budget held for the worst sampled row, whatever the input (a wide window
+   keeps more blocks, a sharp one fewer). With `samples` 64 every row of the block estimates, and on CUDA one fused
+   Triton kernel (`budget_select_triton`) runs the estimate and the choice without writing the masses out;
 3. attend (`block_sparse_triton`): exact softmax attention over the kept key blocks, and (`tail`) each dropped block
    as one pooled term (its mean key, its mean value, its length) in the same softmax, so the dropped mass stays in
    the denominator. The query blocks of the rows before the target video keep every key block (`exact_rows`).
@@ -32,6 +34,7 @@ import torch
 from h3direct.dit.budget_options import BUDGET_BLOCK, BUDGET_SUB, BudgetOptions
 
 MAX_LOGITS = 1 << 26  # estimate logits per head chunk (fp32): bounds the selection's transient memory
+MASS_BUCKETS = 64  # half-octaves of a key block's mean mass the choice drops whole (down to 2^-31.5)
 
 
 @dataclass(frozen=True)
@@ -49,56 +52,108 @@ def sample_rows(s: int, samples: int, device) -> torch.Tensor:
     return rows.clamp_max(s - 1)
 
 
+def pooled_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [H, S, D] -> (fp32 [H, NK·4, D]: the mean key of every 16-token sub-block, fp32 [NK·4]: the log of its
+    length, -inf for the empty ones past S): what the block masses are estimated with."""
+    h, s, d = k.shape
+    n = -(-s // BUDGET_BLOCK)
+    pad = n * BUDGET_BLOCK - s
+    subs = n * (BUDGET_BLOCK // BUDGET_SUB)
+    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(h, subs, BUDGET_SUB, d).sum(2)
+    lengths = torch.nn.functional.pad(torch.ones(s, device=k.device), (0, pad)).view(subs, BUDGET_SUB).sum(1)
+    return kf / lengths.clamp_min(1.0).view(1, -1, 1), lengths.log()
+
+
 def block_masses(q: torch.Tensor, k: torch.Tensor, samples: int) -> torch.Tensor:
     """q, k [H, S, D] -> fp32 [H, NQ, samples, NK]: each sampled row's estimated mass on every 64-token key block
     (its softmax over the length-weighted mean keys of 16-token sub-blocks)."""
     h, s, d = k.shape
     n = -(-s // BUDGET_BLOCK)
     sub = BUDGET_BLOCK // BUDGET_SUB
-    pad = n * BUDGET_BLOCK - s
-    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(h, n * sub, BUDGET_SUB, d).sum(2)
-    lengths = torch.nn.functional.pad(torch.ones(s, device=k.device), (0, pad)).view(n * sub, BUDGET_SUB).sum(1)
-    kf = kf / lengths.clamp_min(1.0).view(1, -1, 1)
+    kf, log_len = pooled_keys(k)
     qs = q[:, sample_rows(s, samples, q.device).reshape(-1)].float()  # [H, NQ·samples, D]
-    logits = (qs @ kf.transpose(1, 2)) * d ** -0.5 + lengths.log().view(1, 1, -1)  # empty sub-blocks: -inf
+    logits = (qs @ kf.transpose(1, 2)) * d ** -0.5 + log_len.view(1, 1, -1)  # empty sub-blocks: -inf
     # a block's mass is the softmax over blocks of its sub-blocks' log-sum-exp (one pass less than a softmax over
     # the sub-blocks summed per block)
     per_block = torch.logsumexp(logits.view(h, n * samples, n, sub), dim=-1)  # [H, NQ·samples, NK]
     return torch.softmax(per_block, dim=-1).view(h, n, samples, n)
 
 
+def mass_edges(device=None) -> torch.Tensor:
+    """fp32 [MASS_BUCKETS]: the upper edges of the buckets a key block's mean mass falls in, 2^(-e/2) for e = 0, 1, …
+    (bucket e holds [2^(-(e+1)/2), 2^(-e/2)); the last takes everything below)."""
+    return torch.exp2(-0.5 * torch.arange(MASS_BUCKETS, dtype=torch.float64)).float().to(device)
+
+
+def mass_bucket(mean: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """int64 bucket of each mean mass: how many edges after the first lie above it (0: the heaviest blocks)."""
+    return (mean.unsqueeze(-1) < edges[1:]).sum(-1)
+
+
+def choose(m: torch.Tensor, forced: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """m fp32 [..., NQ, R, NK] (each estimating row's block masses), forced bool [NQ, NK] -> (keep bool [..., NQ, NK],
+    dropped fp32 [..., NQ]). The key blocks in buckets of their mean mass over the rows (`mass_bucket`); the lightest
+    buckets are dropped, as many as leave every row's mass on the dropped blocks within `mass` (the forced blocks are
+    always kept); `dropped` is the largest such mass of a row."""
+    edges = mass_edges(m.device)
+    bucket = mass_bucket(m.mean(-2), edges)  # [..., NQ, NK]
+    counted = m.masked_fill(forced.unsqueeze(-2), 0.0)
+    hist = torch.zeros(*m.shape[:-1], MASS_BUCKETS, device=m.device)
+    hist.scatter_add_(-1, bucket.unsqueeze(-2).expand_as(m), counted)  # [..., NQ, R, buckets]
+    worst = hist.flip(-1).cumsum(-1).flip(-1).amax(-2)  # [..., NQ, buckets]: dropping this bucket and every lighter
+    cut = MASS_BUCKETS - (worst <= mass).sum(-1)  # the heaviest bucket dropped (MASS_BUCKETS: none)
+    keep = forced | (bucket < cut.unsqueeze(-1))
+    at_cut = worst.gather(-1, cut.clamp_max(MASS_BUCKETS - 1).unsqueeze(-1)).squeeze(-1)
+    return keep, torch.where(cut < MASS_BUCKETS, at_cut, torch.zeros_like(at_cut))
+
+
+def forced_blocks(n: int, pb: int, sinks: bool, device=None) -> torch.Tensor:
+    """bool [NQ, NK]: the diagonal and its neighbours, and with `sinks` the first `pb` key blocks."""
+    idx = torch.arange(n, device=device)
+    forced = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1
+    if sinks:
+        forced[:, :pb] = True
+    return forced
+
+
 def select(q: torch.Tensor, k: torch.Tensor, prefix_rows: int | None, opts: BudgetOptions) -> Selection:
-    """q, k [B, H, S, D] -> the key blocks each query block keeps under the budget (module docstring)."""
+    """q, k [B, H, S, D] -> the key blocks each query block keeps under the budget (module docstring): the fused
+    kernel (`budget_select_triton`) where it runs, the same rule in torch elsewhere."""
     b, h, s, d = q.shape
     n = -(-s // BUDGET_BLOCK)
     dev = q.device
-    idx = torch.arange(n, device=dev)
-    forced = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= 1  # [NQ, NK] the diagonal and its neighbours
     pb = min(opts.prefix_blocks(prefix_rows), n)
-    if opts.sinks == "prefix":
-        forced[:, :pb] = True
-    keep = torch.zeros(b, h, n, n, dtype=torch.bool, device=dev)
-    dropped = torch.zeros(b, h, n, device=dev)
-    chunk = max(1, MAX_LOGITS // max(1, n * opts.samples * n * (BUDGET_BLOCK // BUDGET_SUB)))
-    ranks = torch.arange(n, device=dev).view(1, 1, n)
-    for bi in range(b):
-        for h0 in range(0, h, chunk):
-            m = block_masses(q[bi, h0:h0 + chunk], k[bi, h0:h0 + chunk], opts.samples)  # [hc, NQ, R, NK]
-            hc = m.shape[0]
-            order = (m.mean(2) + 2.0 * forced).argsort(dim=-1, descending=True)  # forced first, then by mass
-            cum = m.gather(3, order.unsqueeze(2).expand(-1, -1, opts.samples, -1)).cumsum(-1)
-            enough = cum >= 1.0 - opts.mass
-            first = torch.where(enough.any(-1), enough.to(torch.int64).argmax(-1), n - 1)  # [hc, NQ, R]
-            need = torch.maximum(first.amax(-1) + 1, forced.sum(-1).view(1, n))  # [hc, NQ]
-            kept = torch.zeros(hc, n, n, dtype=torch.bool, device=dev)
-            kept.scatter_(2, order, ranks < need.unsqueeze(-1))
-            keep[bi, h0:h0 + hc] = kept
-            held = cum.gather(3, (need - 1).view(hc, n, 1, 1).expand(-1, -1, opts.samples, 1)).squeeze(-1)
-            dropped[bi, h0:h0 + hc] = (1.0 - held).clamp_min(0.0).amax(-1)
+    sinks = opts.sinks == "prefix"
+    if fused_reason(q, opts) is None:
+        from h3direct.dit import budget_select_triton as K
+
+        pooled, log_len = pooled_keys(k.reshape(b * h, s, d))
+        keep, dropped = K.select_blocks(q, pooled, log_len, mass_edges(dev), opts.mass, pb if sinks else 0)
+    else:
+        forced = forced_blocks(n, pb, sinks, dev)
+        keep = torch.zeros(b, h, n, n, dtype=torch.bool, device=dev)
+        dropped = torch.zeros(b, h, n, device=dev)
+        chunk = max(1, MAX_LOGITS // max(1, n * opts.samples * n * (BUDGET_BLOCK // BUDGET_SUB)))
+        for bi in range(b):
+            for h0 in range(0, h, chunk):
+                m = block_masses(q[bi, h0:h0 + chunk], k[bi, h0:h0 + chunk], opts.samples)  # [hc, NQ, R, NK]
+                keep[bi, h0:h0 + chunk], dropped[bi, h0:h0 + chunk] = choose(m, forced, opts.mass)
     if opts.exact_rows and pb:
         keep[:, :, :pb] = True
         dropped[:, :, :pb] = 0.0
     return Selection(keep, dropped)
+
+
+def fused_reason(q: torch.Tensor, opts: BudgetOptions) -> str | None:
+    """Why the selection runs in torch rather than the fused kernel (None: the kernel runs): the kernel estimates from
+    every row of a query block, on CUDA."""
+    if opts.samples != BUDGET_BLOCK:
+        return f"budget_samples={opts.samples} (the kernel takes every row: {BUDGET_BLOCK})"
+    if not q.is_cuda:
+        return "not CUDA"
+    from h3direct.dit import budget_select_triton as K
+
+    return K.kernel_reason(q)
 
 
 def attend(q, k, v, keep: torch.Tensor, tail: bool) -> torch.Tensor:
