@@ -15,20 +15,38 @@ the int8 linears run cuBLASLt's GEMM, where on the Spark 4 of the 9 fit: `tests/
 """
 
 import importlib.abc
+import importlib.machinery
 import sys
 
 HIDDEN = ("fa3_fwd_interface", "fa3_fwd", "fa3_fwd_config")  # the fa3-fwd wheel's modules
+SHARED_TABLE = "h3direct.triton_build"  # patched as it is imported: nothing (torch included) is imported here, so a
+# process that must set things up before torch loads (ComfyUI's allocator choice, `oracle.comfy_env`) still can
 
 
-class _NoFlashAttention3(importlib.abc.MetaPathFinder):
+class _SparkShape(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in HIDDEN:
             raise ImportError(f"{name}: hidden in a Spark-shaped run (FA3 is Hopper-only; a GB10 has none)")
+        if name == SHARED_TABLE:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _SparkShared(spec.loader)
+            return spec
         return None
 
 
-sys.meta_path.insert(0, _NoFlashAttention3())
+class _SparkShared(importlib.abc.Loader):
+    """`h3direct.triton_build` as it is, then the Hopper's shared memory per block set to the GB10's."""
 
-from h3direct import triton_build  # noqa: E402  (after the finder: nothing of fa3 loads before it)
+    def __init__(self, inner):
+        self.inner = inner
 
-triton_build.SHARED_PER_BLOCK[(9, 0)] = triton_build.SHARED_PER_BLOCK[(12, 1)]
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        module.SHARED_PER_BLOCK[(9, 0)] = module.SHARED_PER_BLOCK[(12, 1)]
+
+
+sys.meta_path.insert(0, _SparkShape())
