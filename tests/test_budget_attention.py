@@ -155,3 +155,16 @@ def test_a_short_call_runs_the_documented_fallback_counted_and_strict_refuses():
     strict = AttentionOptions("budget_attn", budget_attn=BudgetOptions(min_tokens=256, strict=True))
     with pytest.raises(BackendUnavailable, match="would fall back to 'sdpa' .*budget_strict forbids it"):
         A.attention(short, short, short, strict)
+
+
+def test_a_mean_mass_falls_in_the_bucket_of_the_edges_above_it():
+    """bucket e holds [2^(-(e+1)/2), 2^(-e/2)): an edge belongs to the bucket it closes from below; everything under the
+    last edge falls in the last bucket; the search equals counting the edges above each mass."""
+    from h3direct.dit.budget_attention import MASS_BUCKETS, mass_bucket, mass_edges
+
+    edges = mass_edges()
+    probe = torch.tensor([1.0, 0.75, 2 ** -0.5, 0.6, 0.5, 2 ** -31.5, 1e-12, 0.0])
+    assert mass_bucket(probe, edges).tolist() == [0, 0, 0, 1, 1, 62, 63, 63]
+    x = torch.rand(10_000) ** 8
+    assert torch.equal(mass_bucket(x, edges), (x.unsqueeze(-1) < edges[1:]).sum(-1))
+    assert MASS_BUCKETS == edges.numel() == 64

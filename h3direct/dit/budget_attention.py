@@ -86,8 +86,10 @@ def mass_edges(device=None) -> torch.Tensor:
 
 
 def mass_bucket(mean: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """int64 bucket of each mean mass: how many edges after the first lie above it (0: the heaviest blocks)."""
-    return (mean.unsqueeze(-1) < edges[1:]).sum(-1)
+    """int64 bucket of each mean mass: how many edges after the first lie above it (0: the heaviest blocks), by a
+    binary search of the ascending edges."""
+    ascending = edges[1:].flip(0).contiguous()
+    return ascending.numel() - torch.bucketize(mean.contiguous(), ascending, right=True)
 
 
 def choose(m: torch.Tensor, forced: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,9 @@ variable `H3_BUDGET_<NAME>` (the flag or field wins):
 | option       | default | what                                                                                 |
 |--------------|---------|--------------------------------------------------------------------------------------|
 | `mass`       | 0.05    | the budget: the share of each query block's attention mass its dropped key blocks may |
-|              |         | hold, for every sampled row of the block (top-p per query block and head)             |
+|              |         | hold, for every sampled row of the block (per query block and head)                   |
 | `samples`    | 8       | query rows per 64-row block whose attention over every key estimates the block masses |
+|              |         | (64: every row, through the fused selection kernel on CUDA, `budget_select_triton`)   |
 | `tail`       | on      | dropped key blocks stay in the softmax through one pooled term each (their mean key,  |
 |              |         | their mean value, their length); off: dropped                                         |
 | `sinks`      | prefix  | `prefix`: the key blocks of the rows before the target video are always kept; `none`: |
