@@ -92,3 +92,15 @@ def for_device(table: dict[tuple[int, int], T], default: T, device: torch.device
     if device is None or device.type != "cuda":
         return default
     return table.get(capability(cuda_index(device)), default)
+
+
+def with_overrides(table: dict[tuple[int, int], dict], default: dict, device: torch.device | None,
+                   config: dict | None, what: str) -> dict:
+    """A launch config: `for_device(table, default, device)` with `config`'s entries over it; a key it does not have
+    is a one-line ValueError naming `what`."""
+    cfg = dict(for_device(table, default, device))
+    for key, value in (config or {}).items():
+        if key not in cfg:
+            raise ValueError(f"{what} launch config: unknown key {key!r} (known: {sorted(cfg)})")
+        cfg[key] = value
+    return cfg

@@ -31,7 +31,7 @@ import math
 import torch
 
 from h3direct.dit.budget_options import BUDGET_BLOCK as BLOCK  # tokens per query and per key block
-from h3direct.triton_build import FP_OPTIONS, for_device
+from h3direct.triton_build import FP_OPTIONS, with_overrides
 from h3direct.triton_build import build as _kernel
 from h3direct.triton_build import interpreting as _interpreting
 
@@ -64,12 +64,7 @@ _OPTIONS = ("num_warps", "num_stages")
 
 def launch_config(device: torch.device | None = None, config: dict | None = None) -> dict:
     """`LAUNCH[compute capability of device]` (else `DEFAULT_LAUNCH`) with `config`'s entries over it."""
-    cfg = dict(for_device(LAUNCH, DEFAULT_LAUNCH, device))
-    for key, value in (config or {}).items():
-        if key not in cfg:
-            raise ValueError(f"block-sparse attention launch config: unknown key {key!r} (known: {sorted(cfg)})")
-        cfg[key] = value
-    return cfg
+    return with_overrides(LAUNCH, DEFAULT_LAUNCH, device, config, "block-sparse attention")
 
 
 # ---- kernel (plain functions; `_kernel` jit-compiles them on first use) -------------------------------------------

@@ -25,8 +25,9 @@ import math
 
 import torch
 
+from h3direct.dit.block_sparse_triton import HEAD_DIMS, MAX_PROGRAMS  # budget_attn's kernel: the same calls
 from h3direct.dit.budget_options import BUDGET_BLOCK, BUDGET_SUB
-from h3direct.triton_build import FP_OPTIONS, for_device
+from h3direct.triton_build import FP_OPTIONS, with_overrides
 from h3direct.triton_build import build as _kernel
 from h3direct.triton_build import interpreting as _interpreting
 
@@ -37,8 +38,6 @@ except Exception:  # pragma: no cover - environments without Triton
     triton = None
 
 SUBS = BUDGET_BLOCK // BUDGET_SUB  # sub-keys per key block
-HEAD_DIMS = (64, 128)
-MAX_PROGRAMS = 65535  # batch · heads: the grid's second axis
 
 # CHUNK: pooled sub-keys per step (16 key blocks); a stage holds a [CHUNK, D] fp32 tile of them (32 KiB at D = 128)
 # beside the query tile (32 KiB): one stage on the 99 KiB targets. Untuned starting points; `config` overrides them.
@@ -54,12 +53,7 @@ _OPTIONS = ("num_warps", "num_stages")
 
 def launch_config(device: torch.device | None = None, config: dict | None = None) -> dict:
     """`LAUNCH[compute capability of device]` (else `DEFAULT_LAUNCH`) with `config`'s entries over it."""
-    cfg = dict(for_device(LAUNCH, DEFAULT_LAUNCH, device))
-    for key, value in (config or {}).items():
-        if key not in cfg:
-            raise ValueError(f"budget selection launch config: unknown key {key!r} (known: {sorted(cfg)})")
-        cfg[key] = value
-    return cfg
+    return with_overrides(LAUNCH, DEFAULT_LAUNCH, device, config, "budget selection")
 
 
 if triton is not None:
