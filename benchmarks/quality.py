@@ -39,7 +39,7 @@ def record_missing(root: Path, names: list[str], comfy_root: str, device: str) -
     from parity_tests import validation
 
     known = {c.name for c in validation.CASES}
-    missing = [n for n in names if n in known and getattr(validation.recorded(root / n), "sage_twin", None) is None]
+    missing = [n for n in names if n in known and validation.judgeable(root / n)[0] is None]
     if missing:
         validation.build(root, device=device, only=missing)
         validation.record(root, comfy_root, device=device, jobs=8, only=missing, sage=True)
@@ -49,13 +49,11 @@ def recorded_case(root: Path, name: str):
     """(the bf16 case `root/name` with ComfyUI's fp32 twin and sage recording, None) or (None, why not)."""
     from parity_tests import validation
 
-    case = validation.recorded(root / name)
+    case, why = validation.judgeable(root / name)
     if case is None:
         known = name in {c.name for c in validation.CASES}
         how = "record it: --comfy-root" if known else "not a case of the validation set either"
-        return None, f"{root / name}: no ComfyUI bf16 trace with its fp32 twin ({how})"
-    if case.sage_twin is None:
-        return None, f"{root / name}: no ComfyUI --use-sage-attention recording (SageAttention must be importable)"
+        return None, f"{root / name}: {why} ({how})"
     return case, None
 
 

@@ -138,6 +138,17 @@ def recorded(folder: Path):
     return next((c for c in cases if c.compute == "bf16" and c.twin_fp32 is not None), None)
 
 
+def judgeable(folder: Path):
+    """(the bf16 case recorded in `folder` with ComfyUI's fp32 twin and its --use-sage-attention recording, None), or
+    (None, why not): what the tiers' quality needs of a case."""
+    case = recorded(folder)
+    if case is None:
+        return None, "no ComfyUI bf16 trace with its fp32 twin"
+    if case.sage_twin is None:
+        return None, "no ComfyUI --use-sage-attention recording (`--sage-twin`; SageAttention must be importable)"
+    return case, None
+
+
 def own_cases(root: Path) -> tuple[list[str], dict[str, str]]:
     """The user's own cases in `root` beside the validation set's (any folder of `root` that is not a case of
     `CASES`, recorded with ComfyUI as `python -m oracle record` records one): (the names of those judged with the
@@ -146,12 +157,9 @@ def own_cases(root: Path) -> tuple[list[str], dict[str, str]]:
     known = {c.name for c in CASES}
     counted, not_counted = [], {}
     for folder in sorted(d for d in root.iterdir() if d.is_dir() and d.name not in known) if root.is_dir() else []:
-        case = recorded(folder)
+        case, why = judgeable(folder)
         if case is None:
-            not_counted[folder.name] = "no ComfyUI bf16 trace with its fp32 twin"
-            continue
-        if case.sage_twin is None:
-            not_counted[folder.name] = "no ComfyUI --use-sage-attention recording (`oracle record --sage-twin`)"
+            not_counted[folder.name] = why
             continue
         s = json.loads(case.trace.with_suffix(".json").read_text()).get("layout", {}).get("seq_len")
         if not isinstance(s, int) or s < STRUCTURED_MIN_TOKENS:
