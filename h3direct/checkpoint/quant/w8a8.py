@@ -346,32 +346,45 @@ def _int8_gpu_reason(x: torch.Tensor, n: int) -> str | None:
 def gemm_reason(fmt: str, device) -> str | None:
     """Why the 8-bit GEMM of `fmt` (e4m3 | int8) would be emulated on `device` for the DiT's linears (bf16
     activations, K and N multiples of 16); None: it runs on the tensor cores there."""
-    x = torch.empty(32, 64, device=device, dtype=torch.bfloat16)
-    return _int8_gpu_reason(x, 64) if fmt == "int8" else _gpu_reason(x, x.dtype, 64, 64)
+    route, why = _dit_route(fmt, device)
+    return why if route == "emulated" else None
 
 
 def gemm_path(fmt: str, device) -> str:
     """The path an 8-bit linear of `fmt` (e4m3 | int8) takes on `device` for the DiT's linears (bf16 activations, K
     and N multiples of 16), as its calls are counted: scaled_mm, int8_gemm, int_mm (int8_gemm: <why not>) or
     emulated (<why>)."""
+    return _route_label(*_dit_route(fmt, device))
+
+
+def _dit_route(fmt: str, device) -> tuple[str, str | None]:
+    """(route, why) of an 8-bit linear of `fmt` at the DiT's shapes on `device` (`_int8_route`; e4m3: scaled_mm or
+    emulated)."""
     x = torch.empty(32, 64, device=device, dtype=torch.bfloat16)
     if fmt == "int8":
         codes = torch.empty(32, 64, device=device, dtype=torch.int8)
         return _int8_route(x, codes, codes, x.dtype, None)
     reason = _gpu_reason(x, x.dtype, 64, 64)
-    return "scaled_mm" if reason is None else f"emulated ({reason})"
+    return ("scaled_mm", None) if reason is None else ("emulated", reason)
+
+
+def _route_label(route: str, why: str | None) -> str:
+    """A route as its calls are counted: the route, with why where it is not the first choice."""
+    if route == "int_mm":
+        return f"int_mm (int8_gemm: {why})"
+    return f"emulated ({why})" if route == "emulated" else route
 
 
 def _int8_route(x2: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype,
-                bias: torch.Tensor | None) -> str:
-    """Where the int8 GEMM of activations x2 [M, K] (codes x8) and weight w8 [N, K] runs: h3direct's kernel where it
-    takes them (Hopper on; any M), else cuBLASLt's within its own limits (the path naming why h3direct's kernel did
-    not), else the emulation."""
+                bias: torch.Tensor | None) -> tuple[str, str | None]:
+    """Where the int8 GEMM of activations x2 [M, K] (codes x8) and weight w8 [N, K] runs: ("int8_gemm", None),
+    h3direct's kernel where it takes them (Hopper on; any M); else ("int_mm", why h3direct's kernel did not),
+    cuBLASLt's within its own limits; else ("emulated", why cuBLASLt's did not either)."""
     not_kernel = _triton_gemm_reason(x2, x8, w8, out_dtype, bias)
     if not_kernel is None:
-        return "int8_gemm"
+        return "int8_gemm", None
     reason = _int8_gpu_reason(x2, w8.shape[0])
-    return f"int_mm (int8_gemm: {not_kernel})" if reason is None else f"emulated ({reason})"
+    return ("int_mm", not_kernel) if reason is None else ("emulated", reason)
 
 
 def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -387,21 +400,20 @@ def linear_int8(x: torch.Tensor | Int8Rows, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"input has {k} features, the int8 weight holds {w8.shape[1]}")
     x2 = codes.reshape(-1, k)
     x8, sx = (x.data, x.scale) if pre else quantize_activation(x2, "int8")
-    path = _int8_route(x2, x8, w8, x.dtype, bias)
-    if path.startswith("emulated") and x2.is_cuda and strict:
-        why = path.removeprefix("emulated (")[:-1]
+    route, why = _int8_route(x2, x8, w8, x.dtype, bias)
+    if route == "emulated" and x2.is_cuda and strict:
         raise ConfigError(f"int8 linear [{k} -> {n}] has no int8 GEMM here: {why} (fp8_strict is on)")
-    if path == "int8_gemm":
+    if route == "int8_gemm":
         from h3direct.checkpoint.quant import int8_gemm
 
         y = int8_gemm.int8_linear(x8, w8, sx, w_scale, bias, x.dtype)
-    elif path.startswith("int_mm"):
+    elif route == "int_mm":
         from h3direct.checkpoint.quant import w8a8_triton
 
         y = w8a8_triton.int8_epilogue(torch._int_mm(x8, w8.t()), sx, w_scale, bias, x.dtype)
     else:
         y = int8_epilogue(x8.double() @ w8.double().T, sx, w_scale, bias, x.dtype)
-    count_fp8_linear(path)
+    count_fp8_linear(_route_label(route, why))
     return y.reshape(*lead, n)
 
 
