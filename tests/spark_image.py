@@ -90,18 +90,25 @@ def gb10_properties() -> types.SimpleNamespace:
                                  shared_memory_per_block_optin=99 * 1024)
 
 
+def gpu_seams(capability: tuple[int, int], properties) -> list[tuple[object, str, object]]:
+    """(object, attribute, stand-in) for each seam where the runtime's probes and launch tables see a CUDA GPU: CUDA
+    available, device 0 current, its compute capability (torch's and `triton_build.capability`), its properties."""
+    from h3direct import triton_build
+
+    return [(torch.cuda, "is_available", lambda: True), (torch.cuda, "current_device", lambda: 0),
+            (torch.cuda, "get_device_capability", lambda device=None: capability),
+            (triton_build, "capability", lambda index: capability),
+            (torch.cuda, "get_device_properties", lambda device=None: properties)]
+
+
 def on_a_spark(monkeypatch, tmp_path: Path, sage_modules=None) -> None:
     """The Spark image on a GB10, at the probes' seams (module docstring); `sage_modules`: the SageAttention build's
     extensions (default: what `tools/build_sageattention.sh --arch 12.1` builds)."""
-    from h3direct import triton_build
     from h3direct.checkpoint.quant import kitchen
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: SPARK)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gb10_properties())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for obj, name, value in gpu_seams(SPARK, gb10_properties()):
+        monkeypatch.setattr(obj, name, value)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(triton_build, "capability", lambda index: SPARK)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     if sage_modules is None:
         sage_modules = sage_build(run_sage_script(tmp_path, "--arch", "12.1").arch_list).modules

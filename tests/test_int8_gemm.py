@@ -93,12 +93,10 @@ def _on_a_spark(monkeypatch, shared: dict) -> int:
     bytes of shared memory; its limit per block."""
     from h3direct import triton_build
     from h3direct.checkpoint.quant import int8_gemm
-    from tests.spark_image import gb10_properties
+    from tests.spark_image import SPARK, gb10_properties, gpu_seams
 
-    monkeypatch.setattr(triton_build, "capability", lambda index: (12, 1))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 1))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gb10_properties())
+    for obj, name, value in gpu_seams(SPARK, gb10_properties()):
+        monkeypatch.setattr(obj, name, value)
     monkeypatch.setattr(int8_gemm, "_compiled_shared", lambda index, n, k, out, bias, config: shared[config])
     monkeypatch.setattr(int8_gemm, "_FITTING", {})
     return triton_build.SHARED_PER_BLOCK[(12, 1)]

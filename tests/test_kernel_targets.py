@@ -194,13 +194,12 @@ def _dit_kernel_calls(device: torch.device) -> None:
 
 def _on(capability: tuple[int, int]) -> ExitStack:
     """A CUDA GPU of `capability` as the runtime's probes and launch tables see one (their seams)."""
+    from tests.spark_image import gpu_seams
+
     stack = ExitStack()
-    stack.enter_context(mock.patch.object(triton_build, "capability", lambda index: capability))
-    stack.enter_context(mock.patch.object(torch.cuda, "is_available", lambda: True))
-    stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability))
-    stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: 0))
     reported = types.SimpleNamespace(shared_memory_per_block_optin=triton_build.SHARED_PER_BLOCK[capability])
-    stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: reported))
+    for obj, name, value in gpu_seams(capability, reported):
+        stack.enter_context(mock.patch.object(obj, name, value))
     return stack
 
 
