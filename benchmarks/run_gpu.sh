@@ -83,7 +83,9 @@ for p in "${PARTS[@]}"; do
         done
       done ;;
     spark)  # a Spark-shaped run on this GPU (tools/spark_shape: no fa3, the int8 tile shapes of 99 KiB): the GPU
-      # tests, the frontier and its tiers on the validation set, one generate per tier; results under $OUT/spark
+      # tests, the frontier and its tiers on the validation set, one generate per tier; results under $OUT/spark.
+      # The frontier judges every structured case, recording those QUALITY_DIR lacks (minutes each batch);
+      # SPARK_FRONTIER_ARGS="--case NAME ..." judges only the cases named
       SPARK_PY="$(pwd)/tools/spark_shape${PYTHONPATH:+:$PYTHONPATH}"
       mkdir -p "$OUT/spark"
       # (deselected: the tests of what this run takes away: fa3 and fa3_fp8, the shared-memory table against the
