@@ -195,10 +195,10 @@ def test_compiles_on_the_tensor_cores_within_shared_memory(cap, tmp_path, monkey
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("s,heads", [(6144, 4), (20050, 8)])
-def test_compiled_kernel_chooses_what_the_torch_rule_chooses_on_cuda(s, heads):
+def test_compiled_kernel_chooses_what_the_torch_rule_chooses_on_cuda(s, heads, monkeypatch):
     """On this GPU's launch config, at a validation case's length and the workload's: the kernel's choice is the
     torch rule's on the same CUDA inputs (local attention, D = 128; `assert_same_choice`)."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # the rule in fp32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the rule in fp32
     q, k = (x.to("cuda", torch.bfloat16) for x in local_qk(s, d=128, heads=heads, width=48.0))
     keep, dropped = kernel(q, k, 0.05, 2)
     want_keep, want_dropped = torch_rule(q, k, 0.05, 2)

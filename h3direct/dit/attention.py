@@ -87,21 +87,21 @@ def as_options(backend: str | AttentionOptions) -> AttentionOptions:
     return backend if isinstance(backend, AttentionOptions) else AttentionOptions(backend=backend)
 
 
+def _registered(backend: str | AttentionOptions) -> Backend:
+    """The registered backend whose math a call runs (kj_head_sliced: its inner backend's)."""
+    opts = as_options(backend)
+    return _REGISTRY[opts.kj_head_sliced.backend if opts.backend == "kj_head_sliced" else opts.backend]
+
+
 def is_exact(backend: str | AttentionOptions) -> bool:
     """Same math as fp32 softmax attention up to rounding (kj_head_sliced: as exact as its inner backend)."""
-    opts = as_options(backend)
-    if opts.backend == "kj_head_sliced":
-        return _REGISTRY[opts.kj_head_sliced.backend].exact
-    return _REGISTRY[opts.backend].exact
+    return _registered(backend).exact
 
 
 def is_sparse(backend: str | AttentionOptions) -> bool:
     """Drops key blocks (sol_attn, budget_attn): an error that follows the input's attention structure, not rounding
     (kj_head_sliced: as sparse as its inner backend)."""
-    opts = as_options(backend)
-    if opts.backend == "kj_head_sliced":
-        return _REGISTRY[opts.kj_head_sliced.backend].sparse
-    return _REGISTRY[opts.backend].sparse
+    return _registered(backend).sparse
 
 
 @contextlib.contextmanager

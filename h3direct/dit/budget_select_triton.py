@@ -129,7 +129,7 @@ if triton is not None:
             tl.store(mean_row + blocks, per_block, mask=blocks < NK)
         # 3. each row's mass per bucket of the blocks' mean masses, forced blocks left out
         hist = tl.full([BLOCK, NB], 0.0, dtype=tl.float32)
-        upper = tl.load(edge_ptr + e, mask=e > 0, other=float("inf"))  # edges after the first
+        upper = tl.load(edge_ptr + e, mask=e > 0, other=0.0)  # edges after the first (0: above no mass)
         for c0 in range(0, NSUB, CHUNK):
             kt = tl.load(kp_at + c0 * D)
             s = DOT(q, kt, tl.full([BLOCK, CHUNK], 0.0, dtype=tl.float32), INTERPRET) * qk_scale
@@ -138,7 +138,7 @@ if triton is not None:
             block = (c0 + c) // SUBS
             live = block < NK
             mean = tl.load(mean_row + block, mask=live, other=0.0)
-            bucket = RED(tl.where((mean[:, None] < upper[None, :]) & (e[None, :] > 0), 1, 0), 1, 1, INTERPRET)
+            bucket = RED(tl.where(mean[:, None] < upper[None, :], 1, 0), 1, 1, INTERPRET)
             free = live & ((block - i) * (block - i) > 1) & (block >= PB)
             onehot = tl.where(free[:, None] & (bucket[:, None] == e[None, :]), 1.0, 0.0)
             hist = DOT(p, onehot, hist, INTERPRET)
@@ -151,7 +151,7 @@ if triton is not None:
             block = j0 + c
             live = block < NK
             mean = tl.load(mean_row + block, mask=live, other=0.0)
-            bucket = RED(tl.where((mean[:, None] < upper[None, :]) & (e[None, :] > 0), 1, 0), 1, 1, INTERPRET)
+            bucket = RED(tl.where(mean[:, None] < upper[None, :], 1, 0), 1, 1, INTERPRET)
             forced = ((block - i) * (block - i) <= 1) | (block < PB)
             tl.store(keep_ptr + (bh * NQ + i) * NK + block, (forced | (bucket < cut)).to(tl.uint8), mask=live)
 
