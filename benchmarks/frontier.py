@@ -2,12 +2,14 @@
 your GPU"; the grid, the choice and the report: `h3direct.app.frontier`).
 
     python -m benchmarks.frontier --trace-dir DIR --comfy-root R --out OUT [--case NAME ...] [--candidate NAME ...]
-        [--contract C] [--steps 3] [--device cuda] [--install]
+        [--contract C] [--steps 3] [--time-all] [--device cuda] [--install]
 
 Each candidate of the grid that runs here (one line for each that does not): its quality on every structured case of
 the validation set (built and recorded by ComfyUI where missing) and the user's own cases in DIR (`quality.py`), its
-s/step at the contract's workload in the same run as ComfyUI's (`run_contract.py`). OUT gets frontier.json,
-tiers.json (`--install`: also the runtime's default), frontier.png and report.html. `--smoke`: tiny sizes (plumbing).
+s/step at the contract's workload in the same run as ComfyUI's (`run_contract.py`), unless its quality lets it take
+no tier (`choice.not_worth_timing`: its speed cannot change a choice; `--time-all` times it too). OUT gets
+frontier.json, tiers.json (`--install`: also the runtime's default), frontier.png and report.html. `--smoke`: tiny
+sizes (plumbing).
 """
 
 from __future__ import annotations
@@ -69,12 +71,14 @@ def main(argv=None) -> int:
     ap.add_argument("--candidate", action="append", default=None, metavar="NAME",
                     help="measure only these candidates of the grid (repeatable; default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate (default 3)")
+    ap.add_argument("--time-all", action="store_true", help="time every candidate (default: those whose quality "
+                    "lets them take a tier, the only ones whose speed can change a choice)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--install", action="store_true", help="also copy tiers.json to h3direct's cache (the default "
                     "tiers file of `--tier`)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on any device (a plumbing check, not a result)")
     args = ap.parse_args(argv)
-    from h3direct.app.tiers import device_name, install
+    from h3direct.app.tiers import TIERS, device_name, install
 
     try:
         contract = json.loads(args.contract.read_text())
@@ -107,16 +111,25 @@ def main(argv=None) -> int:
     measured = [c for c in cases if q[c].get("status") == "ok"]
     if not measured:
         C.usage_error("no case was measured (record the structured cases: --comfy-root)", PROG)
-    speed = measure_speed(contract, names, args, str(dev))
+    found = {"candidates": {n: {"exact": grid.is_exact(paths[n]), "options": grid.options_of(paths[n]).flat(),
+                                "path": paths[n]} for n in names}, "quality": q, "made": {"cases": measured}}
+    untimed = {} if args.time_all else choice.not_worth_timing(found, TIERS)
+    if len(untimed) == len(names):  # none could take a tier: time them all, the run's figures are then all it gives
+        untimed = {}
+    for name, why in untimed.items():
+        C.log(f"not timed {name}: qualifies for no tier ({why})")
+    speed = measure_speed(contract, [n for n in names if n not in untimed], args, str(dev))
     env = speed.get("env", {})
+    timed = {n: {"s_per_step": math.inf, "status": f"not timed: qualifies for no tier ({untimed[n]})"}
+             if n in untimed else {"s_per_step": speed["paths"][n].get("s_per_step", math.inf),
+                                   "status": speed["paths"][n].get("status")}
+             for n in names}
     record = {"machine": {"device_name": device_name(dev), "capability": env.get("capability"),
                           "packages": env.get("packages"), "cuda": env.get("cuda"), "smoke": args.smoke},
               "made": {"commit": speed.get("commit"), "tree": speed.get("tree"), "date": speed.get("date"),
                        "command": ["python", "-m", PROG, *(argv if argv is not None else sys.argv[1:])],
                        "cases": measured, "steps": args.steps, "workload": speed.get("workload")},
-              "candidates": {n: {"s_per_step": speed["paths"][n].get("s_per_step", math.inf),
-                                 "status": speed["paths"][n].get("status"), "exact": grid.is_exact(paths[n]),
-                                 "options": grid.options_of(paths[n]).flat(), "path": paths[n]} for n in names},
+              "candidates": {n: {**timed[n], **c} for n, c in found["candidates"].items()},
               "quality": q, "comfyui_speed": speed.get("comfyui"), "left_out": left_out}
     frontier, tiers = choice.choose_all(record, C.log)
     written = report.write(frontier, tiers, args.out)

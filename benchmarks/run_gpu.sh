@@ -83,20 +83,27 @@ for p in "${PARTS[@]}"; do
         done
       done ;;
     spark)  # a Spark-shaped run on this GPU (tools/spark_shape: no fa3, the int8 tile shapes of 99 KiB): the GPU
-      # tests, the frontier and its tiers on the validation set, one generate per tier; results under $OUT/spark.
-      # The frontier judges every structured case, recording those QUALITY_DIR lacks (minutes each batch);
-      # SPARK_FRONTIER_ARGS="--case NAME ..." judges only the cases named
+      # tests (SPARK_TESTS_WORKERS processes), the frontier and its tiers, one generate per tier; results under
+      # $OUT/spark. The frontier judges SPARK_CASES, seven structured cases spanning the set's axes (NVFP4 and bf16,
+      # curve and full adaLN, 3 and 4 heads, a wider text, sigma early to late, and v17's broad attention, the worst of
+      # every sparse candidate on the whole set), recording those QUALITY_DIR lacks (about 3 minutes on one H100,
+      # once); SPARK_CASES="" judges the whole set
       SPARK_PY="$(pwd)/tools/spark_shape${PYTHONPATH:+:$PYTHONPATH}"
+      SPARK_CASES="${SPARK_CASES-v4_local_nvfp4_s5072 v5_local_bf16_s5584 v9_local_bf16_h4_s6224_late
+        v10_local_nvfp4_td192_s6768_mid v11_local_bf16_s8656_early v12_local_nvfp4_h3_s5664_late
+        v17_local_bf16_weak_s5724}"
+      case_args=(); for c in $SPARK_CASES; do case_args+=(--case "$c"); done
       mkdir -p "$OUT/spark"
       # (deselected: the tests of what this run takes away: fa3 and fa3_fp8, the shared-memory table against the
       # device's own report, and the int8 kernel's autotuned launch, which no Hopper tile shape fits within 99 KiB)
-      part spark_tests "${SPARK_TESTS_TIMEOUT:-240}" env PYTHONPATH="$SPARK_PY" "$PY" -m pytest -q -p no:cacheprovider \
-        -m gpu -k "not fa3 and not fit_is_the_gpus_own_verdict and not bit_for_bit[None]" ${SPARK_TESTS_ARGS:-}
-      part spark_frontier "${SPARK_FRONTIER_TIMEOUT:-300}" env PYTHONPATH="$SPARK_PY" "$PY" -m benchmarks.frontier \
-        --trace-dir "${QUALITY_DIR:-$OUT/validation}" --out "$OUT/spark/frontier" --steps 2 \
+      part spark_tests "${SPARK_TESTS_TIMEOUT:-150}" env PYTHONPATH="$SPARK_PY" "$PY" -m pytest -q -p no:cacheprovider \
+        -n "${SPARK_TESTS_WORKERS:-4}" -m gpu -k "not fa3 and not fit_is_the_gpus_own_verdict and not bit_for_bit[None]" \
+        ${SPARK_TESTS_ARGS:-}
+      part spark_frontier "${SPARK_FRONTIER_TIMEOUT:-330}" env PYTHONPATH="$SPARK_PY" "$PY" -m benchmarks.frontier \
+        --trace-dir "${QUALITY_DIR:-$OUT/validation}" --out "$OUT/spark/frontier" --steps 2 "${case_args[@]}" \
         ${COMFY_ROOT:+--comfy-root "$COMFY_ROOT"} ${SPARK_FRONTIER_ARGS:-}
       for t in ${TIERS:-exact sage_class fastest}; do
-        part "spark_generate_$t" "${SPARK_GENERATE_TIMEOUT:-120}" env PYTHONPATH="$SPARK_PY" "$PY" -m h3direct generate \
+        part "spark_generate_$t" "${SPARK_GENERATE_TIMEOUT:-40}" env PYTHONPATH="$SPARK_PY" "$PY" -m h3direct generate \
           --device cuda --tier "$t" --tiers "$OUT/spark/frontier/tiers.json" --width 480 --height 272 --frames 33 \
           --steps 4 --output "$OUT/spark/$t.mp4" ${SPARK_GENERATE_ARGS:-}
       done ;;

@@ -162,6 +162,46 @@ def test_a_sparse_candidate_takes_a_tier_only_while_its_error_is_even():
     assert F.spread(nan) == math.inf and F.choose({**ROWS, "nan": nan}, 1.5, "class", ["a", "b"]) == "nan"
 
 
+def _measured(rows: dict) -> dict:
+    """A frontier's measurements without speeds (what the frontier has before it times anything) of `row`s."""
+    cases = sorted({c for r in rows.values() for c in r["quality"]["cases"]})
+    quality = {c: {"status": "ok", "paths": {n: {"x_comfyui_bf16": [2 * q["error_x_comfyui_sage"]] * 2,
+                                                 "x_comfyui_sage": [q["error_x_comfyui_sage"]] * 2, **q}
+                                             for n, r in rows.items() if (q := r["quality"]["cases"].get(c))}}
+               for c in cases}
+    return {"candidates": {n: {"exact": r["exact"], "options": r["options"]} for n, r in rows.items()},
+            "quality": quality, "made": {"cases": cases}}
+
+
+def test_a_candidate_no_tier_can_take_is_not_timed_and_no_choice_changes():
+    """The frontier times only the candidates whose quality lets them take a tier: the exact ones, and those inside
+    a bound over the cases or over a fold's. Over random frontiers the tiers chosen with every speed and with the
+    untimed candidates' speeds unknown are the same, margins and folds included."""
+    import random
+
+    # fastest errs above every bound on every fold; the uneven sparse one is even without c (a fold): timed
+    uneven = row(0.9, sparse=True, a=1.0, b=1.05, c=2.0)
+    skip = F.not_worth_timing(_measured({**ROWS, "uneven": uneven}), BOUNDS)
+    assert skip == {"fastest": "worst x5.00 ComfyUI+sage"}
+    # inside 3 everywhere, but uneven over the cases and over every fold (worst / median 1.43 to 2.5): not timed
+    # when sparse, timed when dense (the fastest tier's bound alone)
+    lopsided = row(0.7, sparse=True, a=0.5, b=1.0, c=2.5)
+    dense = {**lopsided, "sparse": False, "options": {"attention": "sdpa"}}
+    assert F.not_worth_timing(_measured({"lopsided": lopsided, "dense": dense}), BOUNDS) == {
+        "lopsided": "worst x2.50 ComfyUI+sage, worst / median 2.50"}
+    rng = random.Random(45)
+    for _ in range(300):
+        cases = ["a", "b", "c", "d"][:rng.randint(1, 4)]
+        rows = {f"k{i}": row(rng.uniform(0.5, 3.0), exact=rng.random() < 0.15, sparse=rng.random() < 0.5,
+                             **{c: rng.choice([rng.uniform(0.3, 1.6), rng.uniform(1.0, 4.0)]) for c in cases})
+                for i in range(8)}
+        skip = F.not_worth_timing(_measured(rows), BOUNDS)
+        unknown = {n: {**r, "s_per_step": math.inf} if n in skip else r for n, r in rows.items()}
+        assert F.choose_tiers(unknown, BOUNDS, cases, log=lambda _: None) == \
+            F.choose_tiers(rows, BOUNDS, cases, log=lambda _: None)
+        assert not any(rows[n]["exact"] for n in skip)
+
+
 def test_the_attention_backends_that_drop_key_blocks_are_the_sparse_ones():
     from h3direct.dit.attention import backends, is_sparse
     from h3direct.dit.options import AttentionOptions
@@ -249,7 +289,8 @@ def test_the_command_writes_frontier_tiers_plot_and_report(tmp_path, stand_in_ca
     assert set(frontier["candidates"]) == {"exact_sdpa", "int8_mlp", "e4m3_all"}
     for r in frontier["candidates"].values():
         assert r["quality"]["status"] == "ok" and set(r["quality"]["cases"]) == {"case_a", "case_b"}
-        assert math.isfinite(r["s_per_step"])
+        assert math.isfinite(r["s_per_step"]) or r["status"].startswith("not timed: qualifies for no tier (worst x")
+    assert math.isfinite(frontier["candidates"]["exact_sdpa"]["s_per_step"])
     assert (out / "frontier.png").stat().st_size > 10_000 and "data:image/png;base64," in (out / "report.html").read_text()
     assert (tmp_path / "cache" / "tiers.json").read_bytes() == (out / "tiers.json").read_bytes()
     chosen = frontier["choices"]["exact"]["chosen"]
@@ -286,7 +327,7 @@ def test_a_candidate_that_fails_is_recorded_and_the_run_goes_on_then_exits_1(tmp
     out = tmp_path / "out"
     rc = frontier.main(["--trace-dir", str(stand_in_cases), "--out", str(out), "--candidate", "exact_sdpa",
                         "--candidate", "int8_all", "--case", "case_a", "--case", "case_b", "--device", "cpu", "--smoke",
-                        "--steps", "1"])
+                        "--steps", "1", "--time-all"])
     assert rc == 1
     logged = capsys.readouterr().out
     assert "candidate int8_all failed: RuntimeError: planted: the kernel did not compile (not chosen" in logged, logged

@@ -171,3 +171,24 @@ def test_a_spark_shaped_run_hides_fa3_and_caps_shared_memory_at_the_sparks():
     script = (ROOT / "benchmarks" / "run_gpu.sh").read_text()
     assert "tests|dit|vae|generate|contract|e2e|int8|frontier|tiers|spark)" in script
     assert 'SPARK_PY="$(pwd)/tools/spark_shape' in script
+
+
+def test_the_spark_part_judges_structured_cases_within_ten_minutes():
+    """`run_gpu.sh spark`'s default cases are structured cases of the validation set (v17, the broad attention that
+    sets every sparse candidate's worst, among them), and its parts' hard limits (the tests, the frontier, one
+    generate per tier) add up to at most the 10 device-minutes it is meant for."""
+    import re
+
+    from h3direct.app.tiers import TIERS
+    from parity_tests.validation import structured
+
+    script = (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+    cases = re.search(r'SPARK_CASES="\$\{SPARK_CASES-([^}]*)\}"', script).group(1).split()
+    assert len(cases) >= 5 and len(set(cases)) == len(cases), cases
+    assert set(cases) <= {c.name for c in structured()}, cases
+    assert "v17_local_bf16_weak_s5724" in cases
+    limit = {k: int(v) for k, v in re.findall(r"\$\{(SPARK_\w+_TIMEOUT):-(\d+)\}", script)}
+    assert set(limit) == {"SPARK_TESTS_TIMEOUT", "SPARK_FRONTIER_TIMEOUT", "SPARK_GENERATE_TIMEOUT"}, limit
+    assert "for t in ${TIERS:-exact sage_class fastest}; do" in script and len(TIERS) == 3
+    total = limit["SPARK_TESTS_TIMEOUT"] + limit["SPARK_FRONTIER_TIMEOUT"] + len(TIERS) * limit["SPARK_GENERATE_TIMEOUT"]
+    assert total <= 600, total

@@ -7,7 +7,9 @@ its worst case × ComfyUI+sage's error (`error`). The margin (`margin`): choose 
 left out, the worst such gap over the cases; a candidate qualifies when its worst case × the margin is inside the
 bound. A sparse candidate (an attention backend that drops key blocks) qualifies only while its error is even over
 the cases it is chosen on (`spread`, within `tiers.SPARSE_SPREAD`). The exact tier takes the fastest exact
-candidate. A tier no candidate qualifies for is left out, with one line.
+candidate. A tier no candidate qualifies for is left out, with one line. A candidate whose quality qualifies it for
+no tier, over the cases or any fold of them, is never chosen whatever its speed (`not_worth_timing`: the frontier
+does not time it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,25 @@ def rows_of(frontier: dict) -> dict:
                       "status": c.get("status"), "exact": c["exact"], "sparse": sparse(c["options"]),
                       "options": c["options"], "quality": quality[name]}
     return rows
+
+
+def not_worth_timing(frontier: dict, tiers: dict) -> dict[str, str]:
+    """{candidate: why} of the candidates whose speed cannot change a choice, by their quality alone (a frontier's
+    `candidates` without speeds, its `quality` and `made.cases`; `tiers` {name: (rule, bound)}): every choice takes
+    the fastest candidate that qualifies, so one that is not exact and qualifies for no tier's bound over the cases,
+    nor over any fold's (`margin`'s held-out choices, at margin 1, the loosest a choice applies), is never taken."""
+    rows = rows_of({**frontier, "candidates": {n: {**c, "s_per_step": 0.0, "status": "ok"}
+                                               for n, c in frontier["candidates"].items()}})
+    cases = frontier["made"]["cases"]
+    seen = [cases, *([c for c in cases if c != held] for held in (cases if len(cases) > 1 else []))]
+    bounds = [bound for rule, bound in tiers.values() if rule != "exact"]
+    out = {}
+    for name, r in rows.items():
+        if r["exact"] or any(qualifies(r, b, s) for b in bounds for s in seen):
+            continue
+        why = f"worst x{error(r):.2f} ComfyUI+sage"
+        out[name] = why + (f", worst / median {spread(r):.2f}" if r["sparse"] else "")
+    return out
 
 
 def sparse(options: dict) -> bool:
@@ -95,13 +116,18 @@ def choose(rows: dict, bound: float | None, rule: str, cases: list[str] | None =
            margin: float = 1.0) -> str | None:
     """The fastest candidate whose worst error over `cases` × `margin` is within `bound`, a sparse one only while its
     spread over `cases` is within `SPARSE_SPREAD` (exact: the fastest exact candidate); None when none qualifies."""
-    from h3direct.app.tiers import SPARSE_SPREAD
-
     pool = eligible(rows, rule)
     if rule != "exact":
-        pool = {n: r for n, r in pool.items() if error(r, cases) * margin <= bound
-                and not (r["sparse"] and spread(r, cases) > SPARSE_SPREAD)}
+        pool = {n: r for n, r in pool.items() if qualifies(r, bound, cases, margin)}
     return min(pool, key=lambda n: pool[n]["s_per_step"], default=None)
+
+
+def qualifies(row: dict, bound: float, cases: list[str] | None = None, margin: float = 1.0) -> bool:
+    """Whether a candidate's worst error over `cases` × `margin` is within `bound`, and, a sparse one, its spread
+    over them within `SPARSE_SPREAD`."""
+    from h3direct.app.tiers import SPARSE_SPREAD
+
+    return error(row, cases) * margin <= bound and not (row["sparse"] and spread(row, cases) > SPARSE_SPREAD)
 
 
 def margin(rows: dict, bound: float, rule: str, cases: list[str]) -> tuple[float, list[dict]]:
