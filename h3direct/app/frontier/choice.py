@@ -48,7 +48,7 @@ def not_worth_timing(frontier: dict, tiers: dict) -> dict[str, str]:
     rows = rows_of({**frontier, "candidates": {n: {**c, "s_per_step": 0.0, "status": "ok"}
                                                for n, c in frontier["candidates"].items()}})
     cases = frontier["made"]["cases"]
-    seen = [cases, *([c for c in cases if c != held] for held in (cases if len(cases) > 1 else []))]
+    seen = [cases, *(others for _, others in folds(cases))]
     bounds = [bound for rule, bound in tiers.values() if rule != "exact"]
     out = {}
     for name, r in rows.items():
@@ -134,15 +134,19 @@ def margin(rows: dict, bound: float, rule: str, cases: list[str]) -> tuple[float
     """The worst gap between the case a choice never saw and those it was made on: for each case h, choose on the
     others, then the chosen candidate's error on h / its worst on the others (>= 1 when h was the worse); the margin
     is the largest such gap (1 with a single case: nothing to hold out). Returns (margin, the folds)."""
-    folds = []
-    for held in cases if len(cases) > 1 else []:
-        seen = [c for c in cases if c != held]
+    out = []
+    for held, seen in folds(cases):
         name = choose(rows, bound, rule, seen)
         on_held = error(rows[name], [held]) if name is not None else math.inf
         gap = on_held / error(rows[name], seen) if math.isfinite(on_held) else None
-        folds.append({"held_out": held, "chosen": name, "gap": gap})
-    gaps = [f["gap"] for f in folds if f["gap"] is not None]
-    return max([1.0, *gaps]), folds
+        out.append({"held_out": held, "chosen": name, "gap": gap})
+    gaps = [f["gap"] for f in out if f["gap"] is not None]
+    return max([1.0, *gaps]), out
+
+
+def folds(cases: list[str]) -> list[tuple[str, list[str]]]:
+    """The leave-one-out folds of `cases`: (the case held out, the others) for each, none for a single case."""
+    return [(held, [c for c in cases if c != held]) for held in (cases if len(cases) > 1 else [])]
 
 
 def pareto(rows: dict) -> list[str]:
