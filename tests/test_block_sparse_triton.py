@@ -9,17 +9,15 @@ kernel's checks (`*_catches_*`).
 
 from __future__ import annotations
 
-import inspect
 import math
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from h3direct.dit import block_sparse_triton as bs
-from h3direct.triton_build import FP_OPTIONS, SHARED_PER_BLOCK
 from parity_tests.budgets import load_budgets, unit_roundoff
+from tests.triton_targets import assert_fits_and_uses, compile_for
 
 needs_triton = pytest.mark.skipif(bs.triton is None, reason="needs Triton (the `test` extra installs it on x86_64 "
                                                             "Linux) to run the kernel in its CPU interpreter")
@@ -245,25 +243,15 @@ def test_kernel_refuses_inputs_it_is_not_built_for(monkeypatch):
 # ---- compiled for the GPUs, on the CPU --------------------------------------------------------------------------
 
 def _compile(cap: tuple[int, int], dtype: str, config: dict):
-    """The kernel at D = 128 through Triton's whole compiler for sm_<cap>, as a launch at the DiT's shapes
-    specializes it: pointers and strides 16-aligned, S, H, NQ, NK not."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The kernel at D = 128 for sm_<cap>, as a launch at the DiT's shapes specializes it: pointers and strides
+    16-aligned, S, H, NQ, NK not."""
     from h3direct.triton_build import build
 
-    params = list(inspect.signature(bs._block_sparse_kernel).parameters)
-    kinds = {"idx_ptr": "*i32", "cnt_ptr": "*i32", "keep_ptr": "*u8", "mass_ptr": "*fp32", "qk_scale": "fp32"}
     const = {"D": 128, "BLOCK": bs.BLOCK, "CHUNK": config["CHUNK"], "TAIL": True, "BF16_INT": False,
              "INTERPRET": False, "ROUND": build(bs._round_to), "MMA": build(bs._mma), "MAX": build(bs._row_max),
              "SUM": build(bs._row_sum)}
-    sig = {p: "constexpr" if p in const else kinds.get(p, f"*{dtype}" if p.endswith("_ptr") else "i32")
-           for p in params}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-               if p.endswith("_ptr") or re.fullmatch(r"s[qkvo]_[bhs]", p)}
-    options = {key: value for key, value in config.items() if key in ("num_warps", "num_stages")}
-    return bs.triton.compile(ASTSource(build(bs._block_sparse_kernel), sig, const, aligned),
-                             target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32), options={**options, **FP_OPTIONS})
+    kinds = {"idx_ptr": "*i32", "cnt_ptr": "*i32", "keep_ptr": "*u8", "mass_ptr": "*fp32", "qk_scale": "fp32"}
+    return compile_for(bs._block_sparse_kernel, cap, config, const, kinds, f"*{dtype}", r"s[qkvo]_[bhs]")
 
 
 @needs_triton
@@ -276,12 +264,7 @@ def test_compiles_on_the_tensor_cores_within_shared_memory(cap, dtype, tmp_path,
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = bs.LAUNCH.get(cap, bs.DEFAULT_LAUNCH)
     compiled = _compile(cap, dtype, config)  # a compile error fails (ptxas ships with Triton, as in test_kernel_targets)
-    ptx = compiled.asm["ptx"]
-    assert f".target sm_{cap[0]}{cap[1]}" in ptx
-    assert compiled.metadata.shared <= SHARED_PER_BLOCK[cap], \
-        f"{config}: {compiled.metadata.shared} bytes of shared memory > {SHARED_PER_BLOCK[cap]} a block on sm_{cap[0]}{cap[1]}"
-    assert re.search(MMA[cap].format(t={"bf16": "bf16", "fp16": "f16"}[dtype]), ptx), \
-        f"no {MMA[cap]} in the sm_{cap[0]}{cap[1]} PTX"
+    assert_fits_and_uses(compiled, cap, config, MMA[cap].format(t={"bf16": "bf16", "fp16": "f16"}[dtype]))
 
 
 # ---- on a GPU (`pytest -m gpu`) ---------------------------------------------------------------------------------

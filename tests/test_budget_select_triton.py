@@ -7,17 +7,14 @@ it chooses what the torch rule chooses on the same inputs. `*_catches_*`: the co
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import pytest
 import torch
 
 from h3direct.dit import budget_attention as BA
 from h3direct.dit import budget_select_triton as K
 from h3direct.dit.budget_options import BUDGET_BLOCK, BudgetOptions
-from h3direct.triton_build import FP_OPTIONS, SHARED_PER_BLOCK
 from tests.test_budget_attention import dense_block_masses, local_qk, uniform_subblocks
+from tests.triton_targets import assert_fits_and_uses, compile_for
 
 needs_triton = pytest.mark.skipif(K.triton is None, reason="needs Triton (the `test` extra installs it on x86_64 "
                                                            "Linux) to run the kernel in its CPU interpreter")
@@ -155,24 +152,15 @@ def test_the_kernel_refuses_inputs_it_is_not_built_for(monkeypatch):
 # ---- compiled for the GPUs, on the CPU --------------------------------------------------------------------------
 
 def _compile(cap: tuple[int, int], config: dict):
-    """The kernel at D = 128 through Triton's whole compiler for sm_<cap>, as a launch at the DiT's shapes specializes
-    it: pointers and the row strides 16-aligned, S, H, NQ, NK, NSUB, PB not."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The kernel at D = 128 for sm_<cap>, as a launch at the DiT's shapes specializes it: pointers and the row
+    strides 16-aligned, S, H, NQ, NK, NSUB, PB not."""
     from h3direct.dit.budget_attention import MASS_BUCKETS
     from h3direct.triton_build import build
 
-    params = list(inspect.signature(K._select_kernel).parameters)
-    kinds = {"q_ptr": "*bf16", "keep_ptr": "*u8", "qk_scale": "fp32", "budget": "fp32"}
     const = {"D": 128, "BLOCK": BUDGET_BLOCK, "SUBS": K.SUBS, "CHUNK": config["CHUNK"], "NB": MASS_BUCKETS,
              "INTERPRET": False, "DOT": build(K._dot), "RED": build(K._reduce), "SCAN": build(K._suffix_sum)}
-    sig = {p: "constexpr" if p in const else kinds.get(p, "*fp32" if p.endswith("_ptr") else "i32") for p in params}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-               if p.endswith("_ptr") or re.fullmatch(r"sq_[bhs]", p)}
-    options = {key: value for key, value in config.items() if key in ("num_warps", "num_stages")}
-    return K.triton.compile(ASTSource(build(K._select_kernel), sig, const, aligned),
-                            target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32), options={**options, **FP_OPTIONS})
+    kinds = {"q_ptr": "*bf16", "keep_ptr": "*u8", "qk_scale": "fp32", "budget": "fp32"}
+    return compile_for(K._select_kernel, cap, config, const, kinds, "*fp32", r"sq_[bhs]")
 
 
 @needs_triton
@@ -184,11 +172,7 @@ def test_compiles_on_the_tensor_cores_within_shared_memory(cap, tmp_path, monkey
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     config = K.LAUNCH.get(cap, K.DEFAULT_LAUNCH)
     compiled = _compile(cap, config)  # a compile error fails
-    ptx = compiled.asm["ptx"]
-    assert f".target sm_{cap[0]}{cap[1]}" in ptx
-    assert compiled.metadata.shared <= SHARED_PER_BLOCK[cap], \
-        f"{config}: {compiled.metadata.shared} bytes of shared memory > {SHARED_PER_BLOCK[cap]} a block"
-    assert re.search(MMA[cap], ptx), f"no {MMA[cap]} in the sm_{cap[0]}{cap[1]} PTX"
+    assert_fits_and_uses(compiled, cap, config, MMA[cap])
 
 
 # ---- on a GPU (`pytest -m gpu`) ---------------------------------------------------------------------------------
